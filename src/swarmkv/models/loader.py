@@ -1,0 +1,114 @@
+"""Open a checkpoint (Hugging Face directory or GGUF file) into a config, a model and a tokenizer."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from swarmkv.config import ModelConfig, resolve_dtype
+from swarmkv.errors import ModelLoadError
+from swarmkv.models.default import default_model_path
+from swarmkv.models.gguf_file import GGUFFile, open_gguf
+from swarmkv.models.gguf_weights import gguf_tensors
+from swarmkv.models.registry import build_model
+from swarmkv.models.weights import load_weights, named_tensors_to
+from swarmkv.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to run: its normalised config, weights on a device, and tokenizer."""
+
+    path: Path
+    name: str
+    config: ModelConfig
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_model_path(path: str | Path | None) -> Path:
+    """The checkpoint to load: `path` when given (must exist), else the embedded default model."""
+    if path is None:
+        return default_model_path()
+    resolved = Path(path).expanduser()
+    if not resolved.exists():
+        raise ModelLoadError(f"model path does not exist: {resolved}")
+    return resolved
+
+
+def load_model(
+    path: str | Path | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu"
+) -> LoadedModel:
+    """Load a Hugging Face directory or a GGUF file (the default model when `path` is None)."""
+    resolved = resolve_model_path(path)
+    device = torch.device(device)
+    compute_dtype = resolve_dtype(dtype, device)
+    if resolved.is_dir():
+        ggufs = sorted(resolved.glob("*.gguf"))
+        if not (resolved / "config.json").is_file() and ggufs:
+            resolved = ggufs[0]
+    if resolved.is_file():
+        return _load_gguf(open_gguf(resolved), compute_dtype, device)
+    return _load_hf_dir(resolved, compute_dtype, device)
+
+
+def _instantiate(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    # Built on the meta device so no time is spent on random initialisation that the weights overwrite.
+    with torch.device("meta"):
+        model = build_model(config)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary.build(device)
+    return model
+
+
+def _load_gguf(file: GGUFFile, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    names = {t.name for t in file.reader.tensors}
+    config = ModelConfig.from_gguf_metadata(file.metadata, num_output_tensors=int("output.weight" in names))
+    model = _instantiate(config, dtype, device)
+    load_weights(model, config, named_tensors_to(gguf_tensors(file, config), dtype))
+    model.tie_weights()
+    tokenizer = Tokenizer.from_gguf_metadata(file.metadata)
+    name = str(file.metadata.get("general.name") or file.path.stem)
+    return LoadedModel(file.path, name, config, model.eval(), tokenizer, dtype, device)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({path / f for f in weight_map.values()})
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ModelLoadError(f"{index.name} names shards that are missing: {', '.join(absent)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no weights in {path}: expected *.safetensors files or a .gguf file")
+    return files
+
+
+def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    yield name, handle.get_tensor(name)
+        except SafetensorError as exc:
+            raise ModelLoadError(f"cannot read {file}: {exc}") from exc
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    config = ModelConfig.from_hf_dir(path)
+    files = _safetensors_files(path)
+    model = _instantiate(config, dtype, device)
+    load_weights(model, config, named_tensors_to(_safetensors_tensors(files), dtype))
+    model.tie_weights()
+    tokenizer = Tokenizer.from_hf_dir(path)
+    return LoadedModel(path, path.name, config, model.eval(), tokenizer, dtype, device)

@@ -1,0 +1,21 @@
+"""Architecture name -> model class; the one place a new family is registered."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from swarmkv.config import Architecture, ModelConfig
+from swarmkv.models.decoder import DecoderForCausalLM
+
+MODEL_CLASSES: dict[Architecture, type[nn.Module]] = {
+    "llama": DecoderForCausalLM,
+    "qwen2": DecoderForCausalLM,
+    "qwen3": DecoderForCausalLM,
+}
+
+
+def build_model(config: ModelConfig) -> DecoderForCausalLM:
+    """Instantiate the model class registered for `config.architecture`."""
+    model = MODEL_CLASSES[config.architecture](config)
+    assert isinstance(model, DecoderForCausalLM)
+    return model

@@ -1,0 +1,109 @@
+"""Checkpoint tensors -> model parameters: one name mapping, every parameter filled exactly once."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from swarmkv.config import ModelConfig
+from swarmkv.errors import ModelLoadError
+
+# Hugging Face names (minus the "model." prefix) that land in a slice of one of our fused parameters.
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# Present in some checkpoints but derived, not learned: safe to skip.
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq)$")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes: a parameter name and, for fused ones, which shard."""
+
+    param: str
+    shard: int | None = None
+
+
+def hf_target(name: str, config: ModelConfig) -> Target | None:
+    """Map a Hugging Face tensor name to our parameter; None for tensors that are skipped on purpose."""
+    if _IGNORED.search(name):
+        return None
+    if name == "model.embed_tokens.weight":
+        return Target("embed_tokens.weight")
+    if name == "model.norm.weight":
+        return Target("norm.weight")
+    if name == "lm_head.weight":
+        # A tied checkpoint may still carry a copy of the embedding; the tie makes it redundant.
+        return None if config.tie_word_embeddings else Target("lm_head.weight")
+    match = _LAYER.match(name)
+    if match is None:
+        raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
+    layer, module, kind = match.groups()
+    if module in _FUSED:
+        fused, shard = _FUSED[module]
+        return Target(f"layers.{layer}.{fused}.{kind}", shard)
+    return Target(f"layers.{layer}.{module}.{kind}")
+
+
+def _shard_sizes(param: str, config: ModelConfig) -> list[int]:
+    if "qkv_proj" in param:
+        kv = config.num_kv_heads * config.head_dim
+        return [config.num_heads * config.head_dim, kv, kv]
+    return [config.intermediate_size, config.intermediate_size]
+
+
+def load_weights(model: nn.Module, config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy named HF-layout tensors into `model`; fail on any missing, unexpected, duplicate or mis-shaped one."""
+    params = dict(model.named_parameters(remove_duplicate=True))
+    if config.tie_word_embeddings:
+        params.pop("lm_head.weight", None)
+    filled: dict[tuple[str, int | None], str] = {}
+    for name, tensor in tensors:
+        target = hf_target(name, config)
+        if target is None:
+            continue
+        if target.param not in params:
+            raise ModelLoadError(f"unexpected tensor {name!r}: the model has no parameter {target.param!r}")
+        key = (target.param, target.shard)
+        if key in filled:
+            raise ModelLoadError(
+                f"tensor {name!r} fills {target.param!r} a second time (first: {filled[key]!r})"
+            )
+        dest = params[target.param].data
+        if target.shard is not None:
+            sizes = _shard_sizes(target.param, config)
+            dest = dest.narrow(0, sum(sizes[: target.shard]), sizes[target.shard])
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise ModelLoadError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)} for {target.param!r}"
+            )
+        dest.copy_(tensor)
+        filled[key] = name
+    missing = [p for p in params if not _is_filled(p, filled, config)]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"checkpoint lacks tensors for {len(missing)} parameters: {shown}")
+
+
+def _is_filled(param: str, filled: dict[tuple[str, int | None], str], config: ModelConfig) -> bool:
+    if (param, None) in filled:
+        return True
+    shards = len(_shard_sizes(param, config)) if ("qkv_proj" in param or "gate_up_proj" in param) else 0
+    return shards > 0 and all((param, s) in filled for s in range(shards))
+
+
+def named_tensors_to(
+    tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Cast a stream of named tensors to the compute dtype."""
+    for name, tensor in tensors:
+        yield name, tensor.to(dtype)
