@@ -1,0 +1,1 @@
+"""The engine: sequences, scheduling, model running and the offline LLM API."""

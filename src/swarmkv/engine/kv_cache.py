@@ -1,0 +1,38 @@
+"""The KV tensors behind the page pool: one K and one V slab per layer, addressed by slot = page * block + offset."""
+
+from __future__ import annotations
+
+import torch
+
+from swarmkv.config import ModelConfig
+
+
+class KVCache:
+    """Preallocated K/V storage for every page of the pool."""
+
+    def __init__(
+        self, config: ModelConfig, num_pages: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        shape = (config.num_layers, num_pages * block_size, config.num_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens' K and V [T, Hkv, D] at their slots [T]."""
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at the given slots (any shape S) -> [*S, Hkv, D]."""
+        flat = slots.reshape(-1)
+        k = self.k[layer].index_select(0, flat)
+        v = self.v[layer].index_select(0, flat)
+        return k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:])
+
+
+def page_slots(page_table: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
+    """Slot ids of token positions [0, num_tokens) under a page table, as a CPU int64 tensor."""
+    pages = torch.tensor(page_table, dtype=torch.int64)
+    offsets = torch.arange(block_size, dtype=torch.int64)
+    return (pages[:, None] * block_size + offsets).reshape(-1)[:num_tokens]

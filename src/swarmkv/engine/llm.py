@@ -1,0 +1,146 @@
+"""LLM: the offline API. Load a model once, then generate for many prompts at once."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from swarmkv.engine.engine import EngineConfig, LLMEngine
+from swarmkv.engine.sampling_params import SamplingParams
+from swarmkv.engine.sequence import FinishReason
+from swarmkv.errors import InvalidRequestError, SwarmkvError
+from swarmkv.models.loader import LoadedModel, load_model
+from swarmkv.units import parse_size
+
+Message = dict[str, Any]
+Prompt = str | list[int] | list[Message]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One prompt's finished result; `error` is set (and nothing generated) if the request was refused."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    num_cached_tokens: int
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens in the prompt after templating."""
+        return len(self.prompt_token_ids)
+
+
+class LLM:
+    """An engine over one model: `generate()` runs prompts to completion with continuous batching."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        kv_cache_memory: str | int = "1GiB",
+        block_size: int = 16,
+        prefix_caching: bool = True,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+        loaded: LoadedModel | None = None,
+    ) -> None:
+        if block_size <= 0 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
+        self.loaded = loaded or load_model(model, dtype=dtype, device=device)
+        self.tokenizer = self.loaded.tokenizer
+        config = EngineConfig(
+            kv_cache_memory=parse_size(kv_cache_memory),
+            block_size=block_size,
+            prefix_caching=prefix_caching,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            seed=seed,
+        )
+        self.engine = LLMEngine(self.loaded, config)
+        self._ids = itertools.count()
+
+    def encode_prompt(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a prompt: raw text, chat messages (templated) or ids as given."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            text = self.tokenizer.apply_chat_template(list(prompt), tools=tools)  # type: ignore[arg-type]
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)  # type: ignore[arg-type]
+        raise InvalidRequestError("a prompt is a string, a list of chat messages or a list of token ids")
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | Sequence[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        batch = _as_batch(prompts)
+        params = _per_prompt(sampling_params or SamplingParams(), len(batch), SamplingParams)
+        salts = _per_prompt(cache_salt, len(batch), str)
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        prompt_ids: dict[str, list[int]] = {}
+        for prompt, p, salt in zip(batch, params, salts, strict=True):
+            rid = f"gen-{next(self._ids)}"
+            order.append(rid)
+            try:
+                prompt_ids[rid] = self.encode_prompt(prompt)
+                self.engine.add_request(rid, prompt_ids[rid], p, cache_salt=salt)
+            except SwarmkvError as exc:
+                results[rid] = RequestOutput(rid, prompt_ids.get(rid, []), [], "", None, 0, error=str(exc))
+        texts: dict[str, list[str]] = {rid: [] for rid in order}
+        live = {rid: self.engine.get_sequence(rid) for rid in order if rid not in results}
+        while self.engine.has_unfinished():
+            for delta in self.engine.step():
+                texts[delta.request_id].append(delta.new_text)
+                if delta.finished:
+                    seq = live[delta.request_id]
+                    assert seq is not None
+                    results[delta.request_id] = RequestOutput(
+                        delta.request_id,
+                        seq.prompt_token_ids,
+                        list(seq.output_token_ids),
+                        "".join(texts[delta.request_id]),
+                        delta.finish_reason,
+                        seq.num_cached_tokens,
+                    )
+        return [results[rid] for rid in order]
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's KV and work counters."""
+        return self.engine.stats()
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(x, dict) for x in items):
+        return [items]  # one chat
+    if items and all(isinstance(x, int) for x in items):
+        return [items]  # one token-id prompt
+    return items  # type: ignore[return-value]
+
+
+def _per_prompt(value: Any, n: int, kind: type) -> list[Any]:
+    if value is None or isinstance(value, kind):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise InvalidRequestError(f"got {len(values)} per-prompt values for {n} prompts")
+    return values

@@ -1,0 +1,53 @@
+"""SamplingParams: how one request picks its tokens and when it stops, validated once at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from swarmkv.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings; temperature 0 means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, int | float) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k <= 0):
+            raise InvalidRequestError(f"top_k must be a positive integer or None, got {self.top_k!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether tokens are chosen by argmax."""
+        return self.temperature == 0
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> SamplingParams:
+        """Build from a plain dict, refusing unknown fields with an InvalidRequestError."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown sampling field(s): {', '.join(unknown)}")
+        return cls(**fields)

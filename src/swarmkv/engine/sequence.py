@@ -1,0 +1,61 @@
+"""Sequence: one request's tokens, page table and progress counters; nothing else keeps a copy."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Literal
+
+from swarmkv.engine.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Status(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request in flight. Its KV lives in `page_table`; `num_computed_tokens` of its tokens are in it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    arrival: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    page_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_preemptions: int = 0
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt followed by generated tokens."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV is not in the page table yet (1 while decoding)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether the sequence has stopped for good."""
+        return self.status is Status.FINISHED
+
+    def pages_needed(self, num_tokens: int, block_size: int) -> int:
+        """Pages to add so that `num_tokens` tokens fit in the page table."""
+        return max(0, -(-num_tokens // block_size) - len(self.page_table))

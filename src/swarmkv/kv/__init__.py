@@ -1,0 +1,8 @@
+"""Paged KV bookkeeping: the page pool and the prefix caches that share pages between sequences."""
+
+from swarmkv.kv.no_sharing import NoSharingCache
+from swarmkv.kv.page_pool import PagePool
+from swarmkv.kv.prefix_cache import PrefixCache
+from swarmkv.kv.radix_cache import RadixCache
+
+__all__ = ["NoSharingCache", "PagePool", "PrefixCache", "RadixCache"]

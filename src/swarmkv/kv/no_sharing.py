@@ -1,0 +1,34 @@
+"""The naive layout: every sequence owns private pages and nothing outlives it (a per-slot engine)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from swarmkv.kv.prefix_cache import PrefixCache, Salt
+
+
+class NoSharingCache(PrefixCache):
+    """A prefix cache that never matches and never keeps a page once its sequence lets go."""
+
+    def match(self, tokens: Sequence[int], salt: Salt) -> list[int]:
+        """Nothing is ever shared."""
+        return []
+
+    def insert(self, tokens: Sequence[int], pages: list[int], salt: Salt) -> list[int]:
+        """Pages stay private to their sequence."""
+        return pages
+
+    def num_evictable(self) -> int:
+        """Nothing is cached, so nothing can be evicted."""
+        return 0
+
+    def evict(self, num_pages: int) -> int:
+        """Nothing is cached, so nothing is evicted."""
+        return 0
+
+    def is_cached(self, page: int) -> bool:
+        """No page is ever indexed."""
+        return False
+
+    def _check_index(self) -> None:
+        assert self.num_cached == 0, "the no-sharing cache keeps no pages"

@@ -1,0 +1,65 @@
+"""A fixed pool of KV pages with a refcount each: how many live sequences hold the page."""
+
+from __future__ import annotations
+
+
+class PagePool:
+    """Hands out page ids; knows nothing about tokens, tensors or which pages are cached."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages <= 0:
+            raise ValueError(f"a page pool needs at least one page, got {num_pages}")
+        self.num_pages = num_pages
+        self.refcounts = [0] * num_pages
+        # A stack: recently freed pages are reused first, which keeps the touched set small.
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._is_free = [True] * num_pages
+        self.num_held = 0
+
+    @property
+    def num_free(self) -> int:
+        """Pages that hold nothing at all."""
+        return len(self._free)
+
+    def can_allocate(self, num_pages: int) -> bool:
+        """Whether `allocate(num_pages)` would succeed without eviction."""
+        return num_pages <= len(self._free)
+
+    def allocate(self, num_pages: int) -> list[int]:
+        """Take `num_pages` free pages, each held once by the caller."""
+        assert self.can_allocate(num_pages), "allocate() without can_allocate()"
+        pages = [self._free.pop() for _ in range(num_pages)]
+        for page in pages:
+            self._is_free[page] = False
+            self.refcounts[page] = 1
+        self.num_held += num_pages
+        return pages
+
+    def retain(self, pages: list[int]) -> None:
+        """Add one holder to each page (a sequence taking a cached or shared page)."""
+        for page in pages:
+            assert not self._is_free[page], f"retain of free page {page}"
+            self.num_held += self.refcounts[page] == 0
+            self.refcounts[page] += 1
+
+    def release(self, pages: list[int]) -> list[int]:
+        """Drop one holder from each page; return the pages no sequence holds any more."""
+        unheld = []
+        for page in pages:
+            assert self.refcounts[page] > 0, f"release of unheld page {page}"
+            self.refcounts[page] -= 1
+            if self.refcounts[page] == 0:
+                unheld.append(page)
+        self.num_held -= len(unheld)
+        return unheld
+
+    def free(self, pages: list[int]) -> None:
+        """Return unheld pages to the free list."""
+        for page in pages:
+            assert self.refcounts[page] == 0 and not self._is_free[page], f"bad free of page {page}"
+            self._is_free[page] = True
+            self._free.append(page)
+
+    def is_free(self, page: int) -> bool:
+        """Whether the page is on the free list."""
+        return self._is_free[page]
