@@ -16,7 +16,6 @@ from swarmkv.engine.sequence import FinishReason, Sequence
 from swarmkv.engine.stats import EngineCounters
 from swarmkv.errors import CapacityError, InvalidRequestError
 from swarmkv.kv import NoSharingCache, PagePool, PrefixCache, RadixCache
-from swarmkv.models.decoder import DecoderForCausalLM
 from swarmkv.models.loader import LoadedModel
 from swarmkv.tokenizer import IncrementalDetokenizer
 
@@ -60,7 +59,6 @@ class LLMEngine:
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         model = loaded.model
-        assert isinstance(model, DecoderForCausalLM)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.config = config
@@ -77,7 +75,9 @@ class LLMEngine:
         self.page_bytes = page_bytes
         pool = PagePool(num_pages)
         self.cache: PrefixCache = (
-            RadixCache(pool, config.block_size) if config.prefix_caching else NoSharingCache(pool, config.block_size)
+            RadixCache(pool, config.block_size)
+            if config.prefix_caching
+            else NoSharingCache(pool, config.block_size)
         )
         self.counters = EngineCounters()
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
@@ -119,7 +119,9 @@ class LLMEngine:
             )
         pool_tokens = self.cache.pool.num_pages * self.config.block_size
         if len(ids) >= pool_tokens:
-            raise InvalidRequestError(f"the prompt has {len(ids)} tokens; the whole KV pool holds {pool_tokens}")
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; the whole KV pool holds {pool_tokens}"
+            )
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running."""

@@ -129,12 +129,10 @@ class LLM:
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    items = list(prompts)
-    if items and all(isinstance(x, dict) for x in items):
-        return [items]  # one chat
-    if items and all(isinstance(x, int) for x in items):
-        return [items]  # one token-id prompt
-    return items  # type: ignore[return-value]
+    items: list[Any] = list(prompts)
+    if items and all(isinstance(x, dict | int) for x in items):
+        return [items]  # one chat or one token-id prompt
+    return items
 
 
 def _per_prompt(value: Any, n: int, kind: type) -> list[Any]:

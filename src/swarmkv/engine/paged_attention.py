@@ -17,7 +17,7 @@ class PrefillSpan:
     q_start: int
     q_len: int
     key_slots: torch.Tensor | None  # [ctx] slots of the whole context; None when nothing precedes the chunk
-    mask: torch.Tensor | None  # [q_len, ctx] True where a query may attend
+    bias: torch.Tensor | None  # [q_len, ctx] additive mask: 0 where a query may attend, -inf elsewhere
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class DecodeGroup:
 
     q_start: int
     key_slots: torch.Tensor  # [B, max_ctx], padded
-    mask: torch.Tensor  # [B, 1, 1, max_ctx] True on real keys
+    bias: torch.Tensor  # [B, 1, 1, max_ctx] additive mask: 0 on real keys, -inf on padding
 
 
 @dataclass(frozen=True)
@@ -51,16 +51,21 @@ class PagedAttention:
         out = torch.empty_like(q)
         for span in self.layout.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
-            query = q[rows].transpose(0, 1)
+            # 4-D [1, heads, tokens, dim] inputs: CPU SDPA takes its fast flash path only for those.
+            query = q[rows].transpose(0, 1)[None]
             if span.key_slots is None:
-                keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+                keys, values = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
                 attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
             else:
                 keys, values = self.cache.gather(layer, span.key_slots)
                 attn = F.scaled_dot_product_attention(
-                    query, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=span.mask, enable_gqa=True
+                    query,
+                    keys.transpose(0, 1)[None],
+                    values.transpose(0, 1)[None],
+                    attn_mask=span.bias,
+                    enable_gqa=True,
                 )
-            out[rows] = attn.transpose(0, 1)
+            out[rows] = attn[0].transpose(0, 1)
         group = self.layout.decode
         if group is not None:
             rows = slice(group.q_start, group.q_start + group.key_slots.shape[0])
@@ -69,7 +74,7 @@ class PagedAttention:
                 q[rows].unsqueeze(2),  # [B, Hq, 1, D]
                 keys.transpose(1, 2),
                 values.transpose(1, 2),
-                attn_mask=group.mask,
+                attn_mask=group.bias,
                 enable_gqa=True,
             )
             out[rows] = attn.squeeze(2)

@@ -18,6 +18,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
+        self.dtype = kv_cache.k.dtype
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> tuple[list[Chunk], torch.Tensor]:
@@ -31,7 +32,7 @@ class ModelRunner:
             row += chunk.num_tokens
             if chunk.samples:
                 ends.append(row - 1)
-        logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)])
+        logits = self.model.compute_logits(hidden[torch.tensor(ends, dtype=torch.int64, device=self.device)])
         return sampling, logits
 
     def _layout(self, ordered: list[Chunk]) -> tuple[StepLayout, torch.Tensor, torch.Tensor]:
@@ -53,15 +54,20 @@ class ModelRunner:
             elif start == 0:
                 prefills.append(PrefillSpan(row, chunk.num_tokens, None, None))
             else:
-                mask = torch.arange(end)[None, :] <= pos[:, None]
-                prefills.append(PrefillSpan(row, chunk.num_tokens, slots.to(dev), mask.to(dev)))
+                bias = _bias(torch.arange(end)[None, :] <= pos[:, None], self.dtype)
+                prefills.append(PrefillSpan(row, chunk.num_tokens, slots.to(dev), bias.to(dev)))
             row += chunk.num_tokens
         decode = None
         if decode_slots:
             lengths = torch.tensor([len(s) for s in decode_slots])
             padded = torch.nn.utils.rnn.pad_sequence(decode_slots, batch_first=True)
-            mask = torch.arange(padded.shape[1])[None, :] < lengths[:, None]
-            decode = DecodeGroup(row - len(decode_slots), padded.to(dev), mask[:, None, None, :].to(dev))
+            bias = _bias(torch.arange(padded.shape[1])[None, :] < lengths[:, None], self.dtype)
+            decode = DecodeGroup(row - len(decode_slots), padded.to(dev), bias[:, None, None, :].to(dev))
         layout = StepLayout(torch.cat(slot_mapping).to(dev), tuple(prefills), decode)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         return layout, input_ids, torch.cat(positions).to(dev)
+
+
+def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An additive attention mask (CPU SDPA is several times faster with these than with boolean masks)."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))

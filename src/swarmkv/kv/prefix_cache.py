@@ -73,7 +73,9 @@ class PrefixCache(ABC):
         for page in range(pool.num_pages):
             refs = pool.refcounts[page]
             assert refs >= 0, f"page {page} has negative refcount {refs}"
-            assert refs == holders.get(page, 0), f"page {page}: refcount {refs} but {holders.get(page, 0)} holders"
+            assert refs == holders.get(page, 0), (
+                f"page {page}: refcount {refs} but {holders.get(page, 0)} holders"
+            )
             if pool.is_free(page):
                 assert refs == 0 and not self.is_cached(page), f"free page {page} is held or cached"
             else:

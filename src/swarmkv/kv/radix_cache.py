@@ -124,7 +124,9 @@ class RadixCache(PrefixCache):
                 assert self._node_of_page.get(child.page) is child, f"page {child.page} map is stale"
                 assert not self.pool.is_free(child.page), f"cached page {child.page} is on the free list"
                 if node.page is not None and self.pool.refcounts[child.page] > 0:
-                    assert self.pool.refcounts[node.page] > 0, f"held page {child.page} under an unheld parent"
+                    assert self.pool.refcounts[node.page] > 0, (
+                        f"held page {child.page} under an unheld parent"
+                    )
                 seen.add(child.page)
                 stack.append(child)
         assert seen == set(self._node_of_page), "nodes unreachable from any root"

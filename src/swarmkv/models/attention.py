@@ -21,7 +21,12 @@ class CausalSelfAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of the sequence's tokens over each other."""
+        # 4-D [1, heads, tokens, dim] inputs: CPU SDPA takes its fast flash path only for those.
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            is_causal=True,
+            enable_gqa=True,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)

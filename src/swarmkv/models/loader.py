@@ -12,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 
 from swarmkv.config import ModelConfig, resolve_dtype
 from swarmkv.errors import ModelLoadError
+from swarmkv.models.decoder import DecoderForCausalLM
 from swarmkv.models.default import default_model_path
 from swarmkv.models.gguf_file import GGUFFile, open_gguf
 from swarmkv.models.gguf_weights import gguf_tensors
@@ -27,7 +28,7 @@ class LoadedModel:
     path: Path
     name: str
     config: ModelConfig
-    model: torch.nn.Module
+    model: DecoderForCausalLM
     tokenizer: Tokenizer
     dtype: torch.dtype
     device: torch.device
@@ -50,20 +51,23 @@ def load_model(
     resolved = resolve_model_path(path)
     device = torch.device(device)
     compute_dtype = resolve_dtype(dtype, device)
-    if resolved.is_dir():
+    if resolved.is_dir() and not (resolved / "config.json").is_file():
         ggufs = sorted(resolved.glob("*.gguf"))
-        if not (resolved / "config.json").is_file() and ggufs:
-            resolved = ggufs[0]
+        if not ggufs:
+            raise ModelLoadError(
+                f"no model in {resolved}: expected config.json with *.safetensors weights, or a .gguf file"
+            )
+        resolved = ggufs[0]
     if resolved.is_file():
         return _load_gguf(open_gguf(resolved), compute_dtype, device)
     return _load_hf_dir(resolved, compute_dtype, device)
 
 
-def _instantiate(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def _instantiate(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
     # Built on the meta device so no time is spent on random initialisation that the weights overwrite.
     with torch.device("meta"):
         model = build_model(config)
-    model = model.to_empty(device=device).to(dtype)
+    model.to_empty(device=device).to(dtype)
     model.rotary.build(device)
     return model
 

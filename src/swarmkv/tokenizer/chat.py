@@ -175,9 +175,8 @@ def _tool_call_text(call: Mapping[str, Any]) -> str:
     function = call.get("function", call)
     arguments = function.get("arguments", {})
     arguments_json = arguments if isinstance(arguments, str) else tojson(arguments)
-    return (
-        f'<tool_call>\n{{"name": "{function.get("name", "")}", "arguments": {arguments_json}}}\n</tool_call>'
-    )
+    name_json = tojson(function.get("name", ""))
+    return f'<tool_call>\n{{"name": {name_json}, "arguments": {arguments_json}}}\n</tool_call>'
 
 
 def _fold_tool_calls(message: dict[str, Any]) -> dict[str, Any]:

@@ -52,8 +52,7 @@ class Tokenizer:
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
-        """Load `tokenizer.json` and `tokenizer_config.json` (plus `chat_template.jinja` and
-        `generation_config.json` when present) from a Hugging Face model folder."""
+        """Load a HF model folder's tokenizer.json, tokenizer_config.json and, if present, chat_template.jinja."""
         folder = Path(path)
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
