@@ -13,8 +13,10 @@ Register = Callable[[argparse._SubParsersAction], None]
 
 def _registrars() -> list[Register]:
     from swarmkv.generate_cli import register as generate
+    from swarmkv.plan.cli import register as plan
+    from swarmkv.swarm.cli import register as swarm
 
-    return [generate]
+    return [generate, swarm, plan]
 
 
 def build_parser() -> argparse.ArgumentParser:

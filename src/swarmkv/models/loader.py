@@ -67,7 +67,8 @@ def _instantiate(config: ModelConfig, dtype: torch.dtype, device: torch.device) 
     # Built on the meta device so no time is spent on random initialisation that the weights overwrite.
     with torch.device("meta"):
         model = build_model(config)
-    model.to_empty(device=device).to(dtype)
+    # Cast while still on meta: casting allocated-but-uninitialised memory costs seconds for bfloat16.
+    model.to(dtype).to_empty(device=device)
     model.rotary.build(device)
     return model
 

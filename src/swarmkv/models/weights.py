@@ -21,6 +21,7 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_PARAM_IN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 # Present in some checkpoints but derived, not learned: safe to skip.
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq)$")
 
@@ -88,17 +89,26 @@ def load_weights(model: nn.Module, config: ModelConfig, tensors: Iterable[tuple[
             )
         dest.copy_(tensor)
         filled[key] = name
-    missing = [p for p in params if not _is_filled(p, filled, config)]
+    missing = [name for p in params for name in _missing_checkpoint_names(p, filled)]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ModelLoadError(f"checkpoint lacks tensors for {len(missing)} parameters: {shown}")
+        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
 
 
-def _is_filled(param: str, filled: dict[tuple[str, int | None], str], config: ModelConfig) -> bool:
+def _missing_checkpoint_names(param: str, filled: dict[tuple[str, int | None], str]) -> list[str]:
+    """Checkpoint names that should have filled `param` (or its unfilled shards); empty when it is filled."""
     if (param, None) in filled:
-        return True
-    shards = len(_shard_sizes(param, config)) if ("qkv_proj" in param or "gate_up_proj" in param) else 0
-    return shards > 0 and all((param, s) in filled for s in range(shards))
+        return []
+    if param == "lm_head.weight":
+        return [param]
+    match = _PARAM_IN_LAYER.match(param)
+    if match is None:
+        return [f"model.{param}"]
+    layer, module, kind = match.groups()
+    shards = {shard: hf for hf, (fused, shard) in _FUSED.items() if fused == module}
+    if not shards:
+        return [f"model.{param}"]
+    return [f"model.layers.{layer}.{shards[s]}.{kind}" for s in sorted(shards) if (param, s) not in filled]
 
 
 def named_tensors_to(

@@ -1,0 +1,154 @@
+"""`plan --measure`: push N agents through the engine's own page pool and prefix caches, count the pages."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from swarmkv.kv import NoSharingCache, PagePool, PrefixCache, RadixCache
+from swarmkv.plan.shape import KV_DTYPES, KVShape
+from swarmkv.plan.table import PrefixRow, pages_for
+
+
+@dataclass(frozen=True)
+class MeasuredRow:
+    """Pages the real allocator used for one prefix length, beside the formula's exact bytes.
+
+    Tolerance: the formula is exact in tokens, the pool hands out whole pages. Each agent's page
+    table rounds its prefix up to at most one partly filled page, and the radix cache shares only
+    full pages, so every measured figure is within `num_agents` pages of the formula (strictly less).
+    """
+
+    prefix_tokens: int
+    num_agents: int
+    block_size: int
+    tail_tokens: int
+    page_bytes: int
+    pages_per_copy: int  # pages covering agent 0's prefix
+    pages_all_copies: int  # distinct pages covering the prefix, summed over agents, without sharing
+    pages_shared: int  # distinct pages covering the prefix across all agents, with the radix cache
+    pages_naive_total: int  # every page in use without sharing (prefixes and tails)
+    pages_shared_total: int  # every page in use with the radix cache
+
+    @property
+    def pages_reclaimed(self) -> int:
+        """Pages the radix cache saves over the no-sharing cache."""
+        return self.pages_naive_total - self.pages_shared_total
+
+    @property
+    def tolerance_bytes(self) -> int:
+        """How far a measured figure may sit from the formula: one page per agent."""
+        return self.num_agents * self.page_bytes
+
+    def columns(self) -> dict[str, int]:
+        """Measured bytes, keyed like the formula's PrefixRow fields."""
+        return {
+            "kv_bytes_per_copy": self.pages_per_copy * self.page_bytes,
+            "kv_bytes_all_copies": self.pages_all_copies * self.page_bytes,
+            "kv_bytes_shared": self.pages_shared * self.page_bytes,
+            "kv_bytes_reclaimed": self.pages_reclaimed * self.page_bytes,
+        }
+
+    def disagreements(self, formula: PrefixRow) -> list[str]:
+        """Columns where measurement and formula differ by the tolerance or more (empty when they agree)."""
+        expected = formula.to_json()
+        return [
+            f"{name}: measured {value:,} B, formula {expected[name]:,} B"
+            for name, value in self.columns().items()
+            if abs(value - expected[name]) >= self.tolerance_bytes
+        ]
+
+    def to_json(self) -> dict[str, Any]:
+        """The measurement as the `--json` output writes it."""
+        pages = {
+            "pages_per_copy": self.pages_per_copy,
+            "pages_all_copies": self.pages_all_copies,
+            "pages_shared": self.pages_shared,
+            "pages_reclaimed": self.pages_reclaimed,
+            "pages_naive_total": self.pages_naive_total,
+            "pages_shared_total": self.pages_shared_total,
+        }
+        return {
+            **self.columns(),
+            **pages,
+            "page_bytes": self.page_bytes,
+            "tolerance_bytes": self.tolerance_bytes,
+        }
+
+
+def agent_sequences(num_agents: int, prefix_tokens: int, tail_tokens: int) -> list[list[int]]:
+    """Deterministic token ids: one prefix for all, then a tail no other agent shares."""
+    prefix = list(range(prefix_tokens))
+    return [
+        prefix + list(range(prefix_tokens + a * tail_tokens, prefix_tokens + (a + 1) * tail_tokens))
+        for a in range(num_agents)
+    ]
+
+
+def admit(cache: PrefixCache, sequences: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Admit each sequence as the scheduler does: match, allocate the rest, insert the computed pages."""
+    bs = cache.block_size
+    tables = []
+    for tokens in sequences:
+        # The scheduler keeps the last token out of the match so that prefill has a token to sample from.
+        matched = cache.match(tokens[: len(tokens) - 1], None)
+        needed = pages_for(len(tokens), bs) - len(matched)
+        assert cache.can_allocate(needed), "the measuring pool is sized for the no-sharing layout"
+        tables.append(cache.insert(tokens, matched + cache.allocate(needed), None))
+    cache.check_integrity(tables)
+    return tables
+
+
+def _prefix_pages(tables: list[list[int]], prefix_tokens: int, block_size: int) -> list[set[int]]:
+    num = pages_for(prefix_tokens, block_size)
+    return [set(table[:num]) for table in tables]
+
+
+def measure_row(
+    shape: KVShape, num_agents: int, prefix_tokens: int, block_size: int, tail_tokens: int
+) -> MeasuredRow:
+    """Run the agents through a RadixCache and a NoSharingCache on one pool shape; count their pages."""
+    if min(num_agents, block_size, tail_tokens) <= 0:
+        raise ValueError(
+            f"--agents, --block-size and --tail-tokens must be positive, got {num_agents}, {block_size}, {tail_tokens}"
+        )
+    sequences = agent_sequences(num_agents, prefix_tokens, tail_tokens)
+    num_pages = num_agents * pages_for(prefix_tokens + tail_tokens, block_size)
+    # The engine's KV slab at this shape, on the meta device: the layout without the memory.
+    slab = torch.empty(
+        (shape.num_kv_layers, 2, num_pages, block_size, shape.num_kv_heads, shape.head_dim),
+        dtype=KV_DTYPES[shape.dtype],
+        device="meta",
+    )
+    page_bytes = slab.nbytes // num_pages
+    assert page_bytes == block_size * shape.kv_bytes_per_token, (
+        "slab layout disagrees with the per-token formula"
+    )
+    naive, shared = (
+        NoSharingCache(PagePool(num_pages), block_size),
+        RadixCache(PagePool(num_pages), block_size),
+    )
+    naive_prefixes = _prefix_pages(admit(naive, sequences), prefix_tokens, block_size)
+    shared_prefixes = _prefix_pages(admit(shared, sequences), prefix_tokens, block_size)
+    return MeasuredRow(
+        prefix_tokens=prefix_tokens,
+        num_agents=num_agents,
+        block_size=block_size,
+        tail_tokens=tail_tokens,
+        page_bytes=page_bytes,
+        pages_per_copy=len(naive_prefixes[0]),
+        pages_all_copies=len(set().union(*naive_prefixes)),
+        pages_shared=len(set().union(*shared_prefixes)),
+        pages_naive_total=naive.num_in_use,
+        pages_shared_total=shared.num_in_use,
+    )
+
+
+def measure_rows(
+    shape: KVShape, num_agents: int, prefix_tokens: Sequence[int], block_size: int, tail_tokens: int
+) -> list[MeasuredRow]:
+    """One measurement per prefix length."""
+    return [measure_row(shape, num_agents, p, block_size, tail_tokens) for p in prefix_tokens]

@@ -1,0 +1,230 @@
+"""The shape the planner works from: KV-holding layers x KV heads x head dim, plus any recurrent state."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarmkv.config import DTYPES
+from swarmkv.errors import ModelLoadError, UnsupportedModelError
+from swarmkv.models.gguf_file import open_gguf
+
+KV_DTYPES: dict[str, torch.dtype] = {
+    **DTYPES,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+KV_LAYER_KINDS = ("full_attention", "sliding_attention")
+LINEAR_ATTENTION = "linear_attention"
+
+
+def element_bytes(dtype: str) -> int:
+    """Bytes per element of a KV dtype name; ValueError on a name we do not know."""
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+    return KV_DTYPES[dtype].itemsize
+
+
+def _require_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value}")
+
+
+@dataclass(frozen=True)
+class RecurrentState:
+    """The constant per-sequence state of Gated DeltaNet ("linear_attention") layers.
+
+    Layout as vLLM allocates it (MambaStateShapeCalculator.gated_delta_net_state_shape in
+    vllm/model_executor/layers/mamba/mamba_utils.py), per layer and per sequence:
+      conv state: (conv_kernel - 1) x conv_dim, conv_dim = 2 x key_heads x key_dim + value_heads x value_dim
+        (the causal conv1d over the concatenated q, k, v keeps its last kernel - 1 inputs);
+      SSM state:  value_heads x key_dim x value_dim (one key_dim x value_dim matrix per value head).
+    Both are counted at `dtype`: vLLM's default mamba_ssm_cache_dtype ("auto") follows the model dtype,
+    while the HF transformers torch path carries the SSM state in float32 (--state-dtype float32).
+    """
+
+    num_layers: int
+    conv_kernel: int
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        _require_positive(**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "dtype"})
+        element_bytes(self.dtype)
+
+    @property
+    def conv_elements_per_layer(self) -> int:
+        """Elements of one layer's conv state for one sequence."""
+        conv_dim = 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+        return (self.conv_kernel - 1) * conv_dim
+
+    @property
+    def ssm_elements_per_layer(self) -> int:
+        """Elements of one layer's recurrent (SSM) state for one sequence."""
+        return self.num_value_heads * self.key_head_dim * self.value_head_dim
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        """Bytes of state one sequence holds across all linear-attention layers, whatever its length."""
+        per_layer = self.conv_elements_per_layer + self.ssm_elements_per_layer
+        return self.num_layers * per_layer * element_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What one token costs in KV: K and V for every KV-holding layer, at one dtype."""
+
+    num_layers: int
+    num_kv_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    recurrent: RecurrentState | None = None
+    num_sliding_layers: int = 0
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            layers=self.num_layers,
+            kv_layers=self.num_kv_layers,
+            kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+        )
+        element_bytes(self.dtype)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """2 (K and V) x KV layers x KV heads x head dim x element bytes."""
+        return 2 * self.num_kv_layers * self.num_kv_heads * self.head_dim * element_bytes(self.dtype)
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """Recurrent state every sequence holds regardless of length (0 for a pure transformer)."""
+        return self.recurrent.bytes_per_sequence if self.recurrent else 0
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A model's KV shape and its weights' size in bytes, as read from its files."""
+
+    shape: KVShape
+    weights_bytes: int | None  # None when the checkpoint holds no weights we can size
+
+
+def _int(table: dict[str, Any], key: str, fallback: Any = None) -> int:
+    value = table.get(key) if table.get(key) is not None else fallback
+    if value is None:
+        raise ModelLoadError(f"config lacks required field {key!r}")
+    try:
+        return int(value)
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"config field {key!r} is not an integer: {value!r}") from exc
+
+
+def shape_from_hf_dict(raw: dict[str, Any], dtype: str, state_dtype: str | None = None) -> KVShape:
+    """KV shape of a Hugging Face config.json (text_config nested or not, hybrid or not)."""
+    text = raw.get("text_config") or raw
+    layers = _int(text, "num_hidden_layers")
+    heads = _int(text, "num_attention_heads")
+    if layers <= 0 or heads <= 0:
+        raise ModelLoadError(f"config has {layers} layers and {heads} attention heads; both must be positive")
+    has_head_dim = text.get("head_dim") is not None
+    head_dim = _int(text, "head_dim") if has_head_dim else _int(text, "hidden_size") // heads
+    kinds = text.get("layer_types")
+    if kinds is None and "full_attention_interval" in text and "linear_num_value_heads" in text:
+        # Qwen3-Next configs may omit layer_types: every interval-th layer is full attention.
+        interval = _int(text, "full_attention_interval")
+        kinds = [LINEAR_ATTENTION if (i + 1) % interval else "full_attention" for i in range(layers)]
+    kinds = list(kinds) if kinds is not None else ["full_attention"] * layers
+    if len(kinds) != layers:
+        raise ModelLoadError(f"layer_types has {len(kinds)} entries for {layers} layers")
+    unknown = sorted(set(kinds) - {*KV_LAYER_KINDS, LINEAR_ATTENTION})
+    if unknown:
+        raise UnsupportedModelError(
+            f"the planner does not know layer type(s) {', '.join(map(repr, unknown))}"
+        )
+    num_linear = kinds.count(LINEAR_ATTENTION)
+    recurrent = None
+    if num_linear:
+        recurrent = RecurrentState(
+            num_layers=num_linear,
+            conv_kernel=_int(text, "linear_conv_kernel_dim"),
+            num_key_heads=_int(text, "linear_num_key_heads"),
+            num_value_heads=_int(text, "linear_num_value_heads"),
+            key_head_dim=_int(text, "linear_key_head_dim"),
+            value_head_dim=_int(text, "linear_value_head_dim"),
+            dtype=state_dtype or dtype,
+        )
+    return KVShape(
+        num_layers=layers,
+        num_kv_layers=layers - num_linear,
+        num_kv_heads=_int(text, "num_key_value_heads", heads),
+        head_dim=head_dim,
+        dtype=dtype,
+        recurrent=recurrent,
+        num_sliding_layers=kinds.count("sliding_attention"),
+    )
+
+
+def _hf_checkpoint(config_path: Path, dtype: str, state_dtype: str | None) -> Checkpoint:
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {config_path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{config_path} does not hold a JSON object")
+    shards = sorted(config_path.parent.glob("*.safetensors"))
+    # Safetensors files are tensor bytes plus a small JSON header: close enough for a VRAM budget.
+    weights_bytes = sum(p.stat().st_size for p in shards) if shards else None
+    return Checkpoint(shape_from_hf_dict(raw, dtype, state_dtype), weights_bytes)
+
+
+def _gguf_checkpoint(path: Path, dtype: str) -> Checkpoint:
+    gguf_file = open_gguf(path)
+    meta, arch = gguf_file.metadata, gguf_file.architecture
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    heads = get("attention.head_count")
+    kv_heads = get("attention.head_count_kv", heads)
+    hybrid = any(k.startswith((f"{arch}.ssm.", f"{arch}.full_attention_interval")) for k in meta)
+    if hybrid or isinstance(heads, list) or isinstance(kv_heads, list):
+        raise UnsupportedModelError(
+            f"{path}: per-layer or recurrent ({arch}) GGUF layouts are not planned from GGUF; "
+            "pass the model's config.json instead"
+        )
+    key_dim = int(get("attention.key_length", int(get("embedding_length")) // int(heads)))
+    if int(get("attention.value_length", key_dim)) != key_dim:
+        raise UnsupportedModelError(
+            f"{path}: key and value head sizes differ; the planner assumes one head dim"
+        )
+    layers = int(get("block_count"))
+    shape = KVShape(
+        num_layers=layers, num_kv_layers=layers, num_kv_heads=int(kv_heads), head_dim=key_dim, dtype=dtype
+    )
+    return Checkpoint(shape, sum(int(t.n_bytes) for t in gguf_file.reader.tensors))
+
+
+def load_checkpoint(model: str | Path, dtype: str, state_dtype: str | None = None) -> Checkpoint:
+    """Read the shape and weight size of an HF directory, a config.json or a GGUF file."""
+    path = Path(model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"no config.json in {path}")
+        return _hf_checkpoint(path / "config.json", dtype, state_dtype)
+    if not path.is_file():
+        raise ModelLoadError(f"model not found: {path}")
+    if path.suffix == ".json":
+        return _hf_checkpoint(path, dtype, state_dtype)
+    return _gguf_checkpoint(path, dtype)

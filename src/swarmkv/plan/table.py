@@ -1,0 +1,126 @@
+"""The planner's arithmetic: a prefix's KV per copy, for N copies, stored once, and how many agents fit."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from swarmkv.plan.shape import KVShape
+from swarmkv.units import format_gib
+
+
+def pages_for(num_tokens: int, block_size: int) -> int:
+    """Pages a sequence of `num_tokens` occupies: the last one may be partly filled."""
+    return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class PrefixRow:
+    """One line of the table, exact in tokens (no page rounding), all in bytes."""
+
+    prefix_tokens: int
+    kv_bytes_per_copy: int
+    kv_bytes_all_copies: int
+    kv_bytes_shared: int
+    kv_bytes_reclaimed: int
+
+    def to_json(self) -> dict[str, Any]:
+        """The row as the `--json` output writes it."""
+        return asdict(self)
+
+
+def prefix_row(kv_bytes_per_token: int, num_agents: int, prefix_tokens: int) -> PrefixRow:
+    """N agents each holding the prefix versus one shared copy: the reclaim is N - 1 copies."""
+    if num_agents <= 0:
+        raise ValueError(f"--agents must be a positive integer, got {num_agents}")
+    if prefix_tokens < 0:
+        raise ValueError(f"prefix lengths must be >= 0 tokens, got {prefix_tokens}")
+    per_copy = prefix_tokens * kv_bytes_per_token
+    return PrefixRow(
+        prefix_tokens=prefix_tokens,
+        kv_bytes_per_copy=per_copy,
+        kv_bytes_all_copies=num_agents * per_copy,
+        kv_bytes_shared=per_copy,
+        kv_bytes_reclaimed=(num_agents - 1) * per_copy,
+    )
+
+
+def prefix_rows(kv_bytes_per_token: int, num_agents: int, prefix_tokens: Sequence[int]) -> list[PrefixRow]:
+    """One row per prefix length, in the order given."""
+    return [prefix_row(kv_bytes_per_token, num_agents, p) for p in prefix_tokens]
+
+
+@dataclass(frozen=True)
+class VramBudget:
+    """The card, the weights on it, and what each agent needs: `context_tokens` in pages of `block_size`."""
+
+    vram_bytes: int
+    weights_bytes: int
+    context_tokens: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.context_tokens <= 0 or self.block_size <= 0:
+            raise ValueError(
+                f"--context and --block-size must be positive, got {self.context_tokens} and {self.block_size}"
+            )
+        if self.weights_bytes < 0:
+            raise ValueError(f"--weights must be >= 0 bytes, got {self.weights_bytes}")
+        if self.weights_bytes >= self.vram_bytes:
+            raise ValueError(
+                f"the weights ({format_gib(self.weights_bytes)}) leave no room in --vram "
+                f"({format_gib(self.vram_bytes)})"
+            )
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        """VRAM left for KV pages and recurrent state once the weights are loaded."""
+        return self.vram_bytes - self.weights_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        """The budget as the `--json` output writes it."""
+        return {**asdict(self), "kv_budget_bytes": self.kv_budget_bytes}
+
+
+@dataclass(frozen=True)
+class AgentFit:
+    """How many agents of one context length fit, each holding its own prefix or sharing one copy."""
+
+    prefix_tokens: int
+    agents_fit_naive: int
+    agents_fit_shared: int
+    agent_bytes_naive: int  # one agent's whole context in pages, plus its recurrent state
+    agent_bytes_private: int  # one sharing agent's own pages (its tail), plus its recurrent state
+    prefix_bytes_shared: int  # the prefix's full pages, held once for every agent
+
+    def to_json(self) -> dict[str, Any]:
+        """The fit as the `--json` output writes it."""
+        return asdict(self)
+
+
+def fit_agents(shape: KVShape, budget: VramBudget, prefix_tokens: int) -> AgentFit:
+    """Agents that fit in the KV budget; pages as the radix cache shares them (full prefix pages only)."""
+    if budget.context_tokens <= prefix_tokens:
+        raise ValueError(
+            f"--context ({budget.context_tokens} tokens) must be longer than the prefix ({prefix_tokens} tokens)"
+        )
+    bs = budget.block_size
+    page_bytes = bs * shape.kv_bytes_per_token
+    state = shape.state_bytes_per_sequence
+    context_pages = pages_for(budget.context_tokens, bs)
+    # A prefix that ends mid-page shares only its full pages: the boundary page also holds the
+    # agent's own tokens, so every agent keeps a private copy of it.
+    shared_pages = prefix_tokens // bs
+    agent_naive = context_pages * page_bytes + state
+    agent_private = (context_pages - shared_pages) * page_bytes + state
+    prefix_bytes = shared_pages * page_bytes
+    room = budget.kv_budget_bytes
+    return AgentFit(
+        prefix_tokens=prefix_tokens,
+        agents_fit_naive=room // agent_naive,
+        agents_fit_shared=(room - prefix_bytes) // agent_private if room >= prefix_bytes else 0,
+        agent_bytes_naive=agent_naive,
+        agent_bytes_private=agent_private,
+        prefix_bytes_shared=prefix_bytes,
+    )

@@ -1,0 +1,109 @@
+"""`swarmkv swarm`: run the agent swarm shared and per-slot, report the KV it reclaims."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from swarmkv.generate_cli import add_model_arguments
+from swarmkv.models.loader import load_model
+from swarmkv.swarm.report import mode_record, print_table, ratios, save_plot
+from swarmkv.swarm.run import Mode, ModeResult, pool_bytes_for, run_swarm
+from swarmkv.swarm.workload import build_workload, prefix_token_count
+from swarmkv.units import parse_size
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `swarm` subcommand."""
+    parser = subparsers.add_parser("swarm", help="run an agent swarm with and without prefix sharing")
+    add_model_arguments(parser)
+    parser.set_defaults(kv_cache_memory=None)
+    parser.add_argument("--agents", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--prefix-tokens", type=int, default=2000, help="size of the shared head, in tokens")
+    parser.add_argument("--max-tokens", type=int, default=48, help="tokens generated per turn")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mode", choices=("both", "shared", "naive"), default="both")
+    parser.add_argument("--json", metavar="FILE", help="write the measurements as JSON")
+    parser.add_argument("--plot", metavar="FILE.png", help="write a plot of KV over time and per agent")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the workload, run each mode on the same loaded model, print and save the report."""
+    if args.agents <= 0 or args.turns <= 0 or args.prefix_tokens <= 0 or args.max_tokens <= 0:
+        raise ValueError("--agents, --turns, --prefix-tokens and --max-tokens must be positive")
+    console = Console()
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    tokenizer = loaded.tokenizer
+    workload = build_workload(
+        tokenizer,
+        agents=args.agents,
+        turns=args.turns,
+        prefix_tokens=args.prefix_tokens,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
+    shared_prefix = prefix_token_count(tokenizer, workload.system_prompt, workload.tools)
+    kv_per_token = loaded.config.kv_bytes_per_token(loaded.dtype)
+    first_prompt = shared_prefix + max(len(tokenizer.encode(a.task)) for a in workload.agents) + 16
+    pool = (
+        parse_size(args.kv_cache_memory)
+        if args.kv_cache_memory
+        else pool_bytes_for(workload, first_prompt + 256 * workload.turns, kv_per_token)
+    )
+    pool = max(pool, (loaded.config.max_position_embeddings + 64 * args.block_size) * kv_per_token)
+    config: dict[str, Any] = {
+        "model": loaded.name,
+        "agents": args.agents,
+        "turns": args.turns,
+        "max_tokens": args.max_tokens,
+        "seed": args.seed,
+        "block_size": args.block_size,
+        "kv_bytes_per_token": kv_per_token,
+        "kv_cache_memory": pool,
+        "shared_prefix_tokens": shared_prefix,
+        "tools": len(workload.tools),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+    }
+    console.print(
+        f"[bold]{loaded.name}[/]: {args.agents} agents, {args.turns} turns, shared head "
+        f"{shared_prefix} tokens ({len(workload.tools)} tools), KV {kv_per_token:,} B/token"
+    )
+    modes: list[Mode] = ["shared", "naive"] if args.mode == "both" else [args.mode]
+    results: dict[str, ModeResult] = {}
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("turns"),
+        TextColumn("{task.fields[kv]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as bar:
+        for mode in modes:
+            task = bar.add_task(f"{mode:>6}", total=len(workload.agents) * workload.turns, kv="")
+
+            def progress(done: int, total: int, r: ModeResult, task: Any = task) -> None:
+                kv = r.kv_bytes_timeline[-1] if r.kv_bytes_timeline else 0
+                bar.update(task, completed=done, kv=f"KV {kv / 2**20:,.1f} MiB")
+
+            results[mode] = run_swarm(loaded, workload, mode, pool, args.block_size, progress=progress)
+    print_table(console, results, config)
+    record: dict[str, Any] = {"config": config, "modes": {m: mode_record(r) for m, r in results.items()}}
+    if "shared" in results and "naive" in results:
+        record["ratios"] = ratios(results["shared"], results["naive"])
+        record["kv_reclaimed_bytes"] = results["naive"].peak_kv_bytes - results["shared"].peak_kv_bytes
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        save_plot(args.plot, results, shared_prefix)
+        console.print(f"wrote {args.plot}")
+    return 0

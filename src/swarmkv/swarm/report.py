@@ -1,0 +1,118 @@
+"""Turn two ModeResults into the swarm report: JSON record, terminal table and plot."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from swarmkv.swarm.run import ModeResult
+from swarmkv.units import GIB
+
+
+def mode_record(r: ModeResult) -> dict[str, Any]:
+    """The JSON object for one mode."""
+    return {
+        "peak_kv_bytes": r.peak_kv_bytes,
+        "final_kv_bytes": r.final_kv_bytes,
+        "prompt_tokens": r.prompt_tokens,
+        "prefill_tokens_computed": r.prefill_tokens_computed,
+        "prefix_hit_tokens": r.prefix_hit_tokens,
+        "prefix_hit_rate": round(r.hit_rate, 4),
+        "generated_tokens": r.generated_tokens,
+        "wall_s": round(r.wall_s, 3),
+        "ttft_s": [[round(t, 4) for t in turns] for turns in r.ttft_s],
+        "decode_tokens_per_s": round(r.decode_tokens_per_s, 2),
+        "pool_bytes": r.pool_bytes,
+    }
+
+
+def ratios(shared: ModeResult, naive: ModeResult) -> dict[str, float]:
+    """Shared over naive for the headline figures (lower is better for all three)."""
+
+    def ratio(a: float, b: float) -> float:
+        return round(a / b, 4) if b else float("nan")
+
+    return {
+        "peak_kv_bytes": ratio(shared.peak_kv_bytes, naive.peak_kv_bytes),
+        "prefill_tokens_computed": ratio(shared.prefill_tokens_computed, naive.prefill_tokens_computed),
+        "wall_s": ratio(shared.wall_s, naive.wall_s),
+    }
+
+
+def _ttft(r: ModeResult, first: bool) -> float:
+    values = (
+        [turns[0] for turns in r.ttft_s if turns] if first else [t for turns in r.ttft_s for t in turns[1:]]
+    )
+    return statistics.median(values) if values else float("nan")
+
+
+def print_table(console: Console, results: dict[str, ModeResult], config: dict[str, Any]) -> None:
+    """The final table, plus the KV reclaimed when both modes ran."""
+    table = Table(
+        title=f"swarm: {config['agents']} agents x {config['turns']} turns, "
+        f"shared head {config['shared_prefix_tokens']} tokens"
+    )
+    table.add_column("metric")
+    for mode in results:
+        table.add_column(mode, justify="right")
+    both = "shared" in results and "naive" in results
+    if both:
+        table.add_column("shared / naive", justify="right")
+    rows: list[tuple[str, Any]] = [
+        ("peak KV (GiB)", lambda r: r.peak_kv_bytes / GIB),
+        ("final KV (GiB)", lambda r: r.final_kv_bytes / GIB),
+        ("prompt tokens", lambda r: r.prompt_tokens),
+        ("prefill tokens computed", lambda r: r.prefill_tokens_computed),
+        ("prefix hit tokens", lambda r: r.prefix_hit_tokens),
+        ("prefix hit rate", lambda r: r.hit_rate),
+        ("TTFT first turn, median (s)", lambda r: _ttft(r, True)),
+        ("TTFT later turns, median (s)", lambda r: _ttft(r, False)),
+        ("decode tokens/s", lambda r: r.decode_tokens_per_s),
+        ("wall (s)", lambda r: r.wall_s),
+    ]
+    for name, get in rows:
+        values = [get(r) for r in results.values()]
+        cells = [f"{v:,.3f}" if isinstance(v, float) else f"{v:,}" for v in values]
+        if both:
+            s, n = get(results["shared"]), get(results["naive"])
+            cells.append(f"{s / n:.3f}x" if n else "-")
+        table.add_row(name, *cells)
+    console.print(table)
+    if both:
+        reclaimed = results["naive"].peak_kv_bytes - results["shared"].peak_kv_bytes
+        pool = results["shared"].pool_bytes
+        console.print(
+            f"KV reclaimed by sharing: {reclaimed:,} bytes ({reclaimed / GIB:.3f} GiB), "
+            f"{reclaimed / pool:.1%} of the {pool / GIB:.2f} GiB pool"
+        )
+
+
+def save_plot(path: str, results: dict[str, ModeResult], shared_prefix_tokens: int) -> None:
+    """KV bytes over engine steps per mode, and per agent the tokens it shares against those it owns."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for mode, r in results.items():
+        left.plot([b / 2**20 for b in r.kv_bytes_timeline], label=mode)
+    left.set_xlabel("engine step")
+    left.set_ylabel("KV in use or cached (MiB)")
+    left.set_title("KV bytes over the run")
+    left.legend()
+    any_result = next(iter(results.values()))
+    owned = [max(0, t - shared_prefix_tokens) for t in any_result.agent_tokens]
+    xs = range(len(owned))
+    right.bar(xs, [shared_prefix_tokens] * len(owned), label="shared head", color="#d8a31a")
+    right.bar(xs, owned, bottom=[shared_prefix_tokens] * len(owned), label="owned tail", color="#4a7fb5")
+    right.set_xlabel("agent")
+    right.set_ylabel("tokens")
+    right.set_title("tokens shared vs owned per agent")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,138 @@
+"""Run a swarm workload on the in-process engine, in one KV layout, and measure what it costs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from swarmkv.engine.engine import EngineConfig, LLMEngine
+from swarmkv.engine.sampling_params import SamplingParams
+from swarmkv.models.loader import LoadedModel
+from swarmkv.swarm.workload import Message, Workload, initial_messages, tool_result_message
+
+Mode = Literal["shared", "naive"]
+
+
+@dataclass
+class ModeResult:
+    """What one layout measured; bytes are KV bytes, times are seconds."""
+
+    mode: Mode
+    peak_kv_bytes: int = 0
+    final_kv_bytes: int = 0
+    prompt_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    prefix_hit_tokens: int = 0
+    generated_tokens: int = 0
+    wall_s: float = 0.0
+    decode_s: float = 0.0
+    ttft_s: list[list[float]] = field(default_factory=list)  # [agent][turn]
+    kv_bytes_timeline: list[int] = field(default_factory=list)  # pages not free, after each step
+    agent_tokens: list[int] = field(default_factory=list)  # each agent's context length at the end
+    pool_bytes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of prompt tokens served from the prefix cache."""
+        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens generated per second of decode-only steps."""
+        return self.generated_tokens / self.decode_s if self.decode_s else 0.0
+
+
+ProgressFn = Callable[[int, int, ModeResult], None]
+
+
+def pool_bytes_for(workload: Workload, prompt_tokens_per_agent: int, kv_bytes_per_token: int) -> int:
+    """A pool that holds every agent's full context privately, with room to spare: nothing gets evicted."""
+    per_agent = prompt_tokens_per_agent + workload.turns * (workload.max_tokens + 600)
+    return 2 * len(workload.agents) * per_agent * kv_bytes_per_token
+
+
+def run_swarm(
+    loaded: LoadedModel,
+    workload: Workload,
+    mode: Mode,
+    kv_cache_memory: int,
+    block_size: int = 16,
+    max_num_batched_tokens: int = 2048,
+    progress: ProgressFn | None = None,
+) -> ModeResult:
+    """Every agent runs its turns back to back; a finished turn's tool result is appended at once."""
+    engine = LLMEngine(
+        loaded,
+        EngineConfig(
+            kv_cache_memory=kv_cache_memory,
+            block_size=block_size,
+            max_num_seqs=len(workload.agents),
+            max_num_batched_tokens=max_num_batched_tokens,
+        ),
+    )
+    tokenizer = loaded.tokenizer
+    agents = workload.agents
+    result = ModeResult(
+        mode, ttft_s=[[] for _ in agents], pool_bytes=engine.cache.pool.num_pages * engine.page_bytes
+    )
+    params = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0)
+    messages: list[list[Message]] = [initial_messages(workload, a) for a in agents]
+    replies: dict[str, list[str]] = {}
+    submitted: dict[str, float] = {}
+    turn_of = [0] * len(agents)
+    total_turns = len(agents) * workload.turns
+    done_turns = 0
+
+    def submit(i: int) -> None:
+        text = tokenizer.apply_chat_template(messages[i], tools=list(workload.tools))
+        ids = tokenizer.encode(text)
+        rid = f"{agents[i].agent_id}/turn-{turn_of[i]}"
+        # The per-slot layout: each agent reuses its own earlier turns but never another agent's pages.
+        salt = agents[i].agent_id if mode == "naive" else None
+        engine.add_request(rid, ids, params, cache_salt=salt)
+        submitted[rid] = time.perf_counter()
+        replies[rid] = []
+
+    start = time.perf_counter()
+    for i in range(len(agents)):
+        submit(i)
+    index_of = {a.agent_id: i for i, a in enumerate(agents)}
+    while engine.has_unfinished():
+        prefill_before = engine.counters.prefill_tokens_computed
+        step_start = time.perf_counter()
+        deltas = engine.step()
+        now = time.perf_counter()
+        if engine.counters.prefill_tokens_computed == prefill_before:
+            result.decode_s += now - step_start
+        stats = engine.stats()
+        result.kv_bytes_timeline.append(stats["kv_bytes_used"])
+        for delta in deltas:
+            i = index_of[delta.request_id.split("/")[0]]
+            if not replies[delta.request_id] and delta.new_token_ids:
+                result.ttft_s[i].append(now - submitted[delta.request_id])
+            replies[delta.request_id].append(delta.new_text)
+            if not delta.finished:
+                continue
+            done_turns += 1
+            messages[i].append({"role": "assistant", "content": "".join(replies[delta.request_id])})
+            if turn_of[i] + 1 < workload.turns:
+                messages[i].append(tool_result_message(agents[i], turn_of[i]))
+                turn_of[i] += 1
+                submit(i)
+            if progress is not None:
+                progress(done_turns, total_turns, result)
+    result.wall_s = time.perf_counter() - start
+    stats = engine.stats()
+    result.peak_kv_bytes = stats["peak_kv_bytes_used"]
+    result.final_kv_bytes = stats["kv_bytes_used"]
+    result.prompt_tokens = stats["prompt_tokens"]
+    result.prefill_tokens_computed = stats["prefill_tokens_computed"]
+    result.prefix_hit_tokens = stats["prefix_hit_tokens"]
+    result.generated_tokens = stats["generated_tokens"]
+    result.agent_tokens = [
+        len(tokenizer.encode(tokenizer.apply_chat_template(m, tools=list(workload.tools)))) for m in messages
+    ]
+    engine.check_integrity()
+    return result
