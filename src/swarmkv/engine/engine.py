@@ -66,11 +66,11 @@ class LLMEngine:
         page_bytes = self.kv_bytes_per_token * config.block_size
         num_pages = config.kv_cache_memory // page_bytes
         self.max_model_len = config.max_model_len or loaded.config.max_position_embeddings
-        if num_pages * config.block_size < self.max_model_len:
+        if num_pages < 2:
+            # One page for the prompt and one to decode into is the least any request needs.
             raise CapacityError(
-                f"a KV pool of {config.kv_cache_memory} bytes holds {num_pages * config.block_size} tokens, "
-                f"less than one request of max_model_len={self.max_model_len} tokens: raise kv_cache_memory "
-                f"or lower max_model_len"
+                f"a KV pool of {config.kv_cache_memory} bytes holds {num_pages} page(s) of {page_bytes} bytes; "
+                f"it cannot hold a single request: raise kv_cache_memory"
             )
         self.page_bytes = page_bytes
         pool = PagePool(num_pages)

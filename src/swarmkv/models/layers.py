@@ -12,7 +12,7 @@ from swarmkv.config import RopeScaling
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as the reference implementations do."""
+    """Root-mean-square norm computed in at least float32, as the reference implementations do."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -21,9 +21,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        wide = x.to(torch.promote_types(dtype, torch.float32))
+        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * wide.to(dtype)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

@@ -56,7 +56,6 @@ def run(args: argparse.Namespace) -> int:
         if args.kv_cache_memory
         else pool_bytes_for(workload, first_prompt + 256 * workload.turns, kv_per_token)
     )
-    pool = max(pool, (loaded.config.max_position_embeddings + 64 * args.block_size) * kv_per_token)
     config: dict[str, Any] = {
         "model": loaded.name,
         "agents": args.agents,

@@ -1,0 +1,49 @@
+"""Tiny random models for engine tests: float64 so that greedy choices never hinge on rounding noise."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import torch
+from conftest_tokenizer_helpers import qwen_tokenizer
+
+from swarmkv import LLM
+from swarmkv.config import ModelConfig
+from swarmkv.models.decoder import DecoderForCausalLM
+from swarmkv.models.loader import LoadedModel
+
+TINY_VOCAB = 384  # byte-level ids of the Qwen tokenizer: every one decodes, none is an end-of-turn token
+
+
+@cache
+def tiny_loaded(seed: int = 0, max_positions: int = 4096) -> LoadedModel:
+    """A 2-layer GQA Llama with random weights on the CPU in float64."""
+    config = ModelConfig(
+        architecture="llama",
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=TINY_VOCAB,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = DecoderForCausalLM(config).to(torch.float64)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # sharper logits: distinct argmax, varied continuations
+    model.rotary.build(torch.device("cpu"))
+    return LoadedModel(
+        Path("tiny"), "tiny", config, model.eval(), qwen_tokenizer(), torch.float64, torch.device("cpu")
+    )
+
+
+def tiny_llm(**kwargs: object) -> LLM:
+    """An LLM over the tiny model; kwargs go to LLM (pool size, block size, budgets, caching)."""
+    kwargs.setdefault("kv_cache_memory", 64 * 2**20)
+    return LLM(loaded=tiny_loaded(), **kwargs)  # type: ignore[arg-type]
