@@ -31,6 +31,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     seed: int = 0
+    cascade_attention: bool = True
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class LLMEngine:
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(self.cache, config.block_size, limits, self.counters)
         kv = KVCache(loaded.config, num_pages, config.block_size, loaded.dtype, loaded.device)
-        self.runner = ModelRunner(model, kv, loaded.device)
+        self.runner = ModelRunner(model, kv, loaded.device, cascade=config.cascade_attention)
         self._requests: dict[str, _Request] = {}
         self._generator = torch.Generator().manual_seed(config.seed)
         self._arrivals = 0

@@ -53,6 +53,7 @@ class LLM:
         dtype: str | torch.dtype = "auto",
         device: str | torch.device = "cpu",
         seed: int = 0,
+        cascade_attention: bool = True,
         loaded: LoadedModel | None = None,
     ) -> None:
         if block_size <= 0 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:
@@ -67,6 +68,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             seed=seed,
+            cascade_attention=cascade_attention,
         )
         self.engine = LLMEngine(self.loaded, config)
         self._ids = itertools.count()

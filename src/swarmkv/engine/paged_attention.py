@@ -22,11 +22,16 @@ class PrefillSpan:
 
 @dataclass(frozen=True)
 class DecodeGroup:
-    """All single-token decodes of the step: rows [q_start, q_start + B) of the flat batch."""
+    """All single-token decodes of the step: rows [q_start, q_start + B) of the flat batch.
+
+    With `shared_slots`, the group's page tables begin with the same pages: those keys are read once for
+    the whole group (cascade attention) and `key_slots` holds only each sequence's own suffix.
+    """
 
     q_start: int
     key_slots: torch.Tensor  # [B, max_ctx], padded
     bias: torch.Tensor  # [B, 1, 1, max_ctx] additive mask: 0 on real keys, -inf on padding
+    shared_slots: torch.Tensor | None = None  # [P] slots of the pages every sequence in the group holds
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,10 @@ class PagedAttention:
                 )
             out[rows] = attn[0].transpose(0, 1)
         group = self.layout.decode
-        if group is not None:
+        if group is not None and group.shared_slots is not None:
+            rows = slice(group.q_start, group.q_start + group.key_slots.shape[0])
+            out[rows] = self._cascade_decode(layer, q[rows], group)
+        elif group is not None:
             rows = slice(group.q_start, group.q_start + group.key_slots.shape[0])
             keys, values = self.cache.gather(layer, group.key_slots)  # [B, ctx, Hkv, D]
             attn = F.scaled_dot_product_attention(
@@ -79,3 +87,43 @@ class PagedAttention:
             )
             out[rows] = attn.squeeze(2)
         return out
+
+    def _cascade_decode(self, layer: int, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+        """Decode attention split at the shared prefix (Hydragen): one batched read of the prefix for the
+        whole group, one per-sequence read of each suffix, merged exactly through their log-sum-exps."""
+        assert group.shared_slots is not None
+        batch, num_heads, dim = q.shape
+        shared_k, shared_v = self.cache.gather(layer, group.shared_slots)  # [P, Hkv, D]
+        kv_heads = shared_k.shape[1]
+        group_size = num_heads // kv_heads
+        scale = dim**-0.5
+        q_grouped = q.view(batch, kv_heads, group_size, dim)
+        # Prefix: every query of every sequence against one copy of the prefix keys.
+        q_prefix = q_grouped.transpose(0, 1).reshape(kv_heads, batch * group_size, dim)
+        scores = torch.bmm(q_prefix, shared_k.permute(1, 2, 0)).mul_(scale)  # [Hkv, B*G, P]
+        prefix_max = scores.amax(-1, keepdim=True)
+        weights = torch.exp(scores - prefix_max)
+        prefix_sum = weights.sum(-1, keepdim=True)
+        prefix_out = torch.bmm(weights, shared_v.transpose(0, 1))  # [Hkv, B*G, D], unnormalised
+
+        def per_sequence(x: torch.Tensor) -> torch.Tensor:
+            return x.view(kv_heads, batch, group_size, -1).transpose(0, 1)  # -> [B, Hkv, G, *]
+
+        prefix_max, prefix_sum, prefix_out = (
+            per_sequence(prefix_max),
+            per_sequence(prefix_sum),
+            per_sequence(prefix_out),
+        )
+        # Suffix: each sequence against its own keys (at least the token being decoded).
+        own_k, own_v = self.cache.gather(layer, group.key_slots)  # [B, S, Hkv, D]
+        scores = torch.matmul(q_grouped, own_k.permute(0, 2, 3, 1)).mul_(scale) + group.bias  # [B, Hkv, G, S]
+        own_max = scores.amax(-1, keepdim=True)
+        weights = torch.exp(scores - own_max)
+        own_sum = weights.sum(-1, keepdim=True)
+        own_out = torch.matmul(weights, own_v.transpose(1, 2))  # [B, Hkv, G, D]
+        both_max = torch.maximum(prefix_max, own_max)
+        prefix_scale, own_scale = torch.exp(prefix_max - both_max), torch.exp(own_max - both_max)
+        merged = (prefix_out * prefix_scale + own_out * own_scale) / (
+            prefix_sum * prefix_scale + own_sum * own_scale
+        )
+        return merged.reshape(batch, num_heads, dim)

@@ -13,8 +13,11 @@ from swarmkv.models.decoder import DecoderForCausalLM
 class ModelRunner:
     """Owns the KV tensors and runs the model; knows nothing about queues or sampling."""
 
-    def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, device: torch.device) -> None:
+    def __init__(
+        self, model: DecoderForCausalLM, kv_cache: KVCache, device: torch.device, cascade: bool = True
+    ) -> None:
         self.model = model
+        self.cascade = cascade
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
@@ -57,15 +60,33 @@ class ModelRunner:
                 bias = _bias(torch.arange(end)[None, :] <= pos[:, None], self.dtype)
                 prefills.append(PrefillSpan(row, chunk.num_tokens, slots.to(dev), bias.to(dev)))
             row += chunk.num_tokens
-        decode = None
-        if decode_slots:
-            lengths = torch.tensor([len(s) for s in decode_slots])
-            padded = torch.nn.utils.rnn.pad_sequence(decode_slots, batch_first=True)
-            bias = _bias(torch.arange(padded.shape[1])[None, :] < lengths[:, None], self.dtype)
-            decode = DecodeGroup(row - len(decode_slots), padded.to(dev), bias[:, None, None, :].to(dev))
+        decodes = [c for c in ordered if c.kind == "decode"]
+        decode = self._decode_group(decodes, decode_slots, row - len(decodes)) if decodes else None
         layout = StepLayout(torch.cat(slot_mapping).to(dev), tuple(prefills), decode)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         return layout, input_ids, torch.cat(positions).to(dev)
+
+    def _decode_group(self, decodes: list[Chunk], slots: list[torch.Tensor], q_start: int) -> DecodeGroup:
+        bs, dev = self.block_size, self.device
+        num_shared = self._shared_pages(decodes) if self.cascade and len(decodes) > 1 else 0
+        shared = num_shared * bs
+        own = [s[shared:] for s in slots]
+        lengths = torch.tensor([len(s) for s in own])
+        padded = torch.nn.utils.rnn.pad_sequence(own, batch_first=True)
+        bias = _bias(torch.arange(padded.shape[1])[None, :] < lengths[:, None], self.dtype)
+        shared_slots = slots[0][:shared].to(dev) if num_shared else None
+        return DecodeGroup(q_start, padded.to(dev), bias[:, None, None, :].to(dev), shared_slots)
+
+    def _shared_pages(self, decodes: list[Chunk]) -> int:
+        """Leading pages that every decoding sequence holds (the same physical pages, so the same KV)."""
+        tables = [c.seq.page_table for c in decodes]
+        # Only pages wholly before each sequence's new token: the page being written into is never shared.
+        limit = min(c.start // self.block_size for c in decodes)
+        first = tables[0]
+        count = 0
+        while count < limit and all(t[count] == first[count] for t in tables):
+            count += 1
+        return count
 
 
 def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
