@@ -1,0 +1,87 @@
+"""The swarm workload and `swarmkv swarm`: deterministic, templated, and sharing that is ideal."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest_tokenizer_helpers import smol_tokenizer
+
+from swarmkv.cli import main
+from swarmkv.swarm.workload import build_workload, initial_messages, prefix_token_count, tool_result_message
+
+
+@pytest.mark.parametrize("target", [300, 1000, 2000, 3000])
+def test_prefix_length_is_within_five_percent(target: int) -> None:
+    tok = smol_tokenizer()
+    w = build_workload(tok, agents=3, prefix_tokens=target)
+    measured = prefix_token_count(tok, w.system_prompt, w.tools)
+    assert abs(measured - target) <= 0.05 * target
+
+
+def test_workload_is_deterministic_and_private_after_the_head() -> None:
+    tok = smol_tokenizer()
+    a, b = build_workload(tok, seed=4), build_workload(tok, seed=4)
+    assert a == b
+    assert build_workload(tok, seed=5).agents != a.agents
+    assert len({s.task for s in a.agents}) == len(a.agents)
+    assert len(a.tools) == 12 and {t["function"]["name"] for t in a.tools} >= {
+        "read_file",
+        "run_command",
+        "git_diff",
+    }
+
+
+def test_prompts_are_rendered_through_the_chat_template_with_tools() -> None:
+    tok = smol_tokenizer()
+    w = build_workload(tok, agents=2, turns=3, prefix_tokens=800)
+    agent = w.agents[0]
+    messages = initial_messages(w, agent)
+    text = tok.apply_chat_template(messages, tools=list(w.tools))
+    assert text.startswith("<|im_start|>system\n" + w.system_prompt)
+    assert '"name": "read_file"' in text and text.endswith("<|im_start|>assistant\n")
+    messages += [{"role": "assistant", "content": "Reading the file."}, tool_result_message(agent, 0)]
+    later = tok.apply_chat_template(messages, tools=list(w.tools))
+    assert later.startswith(
+        text[: -len("<|im_start|>assistant\n")]
+    )  # a later turn extends the earlier prompt
+    assert len(tok.encode(agent.tool_results[0][1])) > 100
+
+
+def test_swarm_command_reports_ideal_sharing(tmp_path: Path) -> None:
+    out, plot = tmp_path / "swarm.json", tmp_path / "swarm.png"
+    args = ["swarm", "--agents", "3", "--turns", "2", "--prefix-tokens", "300", "--max-tokens", "3"]
+    assert main([*args, "--json", str(out), "--plot", str(plot)]) == 0
+    record = json.loads(out.read_text())
+    config, shared, naive = record["config"], record["modes"]["shared"], record["modes"]["naive"]
+    for key in ("agents", "turns", "block_size", "kv_bytes_per_token", "shared_prefix_tokens"):
+        assert key in config
+    for mode in (shared, naive):
+        for key in (
+            "peak_kv_bytes",
+            "final_kv_bytes",
+            "prompt_tokens",
+            "prefill_tokens_computed",
+            "prefix_hit_tokens",
+            "wall_s",
+            "ttft_s",
+            "decode_tokens_per_s",
+        ):
+            assert key in mode
+        assert len(mode["ttft_s"]) == 3 and all(len(turns) == 2 for turns in mode["ttft_s"])
+    head_pages = config["shared_prefix_tokens"] // config["block_size"]
+    page_bytes = config["block_size"] * config["kv_bytes_per_token"]
+    assert (
+        naive["peak_kv_bytes"] - shared["peak_kv_bytes"] >= (config["agents"] - 1) * head_pages * page_bytes
+    )
+    saved = naive["prefill_tokens_computed"] - shared["prefill_tokens_computed"]
+    assert saved >= (config["agents"] - 1) * head_pages * config["block_size"]
+    assert set(record["ratios"]) >= {"peak_kv_bytes", "prefill_tokens_computed", "wall_s"}
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_swarm_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["swarm", "--agents", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "positive" in err[0]
