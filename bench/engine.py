@@ -33,7 +33,21 @@ class Result:
 def make_prompts(tokenizer, agents: int, prefix: int, tail: int, seed: int) -> list[list[int]]:
     """One shared head of `prefix` tokens and a private `tail` per agent, from real text."""
     rng = random.Random(seed)
-    words = "agent tool schema read write file run command search code diff test repository".split()
+    words = [
+        "agent",
+        "tool",
+        "schema",
+        "read",
+        "write",
+        "file",
+        "run",
+        "command",
+        "search",
+        "code",
+        "diff",
+        "test",
+        "repository",
+    ]
     text = " ".join(rng.choice(words) for _ in range(prefix * 2))
     head = tokenizer.encode(text)[:prefix]
     tails = []
@@ -78,7 +92,9 @@ def run_transformers(prompts, gen: int) -> Result:
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), 0, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -95,7 +111,9 @@ def run_transformers(prompts, gen: int) -> Result:
         )
         wall = time.perf_counter() - start
     cfg = model.config
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    kv_per_token = (
+        2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    )
     peak = len(prompts) * (width + gen) * kv_per_token  # a dense cache holds every row at full width
     decode_s = max(wall - prefill_s, 1e-9)
     return Result(
@@ -121,8 +139,11 @@ def main() -> None:
     llm = LLM(kv_cache_memory="64MiB")  # loads the default model once; each run builds its own engine
     loaded = llm.loaded
     prompts = make_prompts(loaded.tokenizer, args.agents, args.prefix, args.tail, args.seed)
-    kv_bytes = 2 * args.agents * (args.prefix + args.tail + args.gen + 64) * loaded.config.kv_bytes_per_token(
-        loaded.dtype
+    kv_bytes = (
+        2
+        * args.agents
+        * (args.prefix + args.tail + args.gen + 64)
+        * loaded.config.kv_bytes_per_token(loaded.dtype)
     )
     kwargs = {"kv_cache_memory": kv_bytes, "max_num_batched_tokens": 2048}
     results = [
@@ -132,8 +153,12 @@ def main() -> None:
     if not args.skip_transformers:
         results.append(run_transformers(prompts, args.gen))
     shared = results[0]
-    print(f"\n{args.agents} agents x ({args.prefix} shared + {args.tail} private) tokens, {args.gen} generated each")
-    print(f"{'run':34} {'wall s':>8} {'prefill tok':>12} {'peak KV MiB':>12} {'decode tok/s':>13} {'shared speedup':>15}")
+    print(
+        f"\n{args.agents} agents x ({args.prefix} shared + {args.tail} private) tokens, {args.gen} generated each"
+    )
+    print(
+        f"{'run':34} {'wall s':>8} {'prefill tok':>12} {'peak KV MiB':>12} {'decode tok/s':>13} {'shared speedup':>15}"
+    )
     for r in results:
         print(
             f"{r.name:34} {r.wall_s:8.2f} {r.prefill_tokens:12,} {r.peak_kv_bytes / 2**20:12.1f} "

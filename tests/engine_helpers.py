@@ -6,8 +6,8 @@ from functools import cache
 from pathlib import Path
 
 import torch
-from conftest_tokenizer_helpers import qwen_tokenizer
 
+from conftest_tokenizer_helpers import qwen_tokenizer
 from swarmkv import LLM
 from swarmkv.config import ModelConfig
 from swarmkv.models.decoder import DecoderForCausalLM

@@ -30,7 +30,9 @@ def hf_model() -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
 
 
 def test_greedy_matches_transformers_generate(llm: LLM, hf_model: torch.nn.Module) -> None:
@@ -40,7 +42,9 @@ def test_greedy_matches_transformers_generate(llm: LLM, hf_model: torch.nn.Modul
     for out in outputs:
         ids = torch.tensor([out.prompt_token_ids])
         with torch.inference_mode():
-            ref = hf_model.generate(ids, max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(ids))
+            ref = hf_model.generate(
+                ids, max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(ids)
+            )
         assert out.token_ids == ref[0, ids.shape[1] :].tolist()
     assert "Paris" in outputs[0].text
 
@@ -51,7 +55,9 @@ def test_sharing_on_off_identical_on_the_default_model(llm: LLM) -> None:
     prompts = [head + t for t in tails]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     shared = llm.generate(prompts, params)
-    naive = LLM(loaded=llm.loaded, kv_cache_memory="512MiB", prefix_caching=False, max_num_batched_tokens=4096)
+    naive = LLM(
+        loaded=llm.loaded, kv_cache_memory="512MiB", prefix_caching=False, max_num_batched_tokens=4096
+    )
     for a, b in zip(shared, naive.generate(prompts, params), strict=True):
         assert a.token_ids == b.token_ids
     assert sum(o.num_cached_tokens for o in shared) >= 3 * 1024

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from engine_helpers import tiny_llm
 
+from engine_helpers import tiny_llm
 from swarmkv import LLM, SamplingParams
 from swarmkv.errors import CapacityError, InvalidRequestError
 
@@ -37,7 +37,14 @@ def test_prompt_longer_than_the_pool_is_refused_while_others_run() -> None:
 
 @pytest.mark.parametrize(
     "fields",
-    [{"max_tokens": 0}, {"max_tokens": -3}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_k": 0}, {"stop": [""]}],
+    [
+        {"max_tokens": 0},
+        {"max_tokens": -3},
+        {"temperature": -1.0},
+        {"top_p": 0.0},
+        {"top_k": 0},
+        {"stop": [""]},
+    ],
 )
 def test_bad_sampling_values_are_typed_errors(fields: dict) -> None:
     with pytest.raises(InvalidRequestError):
@@ -87,7 +94,9 @@ def test_stop_strings_and_stop_tokens() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     (free,) = llm.generate([[5, 6, 7]], params)
     stop_at = free.token_ids[3]
-    (by_id,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=(stop_at,)))
+    (by_id,) = llm.generate(
+        [[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=(stop_at,))
+    )
     assert by_id.finish_reason == "stop" and by_id.token_ids[-1] == stop_at
     assert len(by_id.token_ids) == free.token_ids.index(stop_at) + 1
     needle = free.text[len(free.text) // 2 : len(free.text) // 2 + 2]

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine_helpers import TINY_VOCAB, tiny_llm
 from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
 
+from engine_helpers import TINY_VOCAB, tiny_llm
 from swarmkv import SamplingParams
 
 BLOCK = 4
@@ -30,7 +30,13 @@ HEADS = [[(7 * i + h * 31) % TINY_VOCAB for i in range(n)] for h, n in enumerate
 
 def run(actions: list, kv_pages: int, budget: int) -> tuple[dict[str, list[int]], set[str], object]:
     llm = tiny_llm(
-        kv_cache_memory=kv_pages * BLOCK * 2 * 2 * 2 * 16 * 8,  # pages x tokens x (K,V) x layers x heads x dim x f64
+        kv_cache_memory=kv_pages
+        * BLOCK
+        * 2
+        * 2
+        * 2
+        * 16
+        * 8,  # pages x tokens x (K,V) x layers x heads x dim x f64
         block_size=BLOCK,
         max_num_batched_tokens=budget,
         max_model_len=min(64, kv_pages * BLOCK),
@@ -64,7 +70,9 @@ def run(actions: list, kv_pages: int, budget: int) -> tuple[dict[str, list[int]]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(actions=st.lists(action, min_size=3, max_size=25), kv_pages=st.integers(16, 24), budget=st.integers(8, 64))
+@given(
+    actions=st.lists(action, min_size=3, max_size=25), kv_pages=st.integers(16, 24), budget=st.integers(8, 64)
+)
 def test_tiny_pool_streams_keep_integrity_and_outputs(actions: list, kv_pages: int, budget: int) -> None:
     small, aborted, engine = run(actions, kv_pages, budget)
     preemptions = engine.counters.preemptions  # type: ignore[attr-defined]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_helpers import TINY_VOCAB, tiny_llm
 
+from engine_helpers import TINY_VOCAB, tiny_llm
 from swarmkv import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

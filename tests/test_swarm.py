@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest_tokenizer_helpers import smol_tokenizer
 
+from conftest_tokenizer_helpers import smol_tokenizer
 from swarmkv.cli import main
 from swarmkv.swarm.workload import build_workload, initial_messages, prefix_token_count, tool_result_message
 
