@@ -85,3 +85,20 @@ def test_swarm_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None
     assert main(["swarm", "--agents", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "positive" in err[0]
+
+
+def test_swarm_over_http_reports_cached_tokens(tmp_path: Path) -> None:
+    from swarmkv import LLM
+    from swarmkv.server import create_app
+    from swarmkv.server.background import BackgroundServer
+
+    out = tmp_path / "http.json"
+    llm = LLM(kv_cache_memory="256MiB", max_model_len=2048)
+    with BackgroundServer(create_app(llm, model_name="smol")) as server:
+        args = ["swarm", "--server", server.url, "--model", "smol", "--agents", "2", "--turns", "2"]
+        assert main([*args, "--prefix-tokens", "300", "--max-tokens", "3", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["model"] == "smol" and report["summary"]["requests"] == 4
+    # The second agent's first turn and every later turn hit the shared head and the agent's own turns.
+    assert report["summary"]["cached_tokens"] >= 3 * (300 // 16 * 16)
+    assert all(t["ttft_s"] is not None for turns in report["agent_turns"] for t in turns)

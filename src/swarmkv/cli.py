@@ -14,9 +14,10 @@ Register = Callable[[argparse._SubParsersAction], None]
 def _registrars() -> list[Register]:
     from swarmkv.generate_cli import register as generate
     from swarmkv.plan.cli import register as plan
+    from swarmkv.server.cli import register as serve
     from swarmkv.swarm.cli import register as swarm
 
-    return [generate, swarm, plan]
+    return [generate, swarm, plan, serve]
 
 
 def build_parser() -> argparse.ArgumentParser:

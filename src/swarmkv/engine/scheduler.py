@@ -70,7 +70,9 @@ class Scheduler:
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if not self._reserve(seq, num_tokens, scheduled):
                 continue
-            kind: Literal["prefill", "decode"] = "decode" if seq.num_uncomputed_tokens == 1 else "prefill"
+            # A lone prompt token left over from a chunked prefill is still prefill; decode means generated tokens.
+            decoding = seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= len(seq.prompt_token_ids)
+            kind: Literal["prefill", "decode"] = "decode" if decoding else "prefill"
             chunks.append(Chunk(seq, seq.num_computed_tokens, num_tokens, kind))
             scheduled.add(id(seq))
             budget -= num_tokens

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from swarmkv.generate_cli import add_model_arguments
+from swarmkv.models.default import default_model_path
+from swarmkv.models.gguf_file import read_gguf_metadata
 from swarmkv.models.loader import load_model
+from swarmkv.swarm.http_driver import run_swarm_over_http
 from swarmkv.swarm.report import mode_record, print_table, ratios, save_plot
 from swarmkv.swarm.run import Mode, ModeResult, pool_bytes_for, run_swarm
 from swarmkv.swarm.workload import build_workload, prefix_token_count
+from swarmkv.tokenizer import Tokenizer
 from swarmkv.units import parse_size
 
 
@@ -30,6 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--mode", choices=("both", "shared", "naive"), default="both")
     parser.add_argument("--json", metavar="FILE", help="write the measurements as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="write a plot of KV over time and per agent")
+    parser.add_argument(
+        "--server", metavar="URL", help="drive an OpenAI-compatible server instead (--model names it)"
+    )
+    parser.add_argument("--api-key", default=None, help="bearer token for --server")
     parser.set_defaults(run=run)
 
 
@@ -38,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     if args.agents <= 0 or args.turns <= 0 or args.prefix_tokens <= 0 or args.max_tokens <= 0:
         raise ValueError("--agents, --turns, --prefix-tokens and --max-tokens must be positive")
     console = Console()
+    if args.server:
+        return run_over_http(args, console)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     tokenizer = loaded.tokenizer
     workload = build_workload(
@@ -105,4 +117,41 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         save_plot(args.plot, results, shared_prefix)
         console.print(f"wrote {args.plot}")
+    return 0
+
+
+def run_over_http(args: argparse.Namespace, console: Console) -> int:
+    """`--server URL`: the same workload, sized with the default model's tokenizer, sent over HTTP."""
+    tokenizer = Tokenizer.from_gguf_metadata(read_gguf_metadata(default_model_path()))
+    workload = build_workload(
+        tokenizer,
+        agents=args.agents,
+        turns=args.turns,
+        prefix_tokens=args.prefix_tokens,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
+    with Progress(
+        TextColumn("http"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    ) as bar:
+        task = bar.add_task("http", total=len(workload.agents) * workload.turns)
+        report = asyncio.run(
+            run_swarm_over_http(
+                args.server,
+                workload,
+                model=args.model,
+                api_key=args.api_key,
+                progress=lambda done, total: bar.update(task, completed=done),
+            )
+        )
+    table = Table(title=f"{args.server} ({report['model']}): {args.agents} agents x {args.turns} turns")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in report["summary"].items():
+        table.add_row(key, "-" if value is None else f"{value:,}")
+    console.print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        console.print(f"wrote {args.json}")
     return 0

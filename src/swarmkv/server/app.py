@@ -1,0 +1,177 @@
+"""The ASGI app: OpenAI routes, /health, /metrics, API-key check and OpenAI-shaped errors over one AsyncEngine."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from swarmkv.engine.llm import LLM
+from swarmkv.server.async_engine import AsyncEngine
+from swarmkv.server.completions import ServerContext, chat_completions, completions
+from swarmkv.server.metrics import ServerMetrics
+from swarmkv.server.protocol import APIError
+from swarmkv.server.request_stream import EngineUnavailableError
+
+log = logging.getLogger(__name__)
+
+# The /metrics label of every path the app routes; anything else counts as "other", bounding cardinality.
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+def default_model_name(llm: LLM) -> str:
+    """The name clients send as `model`: the checkpoint's file stem or folder name."""
+    path = llm.loaded.path
+    return path.stem if path.is_file() else path.name
+
+
+def create_app(llm: LLM, api_key: str | None = None, model_name: str | None = None) -> Starlette:
+    """An app serving `llm`; its engine loop runs while the app's lifespan does. One app per LLM."""
+    engine = AsyncEngine(llm.engine)
+    metrics = ServerMetrics(engine.stats)
+    ctx = ServerContext(
+        engine=engine,
+        tokenizer=llm.tokenizer,
+        model_name=model_name or default_model_name(llm),
+        max_model_len=llm.engine.max_model_len,
+        metrics=metrics,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_route, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        middleware=[Middleware(_Gate, api_key=api_key, metrics=metrics)],
+        exception_handlers={
+            APIError: _api_error,
+            HTTPException: _http_error,
+            EngineUnavailableError: _engine_unavailable,
+            Exception: _server_error,
+        },
+    )
+    app.state.ctx = ctx
+    return app
+
+
+async def models(request: Request) -> Response:
+    """GET /v1/models: the one model this server runs."""
+    ctx: ServerContext = request.app.state.ctx
+    card = {
+        "id": ctx.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "swarmkv",
+        "max_model_len": ctx.max_model_len,
+    }
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def health(request: Request) -> Response:
+    """GET /health: 200 while the engine loop runs, 503 otherwise."""
+    ctx: ServerContext = request.app.state.ctx
+    if not ctx.engine.is_running:
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics_route(request: Request) -> Response:
+    """GET /metrics in the Prometheus text format."""
+    ctx: ServerContext = request.app.state.ctx
+    return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.to_json(), status_code=error.status)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return _error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = "not_found" if exc.status_code == 404 else None
+    return _error_response(
+        APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
+    )
+
+
+async def _engine_unavailable(request: Request, exc: Exception) -> Response:
+    return _error_response(APIError(503, str(exc), error_type="server_error"))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.error("unhandled error on %s", request.url.path, exc_info=exc)
+    return _error_response(APIError(500, "the server failed on this request", error_type="server_error"))
+
+
+class _Gate:
+    """Counts every answer by route and status, and requires `Authorization: Bearer KEY` on /v1/ routes."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        status = 500  # if the app dies before it starts a response
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if path.startswith("/v1/") and not self._authorized(scope):
+                error = APIError(
+                    401,
+                    "a valid API key is required: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )
+                await _error_response(error)(scope, receive, counting_send)
+            else:
+                await self.app(scope, receive, counting_send)
+        finally:
+            route = path if path in _ROUTES else "other"
+            self.metrics.http_requests.labels(route=route, status=str(status)).inc()
+
+    def _authorized(self, scope: Scope) -> bool:
+        if self.api_key is None:
+            return True
+        headers: dict[bytes, Any] = dict(scope["headers"])
+        given = headers.get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = given.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        )

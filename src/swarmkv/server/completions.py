@@ -1,0 +1,247 @@
+"""POST /v1/chat/completions and /v1/completions: validate, template, submit, then stream or collect."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from swarmkv.engine.sampling_params import SamplingParams
+from swarmkv.errors import InvalidRequestError
+from swarmkv.server.async_engine import AsyncEngine
+from swarmkv.server.chat_request import ChatRequest, parse_chat_request
+from swarmkv.server.metrics import ServerMetrics
+from swarmkv.server.protocol import APIError, Options, bad_request, parse_completion_request, parse_json_body
+from swarmkv.server.request_stream import EngineUnavailableError, RequestStream, StepOutput
+from swarmkv.server.responses import Envelope, sse, tool_call_delta, usage
+from swarmkv.server.tool_parser import ParsedDelta, StreamingToolParser, ToolCall, parse_tool_calls
+from swarmkv.tokenizer import Tokenizer
+
+# nginx's "client closed request": logged and counted, never seen by the client.
+STATUS_CLIENT_GONE = 499
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    """What the routes of one app share."""
+
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    metrics: ServerMetrics
+
+    def check_model(self, model: str | None) -> None:
+        """A 404 unless `model` is the one this server serves (or omitted)."""
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+
+class _Latency:
+    """Observes time to first token and inter-token latency of one request as its outputs arrive."""
+
+    def __init__(self, metrics: ServerMetrics, arrival_s: float) -> None:
+        self._metrics = metrics
+        self._last_s: float | None = None
+        self._arrival_s = arrival_s
+
+    def observe(self, out: StepOutput) -> None:
+        if out.num_new_tokens == 0:
+            return
+        if self._last_s is None:
+            self._metrics.time_to_first_token.observe(out.emitted_at_s - self._arrival_s)
+        else:
+            self._metrics.inter_token_latency.observe(out.emitted_at_s - self._last_s)
+        self._last_s = out.emitted_at_s
+
+
+def _usage(out: StepOutput | None) -> dict[str, int | dict[str, int]]:
+    if out is None:
+        return usage(0, 0, 0)
+    return usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+
+
+def _finish_reason(out: StepOutput | None, num_calls: int) -> str | None:
+    reason = out.finish_reason if out is not None else None
+    return "tool_calls" if num_calls and reason == "stop" else reason
+
+
+async def _submit(
+    ctx: ServerContext,
+    prefix: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    options: Options,
+    arrival_s: float,
+) -> RequestStream:
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    try:
+        return await ctx.engine.submit(request_id, prompt_ids, params, options.cache_salt, arrival_s)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc)) from exc
+
+
+async def chat_completions(request: Request) -> Response:
+    """POST /v1/chat/completions."""
+    arrival_s = time.perf_counter()
+    ctx: ServerContext = request.app.state.ctx
+    req = parse_chat_request(parse_json_body(await request.body()))
+    ctx.check_model(req.options.model)
+    tools = req.tools if req.tool_choice.mode != "none" else None
+    try:
+        text = ctx.tokenizer.apply_chat_template(req.messages, tools=tools)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param="messages") from exc
+    prompt_ids = ctx.tokenizer.encode(text + req.forced_prefix(), add_special_tokens=False)
+    params = req.options.sampling_params(len(prompt_ids), ctx.max_model_len, "messages", req.forced_stop())
+    stream = await _submit(ctx, "chatcmpl", prompt_ids, params, req.options, arrival_s)
+    env = Envelope(stream.request_id, int(time.time()), ctx.model_name)
+    latency = _Latency(ctx.metrics, arrival_s)
+    if req.options.stream:
+        return _EventStream(
+            _chat_events(env, req, stream, latency), lambda: ctx.engine.abort(stream.request_id)
+        )
+    outputs = await _collect_unless_disconnected(request, ctx, stream, latency)
+    if outputs is None:
+        return Response(status_code=STATUS_CLIENT_GONE)
+    last = outputs[-1] if outputs else None
+    body = "".join(o.text for o in outputs)
+    if req.parses_tool_calls:
+        parsed = parse_tool_calls(req.forced_prefix() + body)
+    else:
+        parsed = ParsedDelta(content=body)
+    content = parsed.content if parsed.content or not parsed.tool_calls else None
+    reason = _finish_reason(last, len(parsed.tool_calls))
+    return JSONResponse(env.chat_completion(content, parsed.tool_calls, reason, _usage(last)))
+
+
+async def _chat_events(
+    env: Envelope, req: ChatRequest, stream: RequestStream, latency: _Latency
+) -> AsyncIterator[str]:
+    with_usage = req.options.include_usage
+    yield sse(env.chat_chunk({"role": "assistant", "content": ""}, with_usage_field=with_usage))
+    parser = StreamingToolParser() if req.parses_tool_calls else None
+    if parser is not None:
+        parser.feed(req.forced_prefix())  # opens the forced call; yields nothing by itself
+    calls: list[ToolCall] = []
+    last: StepOutput | None = None
+    try:
+        async for out in stream:
+            latency.observe(out)
+            last = out
+            parsed = ParsedDelta(content=out.text) if parser is None else parser.feed(out.text)
+            if parser is not None and out.finished:
+                tail = parser.finish()
+                parsed = ParsedDelta(parsed.content + tail.content, parsed.tool_calls + tail.tool_calls)
+            if parsed.content:
+                yield sse(env.chat_chunk({"content": parsed.content}, with_usage_field=with_usage))
+            for call in parsed.tool_calls:
+                yield sse(env.chat_chunk(tool_call_delta(len(calls), call), with_usage_field=with_usage))
+                calls.append(call)
+    except EngineUnavailableError as exc:
+        yield sse(APIError(503, str(exc), error_type="server_error").to_json())
+        yield sse("[DONE]")
+        return
+    yield sse(env.chat_chunk({}, _finish_reason(last, len(calls)), with_usage_field=with_usage))
+    if with_usage:
+        yield sse(env.usage_chunk("chat.completion.chunk", _usage(last)))
+    yield sse("[DONE]")
+
+
+async def completions(request: Request) -> Response:
+    """POST /v1/completions."""
+    arrival_s = time.perf_counter()
+    ctx: ServerContext = request.app.state.ctx
+    req = parse_completion_request(parse_json_body(await request.body()))
+    ctx.check_model(req.options.model)
+    if isinstance(req.prompt, str):
+        prompt_ids = ctx.tokenizer.encode(req.prompt, add_special_tokens=True)
+    else:
+        prompt_ids = req.prompt
+    params = req.options.sampling_params(len(prompt_ids), ctx.max_model_len, "prompt")
+    stream = await _submit(ctx, "cmpl", prompt_ids, params, req.options, arrival_s)
+    env = Envelope(stream.request_id, int(time.time()), ctx.model_name)
+    latency = _Latency(ctx.metrics, arrival_s)
+    if req.options.stream:
+        events = _completion_events(env, req.options.include_usage, stream, latency)
+        return _EventStream(events, lambda: ctx.engine.abort(stream.request_id))
+    outputs = await _collect_unless_disconnected(request, ctx, stream, latency)
+    if outputs is None:
+        return Response(status_code=STATUS_CLIENT_GONE)
+    last = outputs[-1] if outputs else None
+    text = "".join(o.text for o in outputs)
+    return JSONResponse(env.completion(text, _finish_reason(last, 0), _usage(last)))
+
+
+async def _completion_events(
+    env: Envelope, with_usage: bool, stream: RequestStream, latency: _Latency
+) -> AsyncIterator[str]:
+    last: StepOutput | None = None
+    try:
+        async for out in stream:
+            latency.observe(out)
+            last = out
+            if out.text:
+                yield sse(env.completion_chunk(out.text, with_usage_field=with_usage))
+    except EngineUnavailableError as exc:
+        yield sse(APIError(503, str(exc), error_type="server_error").to_json())
+        yield sse("[DONE]")
+        return
+    yield sse(env.completion_chunk("", _finish_reason(last, 0), with_usage_field=with_usage))
+    if with_usage:
+        yield sse(env.usage_chunk("text_completion", _usage(last)))
+    yield sse("[DONE]")
+
+
+async def _collect_unless_disconnected(
+    request: Request, ctx: ServerContext, stream: RequestStream, latency: _Latency
+) -> list[StepOutput] | None:
+    """Every output of a non-streamed request; None (and the request aborted) if the client disconnects first."""
+
+    async def collect() -> list[StepOutput]:
+        outputs = []
+        async for out in stream:
+            latency.observe(out)
+            outputs.append(out)
+        return outputs
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    collecting = asyncio.ensure_future(collect())
+    watching = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        gone = not collecting.done()
+        if gone:
+            collecting.cancel()
+            ctx.engine.abort(stream.request_id)
+    return None if gone else collecting.result()
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that abort their request however the response ends (done, error, disconnect)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()

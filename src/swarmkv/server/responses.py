@@ -1,0 +1,81 @@
+"""The JSON objects the OpenAI API answers with: completions, streamed chunks, usage, server-sent events."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from swarmkv.server.tool_parser import ToolCall
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens` counts prompt tokens the prefix cache served."""
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event carrying a JSON object (or the literal `[DONE]`)."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What every object of one response repeats: id, creation time and model name."""
+
+    id: str
+    created: int
+    model: str
+
+    def chat_completion(
+        self,
+        content: str | None,
+        tool_calls: list[ToolCall],
+        finish_reason: str | None,
+        usage: dict[str, Any],
+    ) -> dict[str, Any]:
+        """A whole chat.completion."""
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = [call.to_openai() for call in tool_calls]
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("chat.completion"), "choices": [choice], "usage": usage}
+
+    def chat_chunk(
+        self, delta: dict[str, Any], finish_reason: str | None = None, with_usage_field: bool = False
+    ) -> dict[str, Any]:
+        """A chat.completion.chunk with one choice; `usage: null` is present when the final chunk will carry it."""
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        chunk = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        return {**chunk, "usage": None} if with_usage_field else chunk
+
+    def completion(self, text: str, finish_reason: str | None, usage: dict[str, Any]) -> dict[str, Any]:
+        """A whole text_completion."""
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("text_completion"), "choices": [choice], "usage": usage}
+
+    def completion_chunk(
+        self, text: str, finish_reason: str | None = None, with_usage_field: bool = False
+    ) -> dict[str, Any]:
+        """A streamed text_completion piece."""
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        chunk = {**self._head("text_completion"), "choices": [choice]}
+        return {**chunk, "usage": None} if with_usage_field else chunk
+
+    def usage_chunk(self, obj: str, usage: dict[str, Any]) -> dict[str, Any]:
+        """The final streamed object under `stream_options.include_usage`: no choices, only usage."""
+        return {**self._head(obj), "choices": [], "usage": usage}
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def tool_call_delta(index: int, call: ToolCall) -> dict[str, Any]:
+    """A streamed tool call, whole in one delta: OpenAI clients accumulate it like a fragmented one."""
+    return {"tool_calls": [{"index": index, **call.to_openai()}]}
