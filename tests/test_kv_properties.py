@@ -24,7 +24,9 @@ def admit(cache: PrefixCache, tokens: list[int], salt: str | None) -> list[int] 
 
 @settings(max_examples=200, deadline=None)
 @given(
-    ops=st.lists(st.tuples(st.booleans(), seq_tokens, st.sampled_from([None, "x"]), st.integers(0, 9)), max_size=40),
+    ops=st.lists(
+        st.tuples(st.booleans(), seq_tokens, st.sampled_from([None, "x"]), st.integers(0, 9)), max_size=40
+    ),
     num_pages=st.integers(1, 12),
     sharing=st.booleans(),
 )

@@ -103,19 +103,19 @@ class ModelConfig:
                 f"supported: {', '.join(sorted(HF_ARCHITECTURES))}"
             )
         text = raw.get("text_config", raw)
-        layers = int(text["num_hidden_layers"])
-        heads = int(text["num_attention_heads"])
-        hidden = int(text["hidden_size"])
-        layer_types = text.get("layer_types")
-        sliding = text.get("sliding_window")
-        uses_sliding = text.get("use_sliding_window", arch == "llama")
-        if sliding is not None and uses_sliding and layer_types is None:
-            layer_types = ["sliding_attention"] * layers
-        rope = text.get("rope_parameters") or {}
-        scaling_raw = text.get("rope_scaling") or (
-            rope if rope.get("rope_type", "default") != "default" else None
-        )
         try:
+            layers = int(text["num_hidden_layers"])
+            heads = int(text["num_attention_heads"])
+            hidden = int(text["hidden_size"])
+            layer_types = text.get("layer_types")
+            sliding = text.get("sliding_window")
+            uses_sliding = text.get("use_sliding_window", arch == "llama")
+            if sliding is not None and uses_sliding and layer_types is None:
+                layer_types = ["sliding_attention"] * layers
+            rope = text.get("rope_parameters") or {}
+            scaling_raw = text.get("rope_scaling") or (
+                rope if rope.get("rope_type", "default") != "default" else None
+            )
             return cls(
                 architecture=arch,
                 num_layers=layers,
@@ -138,6 +138,8 @@ class ModelConfig:
             )
         except KeyError as exc:
             raise ModelLoadError(f"config.json lacks required field {exc.args[0]!r}") from exc
+        except (TypeError, ValueError) as exc:
+            raise ModelLoadError(f"config.json has a field of the wrong type: {exc}") from exc
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> ModelConfig:

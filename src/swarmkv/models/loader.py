@@ -76,6 +76,7 @@ def _instantiate(config: ModelConfig, dtype: torch.dtype, device: torch.device) 
 def _load_gguf(file: GGUFFile, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     names = {t.name for t in file.reader.tensors}
     config = ModelConfig.from_gguf_metadata(file.metadata, num_output_tensors=int("output.weight" in names))
+    config.require_runnable()
     model = _instantiate(config, dtype, device)
     load_weights(model, config, named_tensors_to(gguf_tensors(file, config), dtype))
     model.tie_weights()
@@ -111,6 +112,7 @@ def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]
 
 def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     config = ModelConfig.from_hf_dir(path)
+    config.require_runnable()
     files = _safetensors_files(path)
     model = _instantiate(config, dtype, device)
     load_weights(model, config, named_tensors_to(_safetensors_tensors(files), dtype))

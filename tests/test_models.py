@@ -1,0 +1,218 @@
+"""Logits parity with transformers: tiny random checkpoints (1e-4) and the embedded SmolLM2 GGUF (1e-3)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from swarmkv.config import ModelConfig
+from swarmkv.models.attention import CausalSelfAttention
+from swarmkv.models.default import default_model_path
+from swarmkv.models.loader import LoadedModel, load_model
+from tiny_models import edit_config, make_tiny_checkpoint
+
+TINY_TOLERANCE = 1e-4
+GGUF_TOLERANCE = 1e-3
+# Small enough that 80-token prompts reach the frequencies llama3 scaling changes.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+TINY_CASES: dict[str, dict[str, Any]] = {
+    "llama": {"arch": "llama"},
+    "qwen2-bias": {"arch": "qwen2"},
+    "qwen3": {"arch": "qwen3"},
+    "qwen3-tied": {"arch": "qwen3", "tie_word_embeddings": True},
+    "llama-tied": {"arch": "llama", "tie_word_embeddings": True},
+    "llama-sharded": {"arch": "llama", "max_shard_size": "2MB"},
+    "llama3-rope": {"arch": "llama", "rope_parameters": LLAMA3_ROPE},
+}
+SMOL_PROMPTS = [
+    "The capital of France is",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker "
+    "who had never once left the valley. Every morning he opened his shop, wound every clock, and",
+]
+
+
+def swarmkv_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """Float32 logits [T, vocab] for one sequence through the cache-less reference attention."""
+    input_ids = torch.tensor(ids, device=loaded.device)
+    positions = torch.arange(len(ids), device=loaded.device)
+    with torch.inference_mode():
+        hidden = loaded.model(input_ids, positions, CausalSelfAttention())
+        return loaded.model.compute_logits(hidden)
+
+
+def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
+    """Float32 logits [T, vocab] from a transformers causal LM."""
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def random_ids(vocab_size: int, num_tokens: int, seed: int = 0) -> list[int]:
+    """Seeded random token ids."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (num_tokens,), generator=generator).tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every tiny checkpoint of TINY_CASES, saved once for the module."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: make_tiny_checkpoint(root / name, **case) for name, case in TINY_CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dirs: dict[str, Path]) -> dict[str, LoadedModel]:
+    """Every tiny checkpoint loaded by swarmkv in float32."""
+    return {name: load_model(path, dtype="float32") for name, path in tiny_dirs.items()}
+
+
+@pytest.mark.parametrize("case", list(TINY_CASES))
+def test_tiny_logits_match_transformers(
+    case: str, tiny_dirs: dict[str, Path], tiny: dict[str, LoadedModel]
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    loaded = tiny[case]
+    reference = AutoModelForCausalLM.from_pretrained(tiny_dirs[case], dtype=torch.float32).eval()
+    ids = random_ids(loaded.config.vocab_size, 80)
+
+    ours, theirs = swarmkv_logits(loaded, ids), hf_logits(reference, ids)
+
+    assert ours.shape == theirs.shape == (80, loaded.config.vocab_size)
+    assert (ours - theirs).abs().max().item() <= TINY_TOLERANCE
+    # Guard against a vacuous pass: the logits must actually vary from token to token.
+    assert theirs.std(dim=-1).min().item() > 0.1
+
+
+def test_tiny_variants_are_what_they_claim(tiny_dirs: dict[str, Path], tiny: dict[str, LoadedModel]) -> None:
+    assert len(list(tiny_dirs["llama-sharded"].glob("model-*.safetensors"))) > 1
+    assert (tiny_dirs["llama-sharded"] / "model.safetensors.index.json").is_file()
+    for case in ("qwen3-tied", "llama-tied"):
+        model = tiny[case].model
+        assert tiny[case].config.tie_word_embeddings
+        assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    qwen2 = tiny["qwen2-bias"]
+    assert qwen2.config.attention_bias
+    assert qwen2.model.layers[0].self_attn.qkv_proj.bias.abs().min().item() > 0
+    assert tiny["qwen3"].config.qk_norm and not tiny["llama"].config.qk_norm
+    assert tiny["llama3-rope"].config.rope_scaling is not None
+
+
+def test_llama3_rope_scaling_changes_logits(
+    tiny_dirs: dict[str, Path], tiny: dict[str, LoadedModel], tmp_path: Path
+) -> None:
+    """Parity on the llama3 case is meaningful only if dropping the scaling would break it."""
+    unscaled = tmp_path / "unscaled"
+    shutil.copytree(tiny_dirs["llama3-rope"], unscaled)
+    edit_config(unscaled, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    scaled = tiny["llama3-rope"]
+    ids = random_ids(scaled.config.vocab_size, 80)
+
+    difference = swarmkv_logits(scaled, ids) - swarmkv_logits(load_model(unscaled, dtype="float32"), ids)
+
+    assert difference.abs().max().item() > 100 * TINY_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def smol() -> LoadedModel:
+    """The embedded SmolLM2 GGUF in float32."""
+    return load_model(None, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def smol_hf() -> Any:
+    """transformers' own reading of the same GGUF file, dequantised to float32."""
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.mark.parametrize("prompt", SMOL_PROMPTS, ids=["short", "chat", "code", "story"])
+def test_gguf_logits_match_transformers(prompt: str, smol: LoadedModel, smol_hf: Any) -> None:
+    ids = smol.tokenizer.encode(prompt)
+
+    ours, theirs = swarmkv_logits(smol, ids), hf_logits(smol_hf, ids)
+
+    assert ours.shape == theirs.shape == (len(ids), smol.config.vocab_size)
+    assert (ours - theirs).abs().max().item() <= GGUF_TOLERANCE
+
+
+def test_gguf_config_matches_transformers_reading(smol: LoadedModel, smol_hf: Any) -> None:
+    ours, theirs = smol.config, smol_hf.config
+    assert isinstance(ours, ModelConfig)
+    assert ours.architecture == "llama"
+    assert (ours.num_layers, ours.hidden_size, ours.intermediate_size) == (
+        theirs.num_hidden_layers,
+        theirs.hidden_size,
+        theirs.intermediate_size,
+    )
+    assert (ours.num_heads, ours.num_kv_heads, ours.head_dim) == (
+        theirs.num_attention_heads,
+        theirs.num_key_value_heads,
+        theirs.hidden_size // theirs.num_attention_heads,
+    )
+    assert ours.vocab_size == theirs.vocab_size == smol.tokenizer.vocab_size
+    assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps)
+    assert ours.max_position_embeddings == theirs.max_position_embeddings
+    assert ours.tie_word_embeddings
+    assert ours.rope_scaling is None and not ours.qk_norm and not ours.attention_bias
+    assert ours.rope_theta == 100000.0
+
+
+def test_hf_config_is_normalised_from_config_json(tiny_dirs: dict[str, Path]) -> None:
+    """ModelConfig.from_hf_dir on what transformers itself wrote."""
+    qwen3 = ModelConfig.from_hf_dir(tiny_dirs["qwen3"])
+    assert (qwen3.architecture, qwen3.num_layers, qwen3.hidden_size) == ("qwen3", 2, 64)
+    assert (qwen3.num_heads, qwen3.num_kv_heads, qwen3.head_dim, qwen3.intermediate_size) == (4, 2, 16, 128)
+    assert qwen3.qk_norm and not qwen3.attention_bias and not qwen3.tie_word_embeddings
+    assert qwen3.num_attention_layers == 2
+    assert qwen3.kv_bytes_per_token(torch.float32) == 2 * 2 * 2 * 16 * 4
+    scaled = ModelConfig.from_hf_dir(tiny_dirs["llama3-rope"]).rope_scaling
+    assert scaled is not None
+    assert (scaled.kind, scaled.factor, scaled.original_max_position_embeddings) == ("llama3", 8.0, 64)
+    assert ModelConfig.from_hf_dir(tiny_dirs["llama-tied"]).tie_word_embeddings
+
+
+def test_bfloat16_checkpoint_loads_and_roughly_agrees(
+    tiny_dirs: dict[str, Path], tiny: dict[str, LoadedModel]
+) -> None:
+    half = load_model(tiny_dirs["qwen3"], dtype="bfloat16")
+    assert half.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in half.model.parameters())
+    ids = random_ids(half.config.vocab_size, 80)
+
+    full_logits, half_logits = swarmkv_logits(tiny["qwen3"], ids), swarmkv_logits(half, ids)
+
+    assert half_logits.dtype == torch.float32 and torch.isfinite(half_logits).all()
+    # bfloat16 keeps ~3 significant digits; over two random layers the logits drift by a few percent.
+    assert (half_logits - full_logits).abs().max().item() < 0.1 * full_logits.abs().max().item()
+    agree = (half_logits.argmax(-1) == full_logits.argmax(-1)).float().mean().item()
+    assert agree >= 0.8  # random logits over 151k tokens hold many near-ties
+
+
+def test_bfloat16_keeps_greedy_choice_on_smollm2(smol: LoadedModel) -> None:
+    # The cast of the float32 model is what load_model(dtype="bfloat16") builds, without re-reading the GGUF.
+    half = copy.deepcopy(smol.model).to(torch.bfloat16)
+    loaded_half = dataclasses.replace(smol, model=half, dtype=torch.bfloat16)
+    for prompt in SMOL_PROMPTS[:2]:
+        ids = smol.tokenizer.encode(prompt)
+        full_logits, half_logits = swarmkv_logits(smol, ids)[-1], swarmkv_logits(loaded_half, ids)[-1]
+        assert torch.isfinite(half_logits).all()
+        assert half_logits.argmax().item() == full_logits.argmax().item()
