@@ -18,7 +18,7 @@ from swarmkv.models.loader import load_model
 from swarmkv.swarm.http_driver import run_swarm_over_http
 from swarmkv.swarm.report import mode_record, print_table, ratios, save_plot
 from swarmkv.swarm.run import Mode, ModeResult, pool_bytes_for, run_swarm
-from swarmkv.swarm.workload import build_workload, prefix_token_count
+from swarmkv.swarm.workload import Workload, build_workload, prefix_token_count
 from swarmkv.tokenizer import Tokenizer
 from swarmkv.units import parse_size
 
@@ -52,14 +52,7 @@ def run(args: argparse.Namespace) -> int:
         return run_over_http(args, console)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     tokenizer = loaded.tokenizer
-    workload = build_workload(
-        tokenizer,
-        agents=args.agents,
-        turns=args.turns,
-        prefix_tokens=args.prefix_tokens,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-    )
+    workload = _workload(args, tokenizer)
     shared_prefix = prefix_token_count(tokenizer, workload.system_prompt, workload.tools)
     kv_per_token = loaded.config.kv_bytes_per_token(loaded.dtype)
     first_prompt = shared_prefix + max(len(tokenizer.encode(a.task)) for a in workload.agents) + 16
@@ -123,14 +116,7 @@ def run(args: argparse.Namespace) -> int:
 def run_over_http(args: argparse.Namespace, console: Console) -> int:
     """`--server URL`: the same workload, sized with the default model's tokenizer, sent over HTTP."""
     tokenizer = Tokenizer.from_gguf_metadata(read_gguf_metadata(default_model_path()))
-    workload = build_workload(
-        tokenizer,
-        agents=args.agents,
-        turns=args.turns,
-        prefix_tokens=args.prefix_tokens,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-    )
+    workload = _workload(args, tokenizer)
     with Progress(
         TextColumn("http"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     ) as bar:
@@ -155,3 +141,14 @@ def run_over_http(args: argparse.Namespace, console: Console) -> int:
             json.dump(report, f, indent=2)
         console.print(f"wrote {args.json}")
     return 0
+
+
+def _workload(args: argparse.Namespace, tokenizer: Tokenizer) -> Workload:
+    return build_workload(
+        tokenizer,
+        agents=args.agents,
+        turns=args.turns,
+        prefix_tokens=args.prefix_tokens,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
