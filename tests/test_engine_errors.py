@@ -113,3 +113,39 @@ def test_seeded_sampling_is_reproducible_and_differs_from_greedy() -> None:
     assert a.token_ids == b.token_ids
     (greedy,) = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     assert a.token_ids != greedy.token_ids
+
+
+def test_tiny_temperature_is_greedy_not_a_crash() -> None:
+    llm = tiny_llm()
+    (tiny,) = llm.generate([[1, 2, 3]], SamplingParams(temperature=1e-40, max_tokens=8, ignore_eos=True))
+    (greedy,) = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert tiny.token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_out_of_range_seed_is_a_typed_error(seed: int) -> None:
+    with pytest.raises(InvalidRequestError, match="seed"):
+        SamplingParams(seed=seed)
+
+
+def test_max_model_len_beyond_the_model_is_refused() -> None:
+    with pytest.raises(CapacityError, match="max_model_len"):
+        tiny_llm(max_model_len=10**6)
+
+
+@pytest.mark.parametrize("field", ["max_num_batched_tokens", "max_num_seqs", "block_size"])
+def test_zero_budgets_are_refused(field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        tiny_llm(**{field: 0})
+
+
+def test_stop_string_inside_a_long_new_piece_is_cut() -> None:
+    llm = tiny_llm()
+    engine = llm.engine
+    engine.add_request("s", [1, 2, 3], SamplingParams(max_tokens=5, stop=("----",)))
+    state = engine._requests["s"]
+    state.text = "abc"
+    assert not engine._cut_at_stop_string(state)
+    state.text += "x" * 40 + "-" * 32  # one step adding far more text than the longest stop string
+    assert engine._cut_at_stop_string(state)
+    assert state.text == "abc" + "x" * 40

@@ -103,3 +103,12 @@ def test_second_turn_only_prefills_the_new_tokens() -> None:
     assert turn2.num_cached_tokens >= (len(first) + len(turn1.token_ids) - 1) // 16 * 16
     assert computed <= len(second) - turn2.num_cached_tokens
     assert computed <= 40 + 16 + 1
+
+
+def test_without_sharing_waiting_requests_do_not_wait_for_each_other() -> None:
+    llm = tiny_llm(prefix_caching=False, max_num_batched_tokens=8192)
+    engine = llm.engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, GREEDY)
+    engine.step()
+    assert len(engine.scheduler.running) == len(PROMPTS)  # all admitted at once: nothing to hit, no reason to wait

@@ -24,7 +24,7 @@ from swarmkv.tokenizer import IncrementalDetokenizer
 class EngineConfig:
     """Sizes and switches of one engine; `max_model_len` None means the model's own context."""
 
-    kv_cache_memory: int
+    kv_cache_bytes: int
     block_size: int = 16
     prefix_caching: bool = True
     max_num_seqs: int = 64
@@ -32,6 +32,13 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     cascade_attention: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("kv_cache_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class _Request:
     generator: torch.Generator | None
     text: str = ""
     num_text_emitted: int = 0
+    num_text_checked: int = 0  # text before this offset holds no stop string
     error: str | None = None
 
 
@@ -65,12 +73,17 @@ class LLMEngine:
         self.config = config
         self.kv_bytes_per_token = loaded.config.kv_bytes_per_token(loaded.dtype)
         page_bytes = self.kv_bytes_per_token * config.block_size
-        num_pages = config.kv_cache_memory // page_bytes
-        self.max_model_len = config.max_model_len or loaded.config.max_position_embeddings
+        num_pages = config.kv_cache_bytes // page_bytes
+        model_len = loaded.config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_len:
+            raise CapacityError(
+                f"max_model_len={config.max_model_len} exceeds the model's context of {model_len} positions"
+            )
+        self.max_model_len = config.max_model_len if config.max_model_len is not None else model_len
         if num_pages < 2:
             # One page for the prompt and one to decode into is the least any request needs.
             raise CapacityError(
-                f"a KV pool of {config.kv_cache_memory} bytes holds {num_pages} page(s) of {page_bytes} bytes; "
+                f"a KV pool of {config.kv_cache_bytes} bytes holds {num_pages} page(s) of {page_bytes} bytes; "
                 f"it cannot hold a single request: raise kv_cache_memory"
             )
         self.page_bytes = page_bytes
@@ -81,7 +94,7 @@ class LLMEngine:
             else NoSharingCache(pool, config.block_size)
         )
         self.counters = EngineCounters()
-        limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.cache, config.block_size, limits, self.counters)
         kv = KVCache(loaded.config, num_pages, config.block_size, loaded.dtype, loaded.device)
         self.runner = ModelRunner(model, kv, loaded.device, cascade=config.cascade_attention)
@@ -143,10 +156,12 @@ class LLMEngine:
                 deltas.append(self._append_token(state, token))
             self.counters.steps += 1
             self._track_peaks()
-        for seq in self.scheduler.finished:
-            if seq.finish_reason != "abort" and not any(d.request_id == seq.request_id for d in deltas):
-                deltas.append(self._delta(self._requests[seq.request_id], [], True))
-        self.scheduler.finished.clear()
+        for seq in self.scheduler.gave_up:
+            state = self._requests[seq.request_id]
+            state.text += state.detokenizer.flush(seq.output_token_ids)
+            deltas = [d for d in deltas if d.request_id != seq.request_id]
+            deltas.append(self._delta(state, [], True))
+        self.scheduler.gave_up.clear()
         for delta in deltas:
             if delta.finished:
                 self._requests.pop(delta.request_id, None)
@@ -173,16 +188,16 @@ class LLMEngine:
             reason = "stop"
         if reason is not None:
             self.scheduler.finish(seq, reason)
-            self.scheduler.finished.remove(seq)
         return self._delta(state, [token], reason is not None)
 
     def _cut_at_stop_string(self, state: _Request) -> bool:
         stops = state.seq.params.stop
         if not stops:
             return False
-        window = max(len(s) for s in stops) + 16
-        tail_start = max(0, len(state.text) - window)
-        hits = [i for s in stops if (i := state.text.find(s, tail_start)) >= 0]
+        # A stop string may straddle the checked text and the new piece: back up by the longest one.
+        start = max(0, state.num_text_checked - max(len(s) for s in stops) + 1)
+        state.num_text_checked = len(state.text)
+        hits = [i for s in stops if (i := state.text.find(s, start)) >= 0]
         if not hits:
             return False
         state.text = state.text[: min(hits)]
@@ -202,7 +217,6 @@ class LLMEngine:
         if state is None:
             return False
         self.scheduler.finish(state.seq, "abort")
-        self.scheduler.finished.remove(state.seq)
         return True
 
     def get_sequence(self, request_id: str) -> Sequence | None:
@@ -210,19 +224,11 @@ class LLMEngine:
         state = self._requests.get(request_id)
         return state.seq if state else None
 
-    def request_text(self, request_id: str) -> str:
-        """Full text generated so far by a live request."""
-        return self._requests[request_id].text
-
     def _track_peaks(self) -> None:
         c = self.counters
         pool = self.cache.pool
         c.peak_kv_pages_in_use = max(c.peak_kv_pages_in_use, pool.num_held)
         c.peak_kv_pages_used = max(c.peak_kv_pages_used, pool.num_pages - pool.num_free)
-
-    def live_sequences(self) -> list[Sequence]:
-        """Sequences that hold pages."""
-        return list(self.scheduler.running)
 
     def check_integrity(self) -> None:
         """Assert that pages, refcounts, page tables and the prefix index agree."""

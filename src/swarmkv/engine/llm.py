@@ -56,12 +56,10 @@ class LLM:
         cascade_attention: bool = True,
         loaded: LoadedModel | None = None,
     ) -> None:
-        if block_size <= 0 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:
-            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
         self.loaded = loaded or load_model(model, dtype=dtype, device=device)
         self.tokenizer = self.loaded.tokenizer
         config = EngineConfig(
-            kv_cache_memory=parse_size(kv_cache_memory),
+            kv_cache_bytes=parse_size(kv_cache_memory),
             block_size=block_size,
             prefix_caching=prefix_caching,
             max_num_seqs=max_num_seqs,

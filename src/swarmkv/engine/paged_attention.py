@@ -93,7 +93,10 @@ class PagedAttention:
         whole group, one per-sequence read of each suffix, merged exactly through their log-sum-exps."""
         assert group.shared_slots is not None
         batch, num_heads, dim = q.shape
-        shared_k, shared_v = self.cache.gather(layer, group.shared_slots)  # [P, Hkv, D]
+        out_dtype = q.dtype
+        wide = torch.promote_types(q.dtype, torch.float32)  # merge in float32 at least, as SDPA accumulates
+        q = q.to(wide)
+        shared_k, shared_v = (t.to(wide) for t in self.cache.gather(layer, group.shared_slots))  # [P, Hkv, D]
         kv_heads = shared_k.shape[1]
         group_size = num_heads // kv_heads
         scale = dim**-0.5
@@ -115,8 +118,8 @@ class PagedAttention:
             per_sequence(prefix_out),
         )
         # Suffix: each sequence against its own keys (at least the token being decoded).
-        own_k, own_v = self.cache.gather(layer, group.key_slots)  # [B, S, Hkv, D]
-        scores = torch.matmul(q_grouped, own_k.permute(0, 2, 3, 1)).mul_(scale) + group.bias  # [B, Hkv, G, S]
+        own_k, own_v = (t.to(wide) for t in self.cache.gather(layer, group.key_slots))  # [B, S, Hkv, D]
+        scores = torch.matmul(q_grouped, own_k.permute(0, 2, 3, 1)).mul_(scale) + group.bias.to(wide)
         own_max = scores.amax(-1, keepdim=True)
         weights = torch.exp(scores - own_max)
         own_sum = weights.sum(-1, keepdim=True)
@@ -126,4 +129,4 @@ class PagedAttention:
         merged = (prefix_out * prefix_scale + own_out * own_scale) / (
             prefix_sum * prefix_scale + own_sum * own_scale
         )
-        return merged.reshape(batch, num_heads, dim)
+        return merged.reshape(batch, num_heads, dim).to(out_dtype)

@@ -8,6 +8,9 @@ from typing import Any
 
 from swarmkv.errors import InvalidRequestError
 
+GREEDY_BELOW = 1e-5
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -35,13 +38,17 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k <= 0):
             raise InvalidRequestError(f"top_k must be a positive integer or None, got {self.top_k!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]
+        ):
+            raise InvalidRequestError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must be non-empty strings")
 
     @property
     def greedy(self) -> bool:
-        """Whether tokens are chosen by argmax."""
-        return self.temperature == 0
+        """Whether tokens are chosen by argmax (temperatures this small would overflow the logits)."""
+        return self.temperature < GREEDY_BELOW
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> SamplingParams:

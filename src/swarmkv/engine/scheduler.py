@@ -32,7 +32,6 @@ class SchedulerLimits:
 
     max_num_seqs: int
     max_num_batched_tokens: int
-    max_model_len: int
 
 
 class Scheduler:
@@ -47,7 +46,9 @@ class Scheduler:
         self.counters = counters
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.finished: list[Sequence] = []  # finished by the scheduler itself, drained by the engine
+        self.gave_up: list[
+            Sequence
+        ] = []  # sequences the pool cannot hold, finished here, drained by the engine
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""
@@ -85,8 +86,10 @@ class Scheduler:
         while not self.cache.can_allocate(needed):
             victims = [s for s in self.running if s is not seq and id(s) not in scheduled]
             if not victims:
-                # Alone and still out of pages: the sequence has outgrown the whole pool.
-                self.preempt(seq) if self.running != [seq] else self.finish(seq, "length")
+                if self.running == [seq]:
+                    self._give_up(seq)  # alone and still out of pages: it has outgrown the whole pool
+                else:
+                    self.preempt(seq)
                 return False
             self.preempt(max(victims, key=lambda s: s.arrival))
         seq.page_table += self.cache.allocate(needed)
@@ -101,7 +104,7 @@ class Scheduler:
             # Keep one token uncached so that the step has something to compute and sample from.
             matched = self.cache.match(tokens[: len(tokens) - 1], seq.cache_salt)
             num_hit = len(matched) * self.block_size
-            if self._prefix_in_flight(seq, num_hit):
+            if self.cache.shares_pages and self._prefix_in_flight(seq, num_hit):
                 self.cache.release(matched)
                 continue
             num_tokens = min(len(tokens) - num_hit, budget)
@@ -109,8 +112,7 @@ class Scheduler:
             if not self.cache.can_allocate(needed):
                 self.cache.release(matched)
                 if not self.running and not chunks:
-                    self.waiting.remove(seq)
-                    self.finish(seq, "length")  # larger than the whole pool even when it is empty
+                    self._give_up(seq)  # larger than the whole pool even when it is empty
                     continue
                 break
             self.waiting.remove(seq)
@@ -147,8 +149,11 @@ class Scheduler:
             seq = chunk.seq
             seq.num_computed_tokens = chunk.start + chunk.num_tokens
             self.counters.prefill_tokens_computed += chunk.num_tokens if chunk.kind == "prefill" else 0
-            computed = seq.token_ids[: seq.num_computed_tokens]
-            seq.page_table = self.cache.insert(computed, seq.page_table, seq.cache_salt)
+            if (
+                seq.num_computed_tokens // self.block_size > chunk.start // self.block_size
+            ):  # a page filled up
+                computed = seq.token_ids[: seq.num_computed_tokens]
+                seq.page_table = self.cache.insert(computed, seq.page_table, seq.cache_salt)
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the sequence's pages (cached ones stay for its return) and requeue it."""
@@ -171,4 +176,7 @@ class Scheduler:
         seq.page_table = []
         seq.status = Status.FINISHED
         seq.finish_reason = reason
-        self.finished.append(seq)
+
+    def _give_up(self, seq: Sequence) -> None:
+        self.finish(seq, "length")
+        self.gave_up.append(seq)

@@ -10,6 +10,8 @@ from swarmkv.kv.prefix_cache import PrefixCache, Salt
 class NoSharingCache(PrefixCache):
     """A prefix cache that never matches and never keeps a page once its sequence lets go."""
 
+    shares_pages = False
+
     def match(self, tokens: Sequence[int], salt: Salt) -> list[int]:
         """Nothing is ever shared."""
         return []

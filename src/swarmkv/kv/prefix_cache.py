@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
+from typing import ClassVar
 
 from swarmkv.kv.page_pool import PagePool
 
@@ -13,6 +14,8 @@ Salt = str | None
 
 class PrefixCache(ABC):
     """Owns the page pool; decides which unheld pages stay cached and which go back to the free list."""
+
+    shares_pages: ClassVar[bool] = True
 
     def __init__(self, pool: PagePool, block_size: int) -> None:
         self.pool = pool

@@ -156,9 +156,10 @@ class AsyncEngine:
 
     def _iterate(self) -> bool:
         """Apply queued commands, then run one step if there is work; False once told to stop."""
-        for command in self._next_commands(block=not self.engine.has_unfinished()):
+        commands = self._next_commands(block=not self.engine.has_unfinished())
+        for i, command in enumerate(commands):
             if isinstance(command, _Stop):
-                self._close(EngineUnavailableError("the server is shutting down"))
+                self._close(EngineUnavailableError("the server is shutting down"), commands[i + 1 :])
                 return False
             self._apply(command)
         if self.engine.has_unfinished():
@@ -234,12 +235,12 @@ class AsyncEngine:
                 live.stream.put(error)
         self._live.clear()
 
-    def _close(self, error: Exception) -> None:
+    def _close(self, error: Exception, pending: list[_Command]) -> None:
         with self._lock:
             self._closed = True
         self._fail_all(error)
-        # Commands still queued would wait forever for an answer.
-        for command in self._next_commands(block=False):
+        # Commands taken from the queue but not applied, and those still queued, would wait forever.
+        for command in pending + self._next_commands(block=False):
             if isinstance(command, _Add) and command.accepted.set_running_or_notify_cancel():
                 command.accepted.set_exception(error)
             elif isinstance(command, _Call) and command.result.set_running_or_notify_cancel():

@@ -66,7 +66,7 @@ def run_swarm(
     engine = LLMEngine(
         loaded,
         EngineConfig(
-            kv_cache_memory=kv_cache_memory,
+            kv_cache_bytes=kv_cache_memory,
             block_size=block_size,
             max_num_seqs=len(workload.agents),
             max_num_batched_tokens=max_num_batched_tokens,
