@@ -111,4 +111,5 @@ def test_without_sharing_waiting_requests_do_not_wait_for_each_other() -> None:
     for i, p in enumerate(PROMPTS):
         engine.add_request(f"r{i}", p, GREEDY)
     engine.step()
-    assert len(engine.scheduler.running) == len(PROMPTS)  # all admitted at once: nothing to hit, no reason to wait
+    # All admitted at once: there is nothing to hit, so no reason to wait for another's prefill.
+    assert len(engine.scheduler.running) == len(PROMPTS)
