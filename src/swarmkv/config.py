@@ -22,6 +22,7 @@ HF_ARCHITECTURES: dict[str, Architecture] = {
 }
 GGUF_ARCHITECTURES: dict[str, Architecture] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 FULL_ATTENTION = "full_attention"
+KV_LAYER_TYPES = frozenset({FULL_ATTENTION, "sliding_attention"})  # layer kinds that keep a KV cache
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -77,7 +78,7 @@ class ModelConfig:
         """Layers that keep a KV cache (all of them unless layer_types says otherwise)."""
         if self.layer_types is None:
             return self.num_layers
-        return sum(t == FULL_ATTENTION for t in self.layer_types)
+        return sum(t in KV_LAYER_TYPES for t in self.layer_types)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V one token occupies across all attention layers."""
@@ -102,7 +103,7 @@ class ModelConfig:
                 f"unsupported architecture {names or raw.get('model_type')!r}; "
                 f"supported: {', '.join(sorted(HF_ARCHITECTURES))}"
             )
-        text = raw.get("text_config", raw)
+        text = raw.get("text_config") or raw
         try:
             layers = int(text["num_hidden_layers"])
             heads = int(text["num_attention_heads"])
