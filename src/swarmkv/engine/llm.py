@@ -105,8 +105,10 @@ class LLM:
                 results[rid] = RequestOutput(rid, prompt_ids.get(rid, []), [], "", None, 0, error=str(exc))
         texts: dict[str, list[str]] = {rid: [] for rid in order}
         live = {rid: self.engine.get_sequence(rid) for rid in order if rid not in results}
-        while self.engine.has_unfinished():
+        while any(rid not in results for rid in order):
             for delta in self.engine.step():
+                if delta.request_id not in texts:
+                    continue  # a request added through the engine directly: not ours to collect
                 texts[delta.request_id].append(delta.new_text)
                 if delta.finished:
                     seq = live[delta.request_id]
