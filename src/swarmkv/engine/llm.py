@@ -105,7 +105,7 @@ class LLM:
                 results[rid] = RequestOutput(rid, prompt_ids.get(rid, []), [], "", None, 0, error=str(exc))
         texts: dict[str, list[str]] = {rid: [] for rid in order}
         live = {rid: self.engine.get_sequence(rid) for rid in order if rid not in results}
-        while any(rid not in results for rid in order):
+        while any(rid not in results for rid in order) and self.engine.has_unfinished():
             for delta in self.engine.step():
                 if delta.request_id not in texts:
                     continue  # a request added through the engine directly: not ours to collect
@@ -121,6 +121,18 @@ class LLM:
                         delta.finish_reason,
                         seq.num_cached_tokens,
                     )
+        for rid in order:  # aborted through the engine while we ran
+            if rid not in results:
+                seq = live[rid]
+                assert seq is not None
+                results[rid] = RequestOutput(
+                    rid,
+                    seq.prompt_token_ids,
+                    list(seq.output_token_ids),
+                    "".join(texts[rid]),
+                    "abort",
+                    seq.num_cached_tokens,
+                )
         return [results[rid] for rid in order]
 
     def stats(self) -> dict[str, Any]:
