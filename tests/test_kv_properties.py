@@ -12,14 +12,8 @@ seq_tokens = st.lists(st.integers(0, 3), min_size=1, max_size=12)
 
 
 def admit(cache: PrefixCache, tokens: list[int], salt: str | None) -> list[int] | None:
-    """What the scheduler does: match, allocate the rest, insert the full pages."""
-    pages = cache.match(tokens[:-1], salt)
-    need = -(-len(tokens) // BLOCK) - len(pages)
-    if not cache.can_allocate(need):
-        cache.release(pages)
-        return None
-    pages += cache.allocate(need)
-    return cache.insert(tokens, pages, salt)
+    """What the scheduler does, in one go."""
+    return cache.admit(tokens, salt)
 
 
 @settings(max_examples=200, deadline=None)
@@ -47,8 +41,8 @@ def test_random_admissions_and_releases_keep_the_books(ops: list, num_pages: int
     for tokens, pages, salt in live:
         hit = cache.match(tokens, salt)
         # Every full page a live sequence inserted is findable again (it cannot have been evicted).
-        assert hit == (pages[: len(tokens) // BLOCK] if sharing else [])
-        cache.release(hit)
+        assert hit.pages == (pages[: len(tokens) // BLOCK] if sharing else [])
+        cache.release(hit.pages)
     for _, pages, _ in live:
         cache.release(pages)
     cache.check_integrity([])
@@ -68,8 +62,8 @@ def test_shared_head_is_evicted_last() -> None:
     cache.release(b)
     assert cache.evict(2) == 2  # the two private tails go first
     hit = cache.match([*head, 9], None)
-    assert hit == a[:2], "the shared head should have survived"
-    cache.release(hit)
+    assert hit.pages == a[:2], "the shared head should have survived"
+    cache.release(hit.pages)
     cache.check_integrity([])
 
 
@@ -77,11 +71,11 @@ def test_salts_never_share() -> None:
     cache = RadixCache(PagePool(8), BLOCK)
     a = admit(cache, [1, 2, 3, 4, 5], "a")
     assert a is not None
-    assert cache.match([1, 2, 3, 4, 5], "b") == []
-    assert cache.match([1, 2, 3, 4, 5], None) == []
+    assert cache.match([1, 2, 3, 4, 5], "b").pages == []
+    assert cache.match([1, 2, 3, 4, 5], None).pages == []
     hit = cache.match([1, 2, 3, 4, 5], "a")
-    assert hit == a[:2]
-    cache.check_integrity([a, hit])
+    assert hit.pages == a[:2]
+    cache.check_integrity([a, hit.pages])
 
 
 def test_duplicate_blocks_are_folded_onto_the_cached_page() -> None:
@@ -93,3 +87,25 @@ def test_duplicate_blocks_are_folded_onto_the_cached_page() -> None:
     second = cache.insert([5, 6, 7, 8], second, None)
     assert second == first and pool.num_free == 6  # the duplicate pages went back to the free list
     cache.check_integrity([first, second])
+
+
+def test_a_stopped_sequence_keeps_its_partial_page_for_its_continuation() -> None:
+    pool = PagePool(8)
+    cache = RadixCache(pool, BLOCK)
+    turn = [1, 2, 3, 4, 5]  # two full pages and one token in a third
+    pages = cache.admit(turn, None)
+    assert pages is not None and len(pages) == 3
+    cache.release(cache.insert(turn, pages, None, partial=True))  # the turn stops: 5 tokens of KV stay
+    cache.check_integrity([])
+    assert cache.num_cached == 3
+    hit = cache.match([*turn, 7, 8], None)
+    assert hit.pages == pages[:2] and hit.partial is not None and hit.partial.num_tokens == 1
+    assert hit.num_tokens(BLOCK) == 5
+    taken = cache.claim(hit.partial)
+    assert taken == pages[2] and not cache.is_cached(taken)  # now private: the next turn writes past it
+    cache.check_integrity([[*hit.pages, taken]])
+    other = cache.match([*turn, 9], None)
+    assert other.partial is None  # claimed pages are not offered twice
+    cache.release(other.pages)
+    cache.release([*hit.pages, taken])
+    cache.check_integrity([])

@@ -102,21 +102,24 @@ class Scheduler:
                 break
             tokens = seq.token_ids
             # Keep one token uncached so that the step has something to compute and sample from.
-            matched = self.cache.match(tokens[: len(tokens) - 1], seq.cache_salt)
-            num_hit = len(matched) * self.block_size
-            if self.cache.shares_pages and self._prefix_in_flight(seq, num_hit):
-                self.cache.release(matched)
+            hit = self.cache.match(tokens[: len(tokens) - 1], seq.cache_salt)
+            num_hit = hit.num_tokens(self.block_size)
+            if self.cache.shares_pages and hit.partial is None and self._prefix_in_flight(seq, num_hit):
+                self.cache.release(hit.pages)
                 continue
             num_tokens = min(len(tokens) - num_hit, budget)
-            needed = -(-(num_hit + num_tokens) // self.block_size) - len(matched)
-            if not self.cache.can_allocate(needed):
-                self.cache.release(matched)
+            claimed = 1 if hit.partial else 0
+            needed = -(-(num_hit + num_tokens) // self.block_size) - len(hit.pages) - claimed
+            # Until it is claimed, the partial page counts as evictable: do not count on it twice.
+            if not self.cache.can_allocate(needed + claimed):
+                self.cache.release(hit.pages)
                 if not self.running and not chunks:
                     self._give_up(seq)  # larger than the whole pool even when it is empty
                     continue
                 break
             self.waiting.remove(seq)
-            seq.page_table = matched + self.cache.allocate(needed)
+            partial = [self.cache.claim(hit.partial)] if hit.partial else []
+            seq.page_table = hit.pages + partial + self.cache.allocate(needed)
             seq.num_computed_tokens = num_hit
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_hit
@@ -158,8 +161,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the sequence's pages (cached ones stay for its return) and requeue it."""
         self.running.remove(seq)
-        self.cache.release(seq.page_table)
-        seq.page_table = []
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = Status.WAITING
@@ -172,10 +174,16 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.cache.release(seq.page_table)
-        seq.page_table = []
+        self._release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+
+    def _release(self, seq: Sequence) -> None:
+        """Let go of a sequence's pages, leaving all of its computed KV (the partial last page too) cached."""
+        computed = seq.token_ids[: seq.num_computed_tokens]
+        table = self.cache.insert(computed, seq.page_table, seq.cache_salt, partial=True)
+        self.cache.release(table)
+        seq.page_table = []
 
     def _give_up(self, seq: Sequence) -> None:
         self.finish(seq, "length")

@@ -2,7 +2,7 @@
 
 from swarmkv.kv.no_sharing import NoSharingCache
 from swarmkv.kv.page_pool import PagePool
-from swarmkv.kv.prefix_cache import PrefixCache
+from swarmkv.kv.prefix_cache import PartialHit, PrefixCache, PrefixMatch
 from swarmkv.kv.radix_cache import RadixCache
 
-__all__ = ["NoSharingCache", "PagePool", "PrefixCache", "RadixCache"]
+__all__ = ["NoSharingCache", "PagePool", "PartialHit", "PrefixCache", "PrefixMatch", "RadixCache"]

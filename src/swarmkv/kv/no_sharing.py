@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from swarmkv.kv.prefix_cache import PrefixCache, Salt
+from swarmkv.kv.prefix_cache import PrefixCache, PrefixMatch, Salt
 
 
 class NoSharingCache(PrefixCache):
@@ -12,11 +12,11 @@ class NoSharingCache(PrefixCache):
 
     shares_pages = False
 
-    def match(self, tokens: Sequence[int], salt: Salt) -> list[int]:
+    def match(self, tokens: Sequence[int], salt: Salt) -> PrefixMatch:
         """Nothing is ever shared."""
-        return []
+        return PrefixMatch()
 
-    def insert(self, tokens: Sequence[int], pages: list[int], salt: Salt) -> list[int]:
+    def insert(self, tokens: Sequence[int], pages: list[int], salt: Salt, partial: bool = False) -> list[int]:
         """Pages stay private to their sequence."""
         return pages
 

@@ -5,11 +5,32 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from swarmkv.kv.page_pool import PagePool
 
 Salt = str | None
+
+
+@dataclass(frozen=True)
+class PartialHit:
+    """A cached, partly filled last page whose first `num_tokens` slots hold KV the caller can reuse."""
+
+    page: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Full pages retained for the caller, and possibly a partial page it may claim to continue in."""
+
+    pages: list[int] = field(default_factory=list)
+    partial: PartialHit | None = None
+
+    def num_tokens(self, block_size: int) -> int:
+        """Tokens whose KV the match provides once the partial page (if any) is claimed."""
+        return len(self.pages) * block_size + (self.partial.num_tokens if self.partial else 0)
 
 
 class PrefixCache(ABC):
@@ -23,12 +44,17 @@ class PrefixCache(ABC):
         self.num_evictions = 0
 
     @abstractmethod
-    def match(self, tokens: Sequence[int], salt: Salt) -> list[int]:
-        """Pages holding the longest cached page-aligned prefix of `tokens`, retained for the caller."""
+    def match(self, tokens: Sequence[int], salt: Salt) -> PrefixMatch:
+        """The longest cached prefix of `tokens`: full pages (retained for the caller) and a partial page."""
 
     @abstractmethod
-    def insert(self, tokens: Sequence[int], pages: list[int], salt: Salt) -> list[int]:
-        """Offer a sequence's full pages (one per `block_size` tokens); return its page list after dedup."""
+    def insert(self, tokens: Sequence[int], pages: list[int], salt: Salt, partial: bool = False) -> list[int]:
+        """Offer a sequence's full pages, and with `partial` its partly filled last page too (when it stops
+        running); `tokens` are those whose KV the pages hold. Returns its page list after dedup."""
+
+    def claim(self, hit: PartialHit) -> int:
+        """Take a partial page out of the cache, held once by the caller, who will write past its tokens."""
+        raise NotImplementedError(f"{type(self).__name__} never offers partial pages")
 
     @abstractmethod
     def num_evictable(self) -> int:
@@ -53,6 +79,18 @@ class PrefixCache(ABC):
         if shortfall > 0:
             self.evict(shortfall)
         return self.pool.allocate(num_pages)
+
+    def admit(self, tokens: Sequence[int], salt: Salt) -> list[int] | None:
+        """Give `tokens` a page table as the scheduler does in one go (match all but the last token, claim,
+        allocate the rest, index the full pages); None, with nothing changed, if the pool cannot."""
+        hit = self.match(tokens[: len(tokens) - 1], salt)
+        claimed = 1 if hit.partial else 0
+        needed = -(-len(tokens) // self.block_size) - len(hit.pages) - claimed
+        if not self.can_allocate(needed + claimed):  # the partial page counts as evictable until claimed
+            self.release(hit.pages)
+            return None
+        pages = hit.pages + ([self.claim(hit.partial)] if hit.partial else []) + self.allocate(needed)
+        return self.insert(tokens, pages, salt)
 
     def release(self, pages: list[int]) -> None:
         """Drop a sequence's hold on its pages; uncached pages that nobody holds become free."""

@@ -1,4 +1,9 @@
-"""A token-keyed radix tree of full KV pages: one node per page, children keyed by the page's tokens."""
+"""A token-keyed radix tree of KV pages: one node per page, children keyed by the page's tokens.
+
+Inner nodes are full pages. A leaf may be a partial page (fewer than `block_size` tokens): the unfinished last
+page of a sequence that stopped running (a paused agent turn, a preempted request). The next request that
+continues those tokens claims the page and writes on past them, so a paused turn keeps all of its KV.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from swarmkv.kv.page_pool import PagePool
-from swarmkv.kv.prefix_cache import PrefixCache, Salt
+from swarmkv.kv.prefix_cache import PartialHit, PrefixCache, PrefixMatch, Salt
 
 BlockKey = tuple[int, ...]
 
@@ -35,13 +40,14 @@ class RadixCache(PrefixCache):
         bs = self.block_size
         return [tuple(tokens[i * bs : (i + 1) * bs]) for i in range(num_blocks)]
 
-    def match(self, tokens: Sequence[int], salt: Salt) -> list[int]:
-        """Pages of the longest cached page-aligned prefix, retained for the caller and marked recently used."""
+    def match(self, tokens: Sequence[int], salt: Salt) -> PrefixMatch:
+        """Full pages of the longest cached prefix, retained and marked recently used, plus the partial
+        page that continues it furthest (not retained: `claim` takes it)."""
         node = self._roots.get(salt)
-        pages: list[int] = []
         if node is None:
-            return pages
+            return PrefixMatch()
         now = next(self._clock)
+        pages: list[int] = []
         for key in self._blocks(tokens, len(tokens) // self.block_size):
             child = node.children.get(key)
             if child is None:
@@ -51,17 +57,46 @@ class RadixCache(PrefixCache):
             pages.append(child.page)
             node = child
         self.pool.retain(pages)
-        return pages
+        return PrefixMatch(pages, self._best_partial(node, tokens[len(pages) * self.block_size :]))
 
-    def insert(self, tokens: Sequence[int], pages: list[int], salt: Salt) -> list[int]:
-        """Index the full pages; where the tree already holds a block, swap the caller onto the tree's page."""
-        num_full = min(len(pages), len(tokens) // self.block_size)
+    def _best_partial(self, node: _Node, rest: Sequence[int]) -> PartialHit | None:
+        best: PartialHit | None = None
+        for key, child in node.children.items():
+            if len(key) == self.block_size:
+                continue
+            common = 0
+            for a, b in zip(key, rest, strict=False):
+                if a != b:
+                    break
+                common += 1
+            if common and (best is None or common > best.num_tokens):
+                assert child.page is not None
+                best = PartialHit(child.page, common)
+        return best
+
+    def claim(self, hit: PartialHit) -> int:
+        """Detach a partial page from the tree and hand it to the caller, held once."""
+        node = self._node_of_page[hit.page]
+        assert node.parent is not None and len(node.key) < self.block_size and not node.children
+        self.pool.retain([hit.page])
+        del node.parent.children[node.key]
+        del self._node_of_page[hit.page]
+        return hit.page
+
+    def insert(self, tokens: Sequence[int], pages: list[int], salt: Salt, partial: bool = False) -> list[int]:
+        """Index the full pages (and with `partial` the last, partly filled one); where the tree already
+        holds a block, swap the caller onto the tree's page."""
+        bs = self.block_size
+        num_full = min(len(pages), len(tokens) // bs)
         node = self._roots.get(salt)
         if node is None:
             node = self._roots[salt] = _Node(key=(), page=None, parent=None)
         now = next(self._clock)
         result = list(pages)
-        for i, key in enumerate(self._blocks(tokens, num_full)):
+        keys = self._blocks(tokens, num_full)
+        if partial and len(pages) > num_full and len(tokens) > num_full * bs:
+            keys.append(tuple(tokens[num_full * bs : (num_full + 1) * bs]))
+        for i, key in enumerate(keys):
             child = node.children.get(key)
             if child is None:
                 assert pages[i] not in self._node_of_page, f"page {pages[i]} is cached under another prefix"
@@ -119,7 +154,8 @@ class RadixCache(PrefixCache):
             node = stack.pop()
             for key, child in node.children.items():
                 assert child.parent is node and child.key == key, "child/parent links disagree"
-                assert len(key) == self.block_size, f"node key holds {len(key)} tokens"
+                full = len(key) == self.block_size
+                assert full or (0 < len(key) < self.block_size and not child.children), f"bad node key {key}"
                 assert child.page is not None and child.page not in seen, f"page {child.page} indexed twice"
                 assert self._node_of_page.get(child.page) is child, f"page {child.page} map is stale"
                 assert not self.pool.is_free(child.page), f"cached page {child.page} is on the free list"

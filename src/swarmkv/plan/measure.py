@@ -90,14 +90,11 @@ def agent_sequences(num_agents: int, prefix_tokens: int, tail_tokens: int) -> li
 
 def admit(cache: PrefixCache, sequences: Sequence[Sequence[int]]) -> list[list[int]]:
     """Admit each sequence as the scheduler does: match, allocate the rest, insert the computed pages."""
-    bs = cache.block_size
     tables = []
     for tokens in sequences:
-        # The scheduler keeps the last token out of the match so that prefill has a token to sample from.
-        matched = cache.match(tokens[: len(tokens) - 1], None)
-        needed = pages_for(len(tokens), bs) - len(matched)
-        assert cache.can_allocate(needed), "the measuring pool is sized for the no-sharing layout"
-        tables.append(cache.insert(tokens, matched + cache.allocate(needed), None))
+        table = cache.admit(tokens, None)
+        assert table is not None, "the measuring pool is sized for the no-sharing layout"
+        tables.append(table)
     cache.check_integrity(tables)
     return tables
 
