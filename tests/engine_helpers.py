@@ -16,23 +16,29 @@ from swarmkv.models.loader import LoadedModel
 TINY_VOCAB = 384  # byte-level ids of the Qwen tokenizer: every one decodes, none is an end-of-turn token
 
 
+def tiny_config(**overrides: object) -> ModelConfig:
+    """A 2-layer GQA Llama shape small enough to run thousands of steps in a test."""
+    fields: dict[str, object] = {
+        "architecture": "llama",
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "vocab_size": TINY_VOCAB,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    }
+    return ModelConfig(**{**fields, **overrides})  # type: ignore[arg-type]
+
+
 @cache
 def tiny_loaded(seed: int = 0, max_positions: int = 4096) -> LoadedModel:
     """A 2-layer GQA Llama with random weights on the CPU in float64."""
-    config = ModelConfig(
-        architecture="llama",
-        num_layers=2,
-        hidden_size=64,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=TINY_VOCAB,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=False,
-    )
+    config = tiny_config(max_position_embeddings=max_positions)
     torch.manual_seed(seed)
     model = DecoderForCausalLM(config).to(torch.float64)
     with torch.no_grad():

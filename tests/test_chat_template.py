@@ -11,10 +11,8 @@ from conftest_tokenizer_helpers import (
     SEARCH_TOOL,
     WEATHER_TOOL,
     qwen_hf,
-    qwen_tokenizer,
     smol_hf,
     smol_metadata,
-    smol_tokenizer,
 )
 from swarmkv.errors import InvalidRequestError
 from swarmkv.tokenizer import ChatTemplate, Tokenizer
@@ -66,16 +64,6 @@ CONVERSATIONS = {
     "tools": TOOL_CONVERSATION,
     "reasoning": REASONING_TURN,
 }
-
-
-@pytest.fixture(scope="module")
-def smol() -> Tokenizer:
-    return smol_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def qwen() -> Tokenizer:
-    return qwen_tokenizer()
 
 
 def _hf_render(hf: Any, messages: list[dict[str, Any]], **kwargs: Any) -> str:

@@ -4,25 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from swarmkv.config import ModelConfig
+from engine_helpers import tiny_config
 from swarmkv.engine.kv_cache import KVCache, page_slots
 from swarmkv.engine.paged_attention import DecodeGroup, PagedAttention, StepLayout
 
 BLOCK = 4
-CONFIG = ModelConfig(
-    architecture="llama",
-    num_layers=1,
-    hidden_size=32,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    intermediate_size=64,
-    vocab_size=64,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-)
+CONFIG = tiny_config(num_layers=1)
 
 
 def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

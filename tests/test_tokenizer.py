@@ -19,7 +19,6 @@ from conftest_tokenizer_helpers import (
     CORPUS,
     qwen_dir,
     qwen_hf,
-    qwen_tokenizer,
     smol_hf,
     smol_metadata,
     smol_tokenizer,
@@ -46,16 +45,6 @@ def _digit_split_matters(text: str) -> bool:
         if category != "Nd" or (i >= 2 and text[i - 2].isspace()):
             return True
     return False
-
-
-@pytest.fixture(scope="module")
-def smol() -> Tokenizer:
-    return smol_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def qwen() -> Tokenizer:
-    return qwen_tokenizer()
 
 
 @pytest.fixture(scope="module")
