@@ -71,7 +71,7 @@ def run(actions: list, kv_pages: int, budget: int) -> tuple[dict[str, list[int]]
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    actions=st.lists(action, min_size=3, max_size=25), kv_pages=st.integers(16, 24), budget=st.integers(8, 64)
+    actions=st.lists(action, min_size=8, max_size=25), kv_pages=st.integers(16, 24), budget=st.integers(8, 64)
 )
 def test_tiny_pool_streams_keep_integrity_and_outputs(actions: list, kv_pages: int, budget: int) -> None:
     small, aborted, engine = run(actions, kv_pages, budget)
