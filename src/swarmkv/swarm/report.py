@@ -81,6 +81,7 @@ def print_table(console: Console, results: dict[str, ModeResult], config: dict[s
             cells.append(f"{s / n:.3f}x" if n else "-")
         table.add_row(name, *cells)
     console.print(table)
+    console.print(_ttft_table(results))
     if both:
         reclaimed = results["naive"].peak_kv_bytes - results["shared"].peak_kv_bytes
         pool = results["shared"].pool_bytes
@@ -88,6 +89,24 @@ def print_table(console: Console, results: dict[str, ModeResult], config: dict[s
             f"KV reclaimed by sharing: {reclaimed:,} bytes ({reclaimed / GIB:.3f} GiB), "
             f"{reclaimed / pool:.1%} of the {pool / GIB:.2f} GiB pool"
         )
+
+
+def _ttft_table(results: dict[str, ModeResult]) -> Table:
+    """Time to first token of each agent: its first turn, and the mean of its later turns."""
+    table = Table(title="time to first token per agent (s)")
+    table.add_column("agent")
+    for mode in results:
+        table.add_column(f"{mode} first", justify="right")
+        table.add_column(f"{mode} later", justify="right")
+    num_agents = max(len(r.ttft_s) for r in results.values())
+    for agent in range(num_agents):
+        cells = []
+        for r in results.values():
+            turns = r.ttft_s[agent] if agent < len(r.ttft_s) else []
+            cells.append(f"{turns[0]:.2f}" if turns else "-")
+            cells.append(f"{statistics.mean(turns[1:]):.2f}" if len(turns) > 1 else "-")
+        table.add_row(str(agent), *cells)
+    return table
 
 
 def save_plot(path: str, results: dict[str, ModeResult], shared_prefix_tokens: int) -> None:
