@@ -1,4 +1,4 @@
-"""Token selection for a batch: one argmax for greedy rows, per-row filtering only where it is needed."""
+"""Token selection for a batch: one argmax for every row, then one batched pass for the rows that sample."""
 
 from __future__ import annotations
 
@@ -10,26 +10,31 @@ from swarmkv.engine.sampling_params import SamplingParams
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int]:
-    """Pick one token per row of float32 `logits` [N, vocab]."""
+    """Pick one token per row of float32 `logits` [N, vocab]; one host transfer for the whole batch."""
     chosen = logits.argmax(dim=-1)
-    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if p.greedy:
-            continue
-        probs = _filtered_probs(logits[row], p)
-        chosen[row] = torch.multinomial(probs.cpu(), 1, generator=gen)[0]
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        device = logits.device
+        index = torch.tensor(rows, device=device)
+        picked = _sample_rows(logits[index], [params[i] for i in rows], [generators[i] for i in rows])
+        chosen[index] = picked
     return chosen.tolist()
 
 
-def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    scaled = row / p.temperature
-    if p.top_k is not None and p.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, p.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest head whose mass reaches top_p (the first token always survives).
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return probs
+def _sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    device, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+    ranked, order = (logits / temperature[:, None]).sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=device)
+    top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
+    ranked = ranked.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
+    probs = torch.softmax(ranked, dim=-1)
+    # top-p keeps the smallest head whose mass reaches top_p; the most likely token always survives.
+    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=probs.dtype)
+    probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p[:, None], 0.0)
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p without normalising it. The noise comes
+    # from each request's own CPU generator, so seeded requests do not depend on their batch neighbours.
+    noise = torch.stack([torch.empty(vocab).exponential_(generator=g) for g in generators]).to(device)
+    return order.gather(-1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(-1)
