@@ -35,6 +35,9 @@ class RadixCache(PrefixCache):
         self._roots: dict[Salt, _Node] = {}
         self._node_of_page: dict[int, _Node] = {}
         self._clock = itertools.count(1)
+        # Eviction candidates, oldest first. Entries go stale (node held again, touched, gone) and are skipped
+        # when popped; every unheld leaf has one entry carrying its current last_access.
+        self._heap: list[tuple[int, int, _Node]] = []
 
     def _blocks(self, tokens: Sequence[int], num_blocks: int) -> list[BlockKey]:
         bs = self.block_size
@@ -81,6 +84,7 @@ class RadixCache(PrefixCache):
         self.pool.retain([hit.page])
         del node.parent.children[node.key]
         del self._node_of_page[hit.page]
+        self._offer(node.parent)
         return hit.page
 
     def insert(self, tokens: Sequence[int], pages: list[int], salt: Salt, partial: bool = False) -> list[int]:
@@ -119,22 +123,47 @@ class RadixCache(PrefixCache):
 
     def evict(self, num_pages: int) -> int:
         """Free up to `num_pages` unheld leaves, oldest first; a parent becomes a candidate once it is a leaf."""
-        heap = [(n.last_access, id(n), n) for n in self._node_of_page.values() if self._is_evictable(n)]
-        heapq.heapify(heap)
         evicted = 0
-        while heap and evicted < num_pages:
-            _, _, node = heapq.heappop(heap)
+        while self._heap and evicted < num_pages:
+            last_access, _, node = heapq.heappop(self._heap)
+            if not self._is_candidate(node, last_access):
+                continue
             parent = node.parent
             assert parent is not None and node.page is not None
             del parent.children[node.key]
             del self._node_of_page[node.page]
             self.pool.free([node.page])
             evicted += 1
-            if parent.page is not None and self._is_evictable(parent):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            self._offer(parent)
         self._drop_empty_roots()
         self.num_evictions += evicted
         return evicted
+
+    def release(self, pages: list[int]) -> None:
+        """Drop a sequence's hold; unheld cached leaves become eviction candidates, uncached pages go free."""
+        uncached = []
+        for page in self.pool.release(pages):
+            node = self._node_of_page.get(page)
+            if node is None:
+                uncached.append(page)
+            else:
+                self._offer(node)
+        self.pool.free(uncached)
+
+    def _offer(self, node: _Node) -> None:
+        """Queue `node` for eviction if it is an unheld leaf (roots never are)."""
+        if not self._is_evictable(node):
+            return
+        heapq.heappush(self._heap, (node.last_access, id(node), node))
+        if len(self._heap) > 2 * len(self._node_of_page) + 64:  # mostly stale: rebuild from the live set
+            self._heap = [
+                (n.last_access, id(n), n) for n in self._node_of_page.values() if self._is_evictable(n)
+            ]
+            heapq.heapify(self._heap)
+
+    def _is_candidate(self, node: _Node, last_access: int) -> bool:
+        live = node.page is not None and self._node_of_page.get(node.page) is node
+        return live and node.last_access == last_access and self._is_evictable(node)
 
     def _is_evictable(self, node: _Node) -> bool:
         return not node.children and node.page is not None and self.pool.refcounts[node.page] == 0
@@ -166,3 +195,7 @@ class RadixCache(PrefixCache):
                 seen.add(child.page)
                 stack.append(child)
         assert seen == set(self._node_of_page), "nodes unreachable from any root"
+        queued = {(last, key) for last, key, node in self._heap if self._is_candidate(node, last)}
+        for node in self._node_of_page.values():
+            if self._is_evictable(node):
+                assert (node.last_access, id(node)) in queued, f"unheld leaf page {node.page} is not queued"
