@@ -193,6 +193,16 @@ def page_prediction(num_agents: int, prefix: int, block_size: int) -> tuple[int,
     return per_copy, num_agents * per_copy, whole + num_agents * (partial > 0), (num_agents - 1) * whole
 
 
+def page_counts(measured: Any) -> tuple[int, int, int, int]:
+    """Per copy, all copies, shared, reclaimed: the pages a measurement counted."""
+    return (
+        measured.pages_per_copy,
+        measured.pages_all_copies,
+        measured.pages_shared,
+        measured.pages_reclaimed,
+    )
+
+
 @pytest.mark.parametrize(
     ("shape", "block_size"),
     [
@@ -208,12 +218,7 @@ def test_measure_agrees_with_formula(shape: KVShape, block_size: int, prefix: in
     (formula,) = prefix_rows(shape.kv_bytes_per_token, 8, [prefix])
     assert measured.page_bytes == block_size * shape.kv_bytes_per_token
     assert measured.disagreements(formula) == []
-    pages = (
-        measured.pages_per_copy,
-        measured.pages_all_copies,
-        measured.pages_shared,
-        measured.pages_reclaimed,
-    )
+    pages = page_counts(measured)
     assert pages == page_prediction(8, prefix, block_size)
 
 
@@ -229,12 +234,7 @@ def test_measure_agrees_for_any_shape(num_agents: int, prefix: int, block_size: 
     measured = measure_row(shape, num_agents, prefix, block_size, tail)
     (formula,) = prefix_rows(shape.kv_bytes_per_token, num_agents, [prefix])
     assert measured.disagreements(formula) == []
-    pages = (
-        measured.pages_per_copy,
-        measured.pages_all_copies,
-        measured.pages_shared,
-        measured.pages_reclaimed,
-    )
+    pages = page_counts(measured)
     assert pages == page_prediction(num_agents, prefix, block_size)
 
 

@@ -159,7 +159,6 @@ class LLMEngine:
         for seq in self.scheduler.gave_up:
             state = self._requests[seq.request_id]
             state.text += state.detokenizer.flush(seq.output_token_ids)
-            deltas = [d for d in deltas if d.request_id != seq.request_id]
             deltas.append(self._delta(state, [], True))
         self.scheduler.gave_up.clear()
         for delta in deltas:

@@ -8,6 +8,7 @@ from typing import Literal
 
 from swarmkv.engine.sequence import Sequence, Status
 from swarmkv.engine.stats import EngineCounters
+from swarmkv.kv.page_pool import pages_for
 from swarmkv.kv.prefix_cache import PrefixCache
 
 
@@ -109,7 +110,7 @@ class Scheduler:
                 continue
             num_tokens = min(len(tokens) - num_hit, budget)
             claimed = 1 if hit.partial else 0
-            needed = -(-(num_hit + num_tokens) // self.block_size) - len(hit.pages) - claimed
+            needed = pages_for(num_hit + num_tokens, self.block_size) - len(hit.pages) - claimed
             # Until it is claimed, the partial page counts as evictable: do not count on it twice.
             if not self.cache.can_allocate(needed + claimed):
                 self.cache.release(hit.pages)

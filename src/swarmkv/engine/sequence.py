@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from swarmkv.engine.sampling_params import SamplingParams
+from swarmkv.kv.page_pool import pages_for
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -51,11 +52,6 @@ class Sequence:
         """Tokens whose KV is not in the page table yet (1 while decoding)."""
         return self.num_tokens - self.num_computed_tokens
 
-    @property
-    def is_finished(self) -> bool:
-        """Whether the sequence has stopped for good."""
-        return self.status is Status.FINISHED
-
     def pages_needed(self, num_tokens: int, block_size: int) -> int:
         """Pages to add so that `num_tokens` tokens fit in the page table."""
-        return max(0, -(-num_tokens // block_size) - len(self.page_table))
+        return max(0, pages_for(num_tokens, block_size) - len(self.page_table))

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+def pages_for(num_tokens: int, block_size: int) -> int:
+    """Pages `num_tokens` tokens occupy: the last one may be partly filled."""
+    return -(-num_tokens // block_size)
+
+
 class PagePool:
     """Hands out page ids; knows nothing about tokens, tensors or which pages are cached."""
 

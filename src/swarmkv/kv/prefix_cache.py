@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from swarmkv.kv.page_pool import PagePool
+from swarmkv.kv.page_pool import PagePool, pages_for
 
 Salt = str | None
 
@@ -85,7 +85,7 @@ class PrefixCache(ABC):
         allocate the rest, index the full pages); None, with nothing changed, if the pool cannot."""
         hit = self.match(tokens[: len(tokens) - 1], salt)
         claimed = 1 if hit.partial else 0
-        needed = -(-len(tokens) // self.block_size) - len(hit.pages) - claimed
+        needed = pages_for(len(tokens), self.block_size) - len(hit.pages) - claimed
         if not self.can_allocate(needed + claimed):  # the partial page counts as evictable until claimed
             self.release(hit.pages)
             return None

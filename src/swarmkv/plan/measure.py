@@ -9,8 +9,9 @@ from typing import Any
 import torch
 
 from swarmkv.kv import NoSharingCache, PagePool, PrefixCache, RadixCache
+from swarmkv.kv.page_pool import pages_for
 from swarmkv.plan.shape import KV_DTYPES, KVShape
-from swarmkv.plan.table import PrefixRow, pages_for
+from swarmkv.plan.table import PrefixRow
 
 
 @dataclass(frozen=True)

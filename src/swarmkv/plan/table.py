@@ -6,13 +6,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from swarmkv.kv.page_pool import pages_for
 from swarmkv.plan.shape import KVShape
 from swarmkv.units import format_gib
-
-
-def pages_for(num_tokens: int, block_size: int) -> int:
-    """Pages a sequence of `num_tokens` occupies: the last one may be partly filled."""
-    return -(-num_tokens // block_size)
 
 
 @dataclass(frozen=True)
