@@ -28,7 +28,9 @@ action = st.one_of(
 HEADS = [[(7 * i + h * 31) % TINY_VOCAB for i in range(n)] for h, n in enumerate((13, 21, 6))]
 
 
-def run(actions: list, kv_pages: int, budget: int) -> tuple[dict[str, list[int]], set[str], object]:
+def run(
+    actions: list, kv_pages: int, budget: int, prefix_caching: bool = True
+) -> tuple[dict[str, list[int]], set[str], object]:
     llm = tiny_llm(
         kv_cache_memory=kv_pages
         * BLOCK
@@ -40,6 +42,8 @@ def run(actions: list, kv_pages: int, budget: int) -> tuple[dict[str, list[int]]
         block_size=BLOCK,
         max_num_batched_tokens=budget,
         max_model_len=min(64, kv_pages * BLOCK),
+        prefix_caching=prefix_caching,
+        check_writes=True,
     )
     engine = llm.engine
     outputs: dict[str, list[int]] = {}
@@ -78,12 +82,13 @@ def test_tiny_pool_streams_keep_integrity_and_outputs(actions: list, kv_pages: i
     preemptions = engine.counters.preemptions  # type: ignore[attr-defined]
     target(float(preemptions), label="preemptions")
     event("preempted" if preemptions else "no preemption")
-    pool = engine.cache.pool  # type: ignore[attr-defined]
-    assert pool.num_held == 0, "pages still held after every request finished"
-    assert pool.num_free + engine.cache.num_cached == pool.num_pages  # type: ignore[attr-defined]
-    # Without aborts (which depend on timing) the same requests in a roomy pool generate the same tokens.
+    kv = engine.kv  # type: ignore[attr-defined]
+    assert kv.num_in_use == 0, "pages still held after every request finished"
+    assert kv.num_free + kv.num_cached == kv.num_pages
+    # Without aborts (which depend on timing) the same requests without sharing, in a roomy pool, generate
+    # the same tokens: the reference shares no page, so a fault in sharing cannot hide in both runs.
     replay = [a for a in actions if a[0] != "abort"]
-    large, _, big_engine = run(replay, 4096, 4096)
+    large, _, big_engine = run(replay, 4096, 4096, prefix_caching=False)
     assert big_engine.counters.preemptions == 0  # type: ignore[attr-defined]
     for rid, tokens in small.items():
         if rid not in aborted:
@@ -101,6 +106,6 @@ def test_preemption_and_eviction_keep_outputs() -> None:
     ]
     small, _, engine = run(actions, 17, 40)
     assert engine.counters.preemptions > 0  # type: ignore[attr-defined]
-    assert engine.cache.num_evictions > 0  # type: ignore[attr-defined]
-    large, _, _ = run(actions, 4096, 4096)
+    assert engine.kv.num_evictions > 0  # type: ignore[attr-defined]
+    large, _, _ = run(actions, 4096, 4096, prefix_caching=False)
     assert small == large

@@ -1,111 +1,243 @@
-"""Property tests of the page pool and the radix cache on their own, without a model."""
+"""Property tests of the KV manager, alone and behind the scheduler's admission path, without a model."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmkv.kv import NoSharingCache, PagePool, PrefixCache, RadixCache
+from swarmkv.engine.sampling_params import SamplingParams
+from swarmkv.engine.scheduler import Scheduler, SchedulerLimits, StepPlan
+from swarmkv.engine.sequence import Sequence
+from swarmkv.engine.stats import EngineCounters
+from swarmkv.kv import NO_HIT, KVCacheManager
 
-BLOCK = 2
-seq_tokens = st.lists(st.integers(0, 3), min_size=1, max_size=12)
+PAGE = 2
+tokens_st = st.lists(st.integers(0, 3), min_size=1, max_size=12)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
-def admit(cache: PrefixCache, tokens: list[int], salt: str | None) -> list[int] | None:
-    """What the scheduler does, in one go."""
-    return cache.admit(tokens, salt)
+def snapshot(kv: KVCacheManager) -> Any:
+    """Everything the manager's verbs may change."""
+    index = kv.index
+    return (
+        list(kv.pool.refcounts),
+        [kv.pool.is_free(p) for p in range(kv.num_pages)],
+        sorted(p for p in range(kv.num_pages) if index.is_cached(p)),
+        {rid: list(t.pages) for rid, t in kv._tables.items()},
+        index.num_roots,
+    )
+
+
+def request(rid: str, tokens: list[int], salt: str | None = None) -> Sequence:
+    return Sequence(rid, tokens, PARAMS, salt)
 
 
 @settings(max_examples=200, deadline=None)
 @given(
     ops=st.lists(
-        st.tuples(st.booleans(), seq_tokens, st.sampled_from([None, "x"]), st.integers(0, 9)), max_size=40
+        st.tuples(st.booleans(), tokens_st, st.sampled_from([None, "x"]), st.integers(0, 9), st.booleans()),
+        max_size=40,
     ),
     num_pages=st.integers(1, 12),
     sharing=st.booleans(),
 )
-def test_random_admissions_and_releases_keep_the_books(ops: list, num_pages: int, sharing: bool) -> None:
-    pool = PagePool(num_pages)
-    cache: PrefixCache = RadixCache(pool, BLOCK) if sharing else NoSharingCache(pool, BLOCK)
-    live: list[tuple[list[int], list[int], str | None]] = []
-    for add, tokens, salt, pick in ops:
+def test_manager_verbs_keep_the_books(ops: list, num_pages: int, sharing: bool) -> None:
+    kv = KVCacheManager(num_pages, PAGE, prefix_caching=sharing)
+    live: list[Sequence] = []
+    for n, (add, tokens, salt, pick, keep_partial) in enumerate(ops):
         if add or not live:
-            pages = admit(cache, tokens, salt)
-            if pages is not None:
-                assert len(pages) == -(-len(tokens) // BLOCK)
-                live.append((tokens, pages, salt))
+            seq = request(f"r{n}", tokens, salt)
+            before = snapshot(kv)
+            hit = kv.lookup(tokens[: len(tokens) - 1], salt)
+            assert snapshot(kv) == before, "lookup changed the manager"
+            if not sharing:
+                assert hit.num_tokens == 0
+            pages = kv.allocate(seq, hit, len(tokens) - hit.num_tokens)
+            if pages is None:
+                assert snapshot(kv) == before, "a refused allocate changed the manager"
+                continue
+            assert list(kv.page_table(seq.request_id)) == pages
+            assert len(pages) == -(-len(tokens) // PAGE)
+            seq.num_computed_tokens = len(tokens)
+            kv.commit(seq, len(tokens))
+            assert list(kv.page_table(seq.request_id)) == pages, "commit rewrote a page table"
+            live.append(seq)
         else:
-            _, pages, _ = live.pop(pick % len(live))
-            cache.release(pages)
-        cache.check_integrity([p for _, p, _ in live])
-    for tokens, pages, salt in live:
-        hit = cache.match(tokens, salt)
-        # Every full page a live sequence inserted is findable again (it cannot have been evicted).
-        assert hit.pages == (pages[: len(tokens) // BLOCK] if sharing else [])
-        cache.release(hit.pages)
-    for _, pages, _ in live:
-        cache.release(pages)
-    cache.check_integrity([])
-    assert pool.num_held == 0
-    cache.evict(num_pages)
-    assert pool.num_free == num_pages
+            seq = live.pop(pick % len(live))
+            kv.free(seq, keep_partial=keep_partial)
+        kv.check_integrity()
+    for seq in live:
+        hit = kv.lookup(seq.token_ids, seq.cache_salt)
+        # Every full page a live request indexed is findable again: it cannot have been evicted.
+        table = kv._tables[seq.request_id]
+        assert list(hit.pages[: table.num_indexed]) == table.pages[: table.num_indexed]
+    for seq in live:
+        kv.free(seq)
+    kv.check_integrity()
+    assert kv.num_in_use == 0
+    kv.evict(num_pages)
+    assert kv.num_free == num_pages
+
+
+class FakeRunner:
+    """Computes nothing: every sampled token is a function of the request's length, as a model's would be
+    of its context, so replays are deterministic."""
+
+    def step(self, scheduler: Scheduler) -> StepPlan:
+        plan = scheduler.schedule()
+        for chunk in plan.chunks:
+            scheduler.kv.check_writable(chunk.request_id, chunk.start, chunk.start + chunk.num_tokens)
+        scheduler.commit(plan.chunks)
+        for chunk in plan.chunks:
+            if chunk.samples:
+                seq = chunk.seq
+                seq.output_token_ids.append(seq.num_tokens % 4)
+                if len(seq.output_token_ids) >= seq.params.max_tokens:
+                    scheduler.finish(seq, "length")
+        return plan
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["add", "add", "step", "abort"]), tokens_st, st.sampled_from([None, "x"])),
+        max_size=40,
+    ),
+    num_pages=st.integers(4, 16),
+    budget=st.integers(1, 16),
+    sharing=st.booleans(),
+)
+def test_scheduler_admission_keeps_the_books(ops: list, num_pages: int, budget: int, sharing: bool) -> None:
+    kv = KVCacheManager(num_pages, PAGE, prefix_caching=sharing)
+    counters = EngineCounters()
+    scheduler = Scheduler(kv, SchedulerLimits(4, budget), counters)
+    runner = FakeRunner()
+    tables: dict[str, list[int]] = {}
+    live: list[Sequence] = []
+    for n, (op, tokens, salt) in enumerate(ops):
+        if op == "add":
+            seq = request(f"r{n}", tokens, salt)
+            scheduler.add(seq)
+            live.append(seq)
+        elif op == "abort" and live:
+            scheduler.finish(live.pop(0), "abort")
+        else:
+            for rid in runner.step(scheduler).freed:  # freed, maybe readmitted: a new table
+                tables.pop(rid, None)
+        for seq in scheduler.running:  # page tables only ever grow while a request runs
+            table = list(kv.page_table(seq.request_id))
+            old = tables.get(seq.request_id, [])
+            assert table[: len(old)] == old, "a page table entry was rewritten"
+            tables[seq.request_id] = table
+        for rid in [r for r in tables if not kv.holds_pages(r)]:
+            del tables[rid]
+        scheduler.check_integrity()
+        c = counters
+        assert c.prefill_tokens_computed == c.prompt_tokens - c.prefix_hit_tokens + c.recomputed_tokens
+    while scheduler.has_work():
+        runner.step(scheduler)
+        scheduler.check_integrity()
+    assert kv.num_in_use == 0
 
 
 def test_shared_head_is_evicted_last() -> None:
-    pool = PagePool(8)
-    cache = RadixCache(pool, BLOCK)
+    kv = KVCacheManager(8, PAGE)
     head = [1, 1, 2, 2]
-    a = admit(cache, [*head, 3, 3], None)
-    b = admit(cache, [*head, 4, 4], None)
-    assert a is not None and b is not None and a[:2] == b[:2]
-    cache.release(a)
-    cache.release(b)
-    assert cache.evict(2) == 2  # the two private tails go first
-    hit = cache.match([*head, 9], None)
-    assert hit.pages == a[:2], "the shared head should have survived"
-    cache.release(hit.pages)
-    cache.check_integrity([])
+    a, b = request("a", [*head, 3, 3]), request("b", [*head, 4, 4])
+    for seq in (a, b):
+        hit = kv.lookup(seq.token_ids, None)
+        assert kv.allocate(seq, hit, 6 - hit.num_tokens) is not None
+        seq.num_computed_tokens = 6
+        kv.commit(seq, 6)
+    assert kv.page_table("a")[:2] == kv.page_table("b")[:2]
+    head_pages = list(kv.page_table("a")[:2])
+    kv.free(a)
+    kv.free(b)
+    assert kv.evict(2) == 2 and kv.num_cached == 2  # the two private tails went first
+    assert list(kv.lookup([*head, 9], None).pages) == head_pages, "the shared head should have survived"
+    kv.check_integrity()
 
 
 def test_salts_never_share() -> None:
-    cache = RadixCache(PagePool(8), BLOCK)
-    a = admit(cache, [1, 2, 3, 4, 5], "a")
-    assert a is not None
-    assert cache.match([1, 2, 3, 4, 5], "b").pages == []
-    assert cache.match([1, 2, 3, 4, 5], None).pages == []
-    hit = cache.match([1, 2, 3, 4, 5], "a")
-    assert hit.pages == a[:2]
-    cache.check_integrity([a, hit.pages])
+    kv = KVCacheManager(8, PAGE)
+    a = request("a", [1, 2, 3, 4, 5], "a")
+    assert kv.allocate(a, NO_HIT, 5) is not None
+    a.num_computed_tokens = 5
+    kv.commit(a, 5)
+    assert kv.lookup([1, 2, 3, 4, 5], "b").num_tokens == 0
+    assert kv.lookup([1, 2, 3, 4, 5], None).num_tokens == 0
+    assert list(kv.lookup([1, 2, 3, 4, 5], "a").pages) == list(kv.page_table("a")[:2])
+    kv.check_integrity()
 
 
-def test_duplicate_blocks_are_folded_onto_the_cached_page() -> None:
-    pool = PagePool(8)
-    cache = RadixCache(pool, BLOCK)
-    first = cache.allocate(2)
-    second = cache.allocate(2)
-    first = cache.insert([5, 6, 7, 8], first, None)
-    second = cache.insert([5, 6, 7, 8], second, None)
-    assert second == first and pool.num_free == 6  # the duplicate pages went back to the free list
-    cache.check_integrity([first, second])
+def test_a_page_computed_twice_stays_private_and_is_freed_with_its_request() -> None:
+    kv = KVCacheManager(8, PAGE)
+    first, second = request("a", [5, 6, 7, 8]), request("b", [5, 6, 7, 8])
+    for seq in (first, second):  # a cold race: both miss, both compute the same two pages
+        assert kv.allocate(seq, kv.lookup(seq.token_ids, None), 4) is not None
+    for seq in (first, second):
+        seq.num_computed_tokens = 4
+        kv.commit(seq, 4)
+    a_pages, b_pages = list(kv.page_table("a")), list(kv.page_table("b"))
+    assert not set(a_pages) & set(b_pages), "append-only: the loser keeps its own pages"
+    assert list(kv.lookup([5, 6, 7, 8], None).pages) == a_pages
+    kv.check_integrity()
+    kv.free(second)
+    assert kv.num_free == 6 and kv.num_in_use == 2, "the duplicates went straight back to the free list"
+    kv.free(first)
+    kv.check_integrity()
 
 
-def test_a_stopped_sequence_keeps_its_partial_page_for_its_continuation() -> None:
-    pool = PagePool(8)
-    cache = RadixCache(pool, BLOCK)
-    turn = [1, 2, 3, 4, 5]  # two full pages and one token in a third
-    pages = cache.admit(turn, None)
-    assert pages is not None and len(pages) == 3
-    cache.release(cache.insert(turn, pages, None, partial=True))  # the turn stops: 5 tokens of KV stay
-    cache.check_integrity([])
-    assert cache.num_cached == 3
-    hit = cache.match([*turn, 7, 8], None)
-    assert hit.pages == pages[:2] and hit.partial is not None and hit.partial.num_tokens == 1
-    assert hit.num_tokens(BLOCK) == 5
-    taken = cache.claim(hit.partial)
-    assert taken == pages[2] and not cache.is_cached(taken)  # now private: the next turn writes past it
-    cache.check_integrity([[*hit.pages, taken]])
-    other = cache.match([*turn, 9], None)
-    assert other.partial is None  # claimed pages are not offered twice
-    cache.release(other.pages)
-    cache.release([*hit.pages, taken])
-    cache.check_integrity([])
+def test_a_stopped_request_keeps_its_partial_page_for_its_continuation() -> None:
+    kv = KVCacheManager(8, PAGE)
+    turn = request("t1", [1, 2, 3, 4, 5])  # two full pages and one token in a third
+    assert kv.allocate(turn, NO_HIT, 5) is not None
+    pages = list(kv.page_table("t1"))
+    turn.num_computed_tokens = 5
+    kv.free(turn)  # the turn stops: all 5 tokens of KV stay
+    kv.check_integrity()
+    assert kv.num_cached == 3
+    nxt = request("t2", [1, 2, 3, 4, 5, 7, 8])
+    hit = kv.lookup(nxt.token_ids[:-1], None)
+    assert list(hit.pages) == pages[:2] and hit.partial is not None and hit.partial.num_tokens == 1
+    assert hit.num_tokens == 5
+    taken = kv.allocate(nxt, hit, 2)
+    assert taken is not None and taken[:3] == pages and len(taken) == 4
+    assert not kv.index.is_cached(pages[2]), "claimed: now private, the next turn writes past it"
+    kv.check_writable("t2", 5, 7)
+    other = kv.lookup([1, 2, 3, 4, 5, 9], None)
+    assert other.partial is None, "a claimed page is not offered twice"
+    kv.check_integrity()
+
+
+def test_refused_allocation_changes_nothing() -> None:
+    kv = KVCacheManager(3, PAGE)
+    a = request("a", [1, 2, 3, 4])
+    assert kv.allocate(a, NO_HIT, 4) is not None
+    a.num_computed_tokens = 4
+    kv.free(a)  # two cached pages, one free
+    b = request("b", [1, 2, 3, 4, 9, 9, 9, 9, 9])
+    hit = kv.lookup(b.token_ids[:-1], None)
+    assert hit.num_tokens == 4
+    before = snapshot(kv)
+    # The hit's two pages stop being evictable once taken: 1 free page cannot hold 3 more.
+    assert not kv.can_allocate(b, hit, 5) and kv.allocate(b, hit, 5) is None
+    assert snapshot(kv) == before
+    kv.check_integrity()
+
+
+def test_empty_salt_roots_do_not_accumulate() -> None:
+    kv = KVCacheManager(64, PAGE)
+    scheduler = Scheduler(kv, SchedulerLimits(4, 64), EngineCounters())
+    runner = FakeRunner()
+    for i in range(10_000):
+        seq = request(f"r{i}", [1, 2, 3], salt=f"agent-{i}")
+        scheduler.add(seq)
+        if i % 100 == 0:  # now and then the request runs and caches pages under its salt first
+            runner.step(scheduler)
+        scheduler.finish(seq, "abort")
+        kv.evict(kv.num_cached)
+    assert kv.index.num_roots == 0 and kv.index.num_pages == 0
+    kv.check_integrity()

@@ -37,7 +37,7 @@ def test_cascade_decode_equals_dense_attention() -> None:
         torch.arange(own.shape[1])[None] >= own_len[:, None], float("-inf")
     )
     group = DecodeGroup(0, own, bias[:, None, None, :], slots[0][:shared])
-    backend = PagedAttention(cache, StepLayout(torch.zeros(0, dtype=torch.int64), (), group))
+    backend = PagedAttention(cache, StepLayout(torch.zeros(0, dtype=torch.int64), (), (group,)))
     got = backend._cascade_decode(0, q, group)
     for i, s in enumerate(slots):
         want = dense_decode(q[i], cache.k[0][s], cache.v[0][s])

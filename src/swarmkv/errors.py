@@ -13,7 +13,7 @@ class UnsupportedModelError(SwarmkvError):
     """The checkpoint is readable but describes a model swarmkv cannot run correctly."""
 
 
-class InvalidRequestError(SwarmkvError):
+class InvalidRequestError(SwarmkvError, ValueError):
     """A request (prompt, sampling parameters, messages) is malformed or cannot fit."""
 
 

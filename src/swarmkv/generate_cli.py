@@ -7,23 +7,14 @@ import json
 
 from swarmkv.engine.llm import LLM
 from swarmkv.engine.sampling_params import SamplingParams
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model and engine options shared by every command that runs a model."""
-    parser.add_argument(
-        "--model", default=None, help="HF directory or GGUF file (default: embedded SmolLM2-135M)"
-    )
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
-    parser.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size, e.g. 512MiB, 2GiB")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
+from swarmkv.options import add_engine_arguments, add_model_arguments, engine_kwargs, model_kwargs
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `generate` subcommand."""
     parser = subparsers.add_parser("generate", help="generate a reply to one prompt")
     add_model_arguments(parser)
+    add_engine_arguments(parser)
     parser.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument(
@@ -38,13 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the model, generate, print."""
-    llm = LLM(
-        model=args.model,
-        kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size,
-        dtype=args.dtype,
-        device=args.device,
-    )
+    llm = LLM(**model_kwargs(args), **engine_kwargs(args))
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature if args.temperature is not None else 0.0,

@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from swarmkv.engine.engine import EngineConfig, LLMEngine
+from swarmkv.engine.config import EngineConfig, ModelOptions
+from swarmkv.engine.engine import LLMEngine
 from swarmkv.engine.sampling_params import SamplingParams
 from swarmkv.engine.sequence import FinishReason
 from swarmkv.errors import InvalidRequestError, SwarmkvError
 from swarmkv.models.loader import LoadedModel, load_model
-from swarmkv.units import parse_size
 
 Message = dict[str, Any]
 Prompt = str | list[int] | list[Message]
@@ -43,31 +43,18 @@ class LLM:
 
     def __init__(
         self,
-        model: str | None = None,
-        kv_cache_memory: str | int = "1GiB",
-        block_size: int = 16,
-        prefix_caching: bool = True,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        dtype: str | torch.dtype = "auto",
-        device: str | torch.device = "cpu",
-        seed: int = 0,
-        cascade_attention: bool = True,
+        model: str | None = ModelOptions.model,
+        dtype: str | torch.dtype = ModelOptions.dtype,
+        device: str | torch.device = ModelOptions.device,
         loaded: LoadedModel | None = None,
+        **engine_options: Any,
     ) -> None:
+        """Load `model` (or take `loaded`); `engine_options` are EngineConfig's fields (kv_cache_memory,
+        block_size, prefix_caching, max_num_seqs, max_num_batched_tokens, max_model_len,
+        cascade_attention, seed), with its defaults."""
+        config = EngineConfig.from_kwargs(**engine_options)
         self.loaded = loaded or load_model(model, dtype=dtype, device=device)
         self.tokenizer = self.loaded.tokenizer
-        config = EngineConfig(
-            kv_cache_bytes=parse_size(kv_cache_memory),
-            block_size=block_size,
-            prefix_caching=prefix_caching,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            seed=seed,
-            cascade_attention=cascade_attention,
-        )
         self.engine = LLMEngine(self.loaded, config)
         self._ids = itertools.count()
 
@@ -120,6 +107,7 @@ class LLM:
                         "".join(texts[delta.request_id]),
                         delta.finish_reason,
                         seq.num_cached_tokens,
+                        error=delta.error,
                     )
         for rid in order:  # aborted through the engine while we ran
             if rid not in results:

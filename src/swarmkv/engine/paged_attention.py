@@ -22,7 +22,7 @@ class PrefillSpan:
 
 @dataclass(frozen=True)
 class DecodeGroup:
-    """All single-token decodes of the step: rows [q_start, q_start + B) of the flat batch.
+    """Single-token decodes: rows [q_start, q_start + B) of the flat batch.
 
     With `shared_slots`, the group's page tables begin with the same pages: those keys are read once for
     the whole group (cascade attention) and `key_slots` holds only each sequence's own suffix.
@@ -40,7 +40,7 @@ class StepLayout:
 
     slot_mapping: torch.Tensor  # [T]
     prefills: tuple[PrefillSpan, ...]
-    decode: DecodeGroup | None
+    decodes: tuple[DecodeGroup, ...]
 
 
 class PagedAttention:
@@ -71,22 +71,24 @@ class PagedAttention:
                     enable_gqa=True,
                 )
             out[rows] = attn[0].transpose(0, 1)
-        group = self.layout.decode
-        if group is not None and group.shared_slots is not None:
+        for group in self.layout.decodes:
             rows = slice(group.q_start, group.q_start + group.key_slots.shape[0])
-            out[rows] = self._cascade_decode(layer, q[rows], group)
-        elif group is not None:
-            rows = slice(group.q_start, group.q_start + group.key_slots.shape[0])
-            keys, values = self.cache.gather(layer, group.key_slots)  # [B, ctx, Hkv, D]
-            attn = F.scaled_dot_product_attention(
-                q[rows].unsqueeze(2),  # [B, Hq, 1, D]
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
-                attn_mask=group.bias,
-                enable_gqa=True,
-            )
-            out[rows] = attn.squeeze(2)
+            out[rows] = self._decode(layer, q[rows], group)
         return out
+
+    def _decode(self, layer: int, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+        """Each query [B, Hq, D] against its own keys, or through the shared prefix if the group has one."""
+        if group.shared_slots is not None:
+            return self._cascade_decode(layer, q, group)
+        keys, values = self.cache.gather(layer, group.key_slots)  # [B, ctx, Hkv, D]
+        attn = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [B, Hq, 1, D]
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=group.bias,
+            enable_gqa=True,
+        )
+        return attn.squeeze(2)
 
     def _cascade_decode(self, layer: int, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         """Decode attention split at the shared prefix (Hydragen): one batched read of the prefix for the

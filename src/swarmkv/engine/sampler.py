@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from swarmkv.engine.sampling_params import SamplingParams
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor, params: list[SamplingParams], generators: Sequence[torch.Generator | None]
 ) -> list[int]:
     """Pick one token per row of float32 `logits` [N, vocab]; one host transfer for the whole batch."""
     chosen = logits.argmax(dim=-1)

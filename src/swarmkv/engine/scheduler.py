@@ -1,90 +1,113 @@
-"""Continuous batching: decide each step's token chunks, admit by free pages, preempt by recompute."""
+"""Continuous batching: each step's token chunks within a token budget; pages come from the KV manager.
+
+The scheduler owns the queues and the budgets and nothing else: every page decision is a question to the
+`KVCacheManager` (`lookup`, `can_allocate`/`allocate`, `commit`, `free`). Its output, a `StepPlan`, tells the
+runner what to compute and which pages each request's table gained, so the runner never reads a `Sequence`.
+"""
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from swarmkv.engine.sequence import Sequence, Status
 from swarmkv.engine.stats import EngineCounters
-from swarmkv.kv.page_pool import pages_for
-from swarmkv.kv.prefix_cache import PrefixCache
+from swarmkv.kv import NO_HIT, Hit, KVCacheManager
+
+ChunkKind = Literal["prefill", "decode"]
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """`num_tokens` tokens of `seq`, starting at position `start`, computed in this step."""
+    """Tokens [start, start + len(token_ids)) of one request, computed in this step."""
 
     seq: Sequence
     start: int
-    num_tokens: int
-    kind: Literal["prefill", "decode"]
+    token_ids: list[int]
+    kind: ChunkKind
+    samples: bool  # the chunk reaches the request's last token, so a new token is sampled after it
 
     @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the sequence's last token, so a new token is sampled after it."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    def request_id(self) -> str:
+        """The request this chunk belongs to."""
+        return self.seq.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed in this chunk."""
+        return len(self.token_ids)
+
+
+@dataclass
+class StepPlan:
+    """One step: the chunks to compute, the pages each request's table gained since the last plan (a new
+    or readmitted request's whole table), and the requests whose tables were freed since the last plan."""
+
+    chunks: list[Chunk] = field(default_factory=list)
+    new_pages: dict[str, list[int]] = field(default_factory=dict)
+    freed: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class SchedulerLimits:
-    """Per-step caps: running sequences and tokens computed (prefill chunks plus decodes)."""
+    """Per-step caps: running requests and tokens computed (prefill chunks plus decodes)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
 
 
 class Scheduler:
-    """Owns the waiting queue and running list; every page change goes through the prefix cache."""
+    """Owns the waiting queue and the running list; the one admission path of the engine and its tools."""
 
-    def __init__(
-        self, cache: PrefixCache, block_size: int, limits: SchedulerLimits, counters: EngineCounters
-    ) -> None:
-        self.cache = cache
-        self.block_size = block_size
+    def __init__(self, kv: KVCacheManager, limits: SchedulerLimits, counters: EngineCounters) -> None:
+        self.kv = kv
         self.limits = limits
         self.counters = counters
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.gave_up: list[
             Sequence
-        ] = []  # sequences the pool cannot hold, finished here, drained by the engine
+        ] = []  # requests the pool cannot hold, finished here, drained by the engine
+        self._freed: list[str] = []  # tables freed since the last plan
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence."""
+        """Queue a new request."""
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        """Whether any sequence is waiting or running."""
+        """Whether any request is waiting or running."""
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[Chunk]:
-        """Pick this step's chunks: running sequences first (oldest first), then admissions from the queue."""
+    def schedule(self) -> StepPlan:
+        """Pick this step's chunks: running requests first (oldest first), then admissions from the queue."""
+        plan = StepPlan()
         budget = self.limits.max_num_batched_tokens
-        chunks: list[Chunk] = []
-        scheduled: set[int] = set()
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             num_tokens = min(seq.num_uncomputed_tokens, budget)
-            if not self._reserve(seq, num_tokens, scheduled):
+            if not self._reserve(seq, num_tokens, plan):
                 continue
             # A lone prompt token left over from a chunked prefill is still prefill; decode means generated tokens.
             decoding = seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= len(seq.prompt_token_ids)
-            kind: Literal["prefill", "decode"] = "decode" if decoding else "prefill"
-            chunks.append(Chunk(seq, seq.num_computed_tokens, num_tokens, kind))
-            scheduled.add(id(seq))
+            plan.chunks.append(self._chunk(seq, num_tokens, "decode" if decoding else "prefill"))
             budget -= num_tokens
-        chunks += self._admit(budget)
-        return chunks
+        self._admit(budget, plan)
+        plan.freed, self._freed = self._freed, []
+        return plan
 
-    def _reserve(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
-        """Give `seq` pages for `num_tokens` more tokens, preempting the newest unscheduled sequences if needed."""
-        needed = seq.pages_needed(seq.num_computed_tokens + num_tokens, self.block_size)
-        while not self.cache.can_allocate(needed):
+    def _chunk(self, seq: Sequence, num_tokens: int, kind: ChunkKind) -> Chunk:
+        start = seq.num_computed_tokens
+        end = start + num_tokens
+        return Chunk(seq, start, seq.token_ids[start:end], kind, samples=end == seq.num_tokens)
+
+    def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
+        """Pages for `num_tokens` more tokens of a running request, preempting the newest unscheduled ones."""
+        scheduled = {id(c.seq) for c in plan.chunks}
+        while not self.kv.can_allocate(seq, NO_HIT, num_tokens):
             victims = [s for s in self.running if s is not seq and id(s) not in scheduled]
             if not victims:
                 if self.running == [seq]:
@@ -93,99 +116,120 @@ class Scheduler:
                     self.preempt(seq)
                 return False
             self.preempt(max(victims, key=lambda s: s.arrival))
-        seq.page_table += self.cache.allocate(needed)
+        pages = self.kv.allocate(seq, NO_HIT, num_tokens)
+        assert pages is not None
+        if pages:
+            plan.new_pages.setdefault(seq.request_id, []).extend(pages)
         return True
 
-    def _admit(self, budget: int) -> list[Chunk]:
-        chunks: list[Chunk] = []
+    def _admit(self, budget: int, plan: StepPlan) -> None:
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.limits.max_num_seqs:
                 break
             tokens = seq.token_ids
             # Keep one token uncached so that the step has something to compute and sample from.
-            hit = self.cache.match(tokens[: len(tokens) - 1], seq.cache_salt)
-            num_hit = hit.num_tokens(self.block_size)
-            if self.cache.shares_pages and hit.partial is None and self._prefix_in_flight(seq, num_hit):
-                self.cache.release(hit.pages)
+            hit = self.kv.lookup(tokens[: len(tokens) - 1], seq.cache_salt)
+            if hit.partial is None and self._prefix_in_flight(seq, hit):
                 continue
-            num_tokens = min(len(tokens) - num_hit, budget)
-            claimed = 1 if hit.partial else 0
-            needed = pages_for(num_hit + num_tokens, self.block_size) - len(hit.pages) - claimed
-            # Until it is claimed, the partial page counts as evictable: do not count on it twice.
-            if not self.cache.can_allocate(needed + claimed):
-                self.cache.release(hit.pages)
-                if not self.running and not chunks:
+            num_tokens = min(len(tokens) - hit.num_tokens, budget)
+            pages = self.kv.allocate(seq, hit, num_tokens)
+            if pages is None:
+                if not self.running and not plan.chunks:
                     self._give_up(seq)  # larger than the whole pool even when it is empty
                     continue
                 break
             self.waiting.remove(seq)
-            partial = [self.cache.claim(hit.partial)] if hit.partial else []
-            seq.page_table = hit.pages + partial + self.cache.allocate(needed)
-            seq.num_computed_tokens = num_hit
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = num_hit
-            self.counters.prefix_hit_tokens += num_hit
+            plan.new_pages[seq.request_id] = pages
+            self._count_hit(seq, hit)
+            seq.num_computed_tokens = hit.num_tokens
             seq.status = Status.RUNNING
             self.running.append(seq)
-            chunks.append(Chunk(seq, num_hit, num_tokens, "prefill"))
+            plan.chunks.append(self._chunk(seq, num_tokens, "prefill"))
             budget -= num_tokens
-        return chunks
 
-    def _prefix_in_flight(self, seq: Sequence, num_hit: int) -> bool:
+    def _count_hit(self, seq: Sequence, hit: Hit) -> None:
+        """Prompt positions this request never processed before and now finds cached are prefix hits (all
+        of its hit at the first admission); hits on its own earlier work after a preemption only spare
+        recomputation."""
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = hit.num_tokens
+        new = max(0, min(hit.num_tokens, len(seq.prompt_token_ids)) - seq.num_processed_tokens)
+        self.counters.prefix_hit_tokens += new
+        self.counters.prompt_tokens += new
+        seq.num_processed_tokens = max(seq.num_processed_tokens, hit.num_tokens)
+
+    def _prefix_in_flight(self, seq: Sequence, hit: Hit) -> bool:
         """Whether a running prefill is about to compute pages `seq` could hit: then wait for them."""
-        bs = self.block_size
+        if not self.kv.prefix_caching:
+            return False
+        size = self.kv.page_size
         tokens = seq.token_ids
         for other in self.running:
             if other.cache_salt != seq.cache_salt or other.num_uncomputed_tokens <= 1:
                 continue
             theirs = other.prompt_token_ids
-            shared = num_hit
-            limit = min(len(tokens) - 1, len(theirs)) // bs * bs
-            while shared < limit and tokens[shared : shared + bs] == theirs[shared : shared + bs]:
-                shared += bs
-            if shared > num_hit and other.num_computed_tokens < shared:
+            shared = hit.num_tokens // size * size
+            limit = min(len(tokens) - 1, len(theirs)) // size * size
+            while shared < limit and tokens[shared : shared + size] == theirs[shared : shared + size]:
+                shared += size
+            if shared > hit.num_tokens and other.num_computed_tokens < shared:
                 return True
         return False
 
     def commit(self, chunks: list[Chunk]) -> None:
-        """Record computed chunks and offer their full pages to the prefix cache."""
+        """Record computed chunks: counters, progress, and full pages offered to the prefix index."""
         for chunk in chunks:
             seq = chunk.seq
-            seq.num_computed_tokens = chunk.start + chunk.num_tokens
-            self.counters.prefill_tokens_computed += chunk.num_tokens if chunk.kind == "prefill" else 0
-            if (
-                seq.num_computed_tokens // self.block_size > chunk.start // self.block_size
-            ):  # a page filled up
-                computed = seq.token_ids[: seq.num_computed_tokens]
-                seq.page_table = self.cache.insert(computed, seq.page_table, seq.cache_salt)
+            end = chunk.start + chunk.num_tokens
+            self._count_work(seq, chunk.start, end)
+            seq.num_computed_tokens = end
+            self.kv.commit(seq, end)
+
+    def _count_work(self, seq: Sequence, start: int, end: int) -> None:
+        """Positions this request processed before are recomputed; new prompt positions are first-time
+        prefill; a new generated position is decode. So prefill == prompt - hits + recomputed, always."""
+        done = seq.num_processed_tokens
+        recomputed = max(0, min(end, done) - start)
+        first_prompt = max(0, min(end, len(seq.prompt_token_ids)) - max(start, done))
+        self.counters.recomputed_tokens += recomputed
+        self.counters.prompt_tokens += first_prompt
+        self.counters.prefill_tokens_computed += recomputed + first_prompt
+        seq.num_processed_tokens = max(done, end)
 
     def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop the sequence's pages (cached ones stay for its return) and requeue it."""
+        """Recompute preemption: free the request's pages (its computed KV stays cached) and requeue it."""
         self.running.remove(seq)
-        self._release(seq)
-        seq.num_computed_tokens = 0
+        self._free(seq)
         seq.num_preemptions += 1
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.counters.preemptions += 1
 
-    def finish(self, seq: Sequence, reason: Literal["stop", "length", "abort"]) -> None:
-        """Stop a sequence for good and release its pages."""
+    def finish(self, seq: Sequence, reason: Literal["stop", "length", "abort", "error"]) -> None:
+        """Stop a request for good and release its pages."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._release(seq)
+        self._free(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
-    def _release(self, seq: Sequence) -> None:
-        """Let go of a sequence's pages, leaving all of its computed KV (the partial last page too) cached."""
-        computed = seq.token_ids[: seq.num_computed_tokens]
-        table = self.cache.insert(computed, seq.page_table, seq.cache_salt, partial=True)
-        self.cache.release(table)
-        seq.page_table = []
+    def _free(self, seq: Sequence) -> None:
+        if self.kv.holds_pages(seq.request_id):
+            self.kv.free(seq, keep_partial=True)
+            self._freed.append(seq.request_id)
+        seq.num_computed_tokens = 0
 
     def _give_up(self, seq: Sequence) -> None:
         self.finish(seq, "length")
         self.gave_up.append(seq)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless exactly the running requests hold page tables, and the KV books hold."""
+        for seq in self.running:
+            assert self.kv.holds_pages(seq.request_id), f"running {seq.request_id} holds no pages"
+            assert len(self.kv.page_table(seq.request_id)) * self.kv.page_size >= seq.num_computed_tokens
+        for seq in self.waiting:
+            assert not self.kv.holds_pages(seq.request_id), f"waiting {seq.request_id} holds pages"
+        self.kv.check_integrity()

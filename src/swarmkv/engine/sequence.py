@@ -1,4 +1,4 @@
-"""Sequence: one request's tokens, page table and progress counters; nothing else keeps a copy."""
+"""Sequence: one request's tokens, sampling settings and progress counters; its pages are the KV manager's."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from swarmkv.engine.sampling_params import SamplingParams
-from swarmkv.kv.page_pool import pages_for
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class Status(enum.Enum):
@@ -22,7 +21,8 @@ class Status(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """A request in flight. Its KV lives in `page_table`; `num_computed_tokens` of its tokens are in it."""
+    """A request in flight: `num_computed_tokens` of its tokens have KV in the pages the KV manager keeps
+    under its `request_id`."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -30,9 +30,9 @@ class Sequence:
     cache_salt: str | None = None
     arrival: int = 0
     output_token_ids: list[int] = field(default_factory=list)
-    page_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_processed_tokens: int = 0  # high-water mark of positions ever computed or served from cache
     num_preemptions: int = 0
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
@@ -51,7 +51,3 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose KV is not in the page table yet (1 while decoding)."""
         return self.num_tokens - self.num_computed_tokens
-
-    def pages_needed(self, num_tokens: int, block_size: int) -> int:
-        """Pages to add so that `num_tokens` tokens fit in the page table."""
-        return max(0, pages_for(num_tokens, block_size) - len(self.page_table))

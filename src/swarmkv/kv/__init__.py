@@ -1,16 +1,16 @@
-"""Paged KV bookkeeping: the page pool and the prefix caches that share pages between sequences."""
+"""Paged KV bookkeeping, no tensors: the page pool, the radix prefix index and the manager over both."""
 
-from swarmkv.kv.no_sharing import NoSharingCache
+from swarmkv.kv.manager import NO_HIT, Hit, KVCacheManager, KVRequest
 from swarmkv.kv.page_pool import PagePool, pages_for
-from swarmkv.kv.prefix_cache import PartialHit, PrefixCache, PrefixMatch
-from swarmkv.kv.radix_cache import RadixCache
+from swarmkv.kv.radix_index import PartialHit, RadixIndex
 
 __all__ = [
-    "NoSharingCache",
+    "NO_HIT",
+    "Hit",
+    "KVCacheManager",
+    "KVRequest",
     "PagePool",
     "PartialHit",
-    "PrefixCache",
-    "PrefixMatch",
-    "RadixCache",
+    "RadixIndex",
     "pages_for",
 ]

@@ -1,15 +1,15 @@
-"""A fixed pool of KV pages with a refcount each: how many live sequences hold the page."""
+"""A fixed pool of KV pages with a refcount each: how many live requests hold the page."""
 
 from __future__ import annotations
 
 
-def pages_for(num_tokens: int, block_size: int) -> int:
+def pages_for(num_tokens: int, page_size: int) -> int:
     """Pages `num_tokens` tokens occupy: the last one may be partly filled."""
-    return -(-num_tokens // block_size)
+    return -(-num_tokens // page_size)
 
 
 class PagePool:
-    """Hands out page ids; knows nothing about tokens, tensors or which pages are cached."""
+    """Hands out page ids and counts holders; knows nothing about tokens, tensors or the prefix index."""
 
     def __init__(self, num_pages: int) -> None:
         if num_pages <= 0:
@@ -26,13 +26,9 @@ class PagePool:
         """Pages that hold nothing at all."""
         return len(self._free)
 
-    def can_allocate(self, num_pages: int) -> bool:
-        """Whether `allocate(num_pages)` would succeed without eviction."""
-        return num_pages <= len(self._free)
-
     def allocate(self, num_pages: int) -> list[int]:
         """Take `num_pages` free pages, each held once by the caller."""
-        assert self.can_allocate(num_pages), "allocate() without can_allocate()"
+        assert num_pages <= len(self._free), "allocate() beyond the free list"
         pages = [self._free.pop() for _ in range(num_pages)]
         for page in pages:
             self._is_free[page] = False
@@ -41,14 +37,14 @@ class PagePool:
         return pages
 
     def retain(self, pages: list[int]) -> None:
-        """Add one holder to each page (a sequence taking a cached or shared page)."""
+        """Add one holder to each page (a request taking a cached or shared page)."""
         for page in pages:
             assert not self._is_free[page], f"retain of free page {page}"
             self.num_held += self.refcounts[page] == 0
             self.refcounts[page] += 1
 
     def release(self, pages: list[int]) -> list[int]:
-        """Drop one holder from each page; return the pages no sequence holds any more."""
+        """Drop one holder from each page; return the pages no request holds any more."""
         unheld = []
         for page in pages:
             assert self.refcounts[page] > 0, f"release of unheld page {page}"

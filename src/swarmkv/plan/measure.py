@@ -1,4 +1,4 @@
-"""`plan --measure`: push N agents through the engine's own page pool and prefix caches, count the pages."""
+"""`plan --measure`: push N agents through the engine's own scheduler and KV manager, count the pages."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ from typing import Any
 
 import torch
 
-from swarmkv.kv import NoSharingCache, PagePool, PrefixCache, RadixCache
-from swarmkv.kv.page_pool import pages_for
+from swarmkv.engine.sampling_params import SamplingParams
+from swarmkv.engine.scheduler import Scheduler, SchedulerLimits
+from swarmkv.engine.sequence import Sequence as Request
+from swarmkv.engine.stats import EngineCounters
+from swarmkv.kv import KVCacheManager, pages_for
 from swarmkv.plan.shape import KV_DTYPES, KVShape
 from swarmkv.plan.table import PrefixRow
 
@@ -29,15 +32,15 @@ class MeasuredRow:
     tail_tokens: int
     page_bytes: int
     pages_per_copy: int  # pages covering agent 0's prefix
-    pages_all_copies: int  # distinct pages covering the prefix, summed over agents, without sharing
+    pages_all_copies: int  # distinct pages covering the prefix, summed over agents, in the per-slot layout
     pages_shared: int  # distinct pages covering the prefix across all agents, with the radix cache
-    pages_naive_total: int  # every page in use without sharing (prefixes and tails)
+    pages_per_slot_total: int  # every page in use in the per-slot layout (prefixes and tails)
     pages_shared_total: int  # every page in use with the radix cache
 
     @property
     def pages_reclaimed(self) -> int:
-        """Pages the radix cache saves over the no-sharing cache."""
-        return self.pages_naive_total - self.pages_shared_total
+        """Pages the radix cache saves over the per-slot layout."""
+        return self.pages_per_slot_total - self.pages_shared_total
 
     @property
     def tolerance_bytes(self) -> int:
@@ -69,7 +72,7 @@ class MeasuredRow:
             "pages_all_copies": self.pages_all_copies,
             "pages_shared": self.pages_shared,
             "pages_reclaimed": self.pages_reclaimed,
-            "pages_naive_total": self.pages_naive_total,
+            "pages_per_slot_total": self.pages_per_slot_total,
             "pages_shared_total": self.pages_shared_total,
         }
         return {
@@ -89,15 +92,20 @@ def agent_sequences(num_agents: int, prefix_tokens: int, tail_tokens: int) -> li
     ]
 
 
-def admit(cache: PrefixCache, sequences: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Admit each sequence as the scheduler does: match, allocate the rest, insert the computed pages."""
-    tables = []
-    for tokens in sequences:
-        table = cache.admit(tokens, None)
-        assert table is not None, "the measuring pool is sized for the no-sharing layout"
-        tables.append(table)
-    cache.check_integrity(tables)
-    return tables
+def admit(kv: KVCacheManager, sequences: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Run each agent's prompt through the engine's own scheduler and this manager until its KV is
+    computed (no model: the measurement counts pages, not FLOPs); return their page tables."""
+    scheduler = Scheduler(kv, SchedulerLimits(len(sequences), 1 << 30), EngineCounters())
+    params = SamplingParams(max_tokens=1)
+    requests = [Request(f"agent-{i}", list(tokens), params) for i, tokens in enumerate(sequences)]
+    for request in requests:
+        scheduler.add(request)
+    while any(r.num_computed_tokens < r.num_tokens for r in requests):
+        plan = scheduler.schedule()
+        assert plan.chunks, "the measuring pool is sized for the per-slot layout"
+        scheduler.commit(plan.chunks)
+    scheduler.check_integrity()
+    return [list(kv.page_table(r.request_id)) for r in requests]
 
 
 def _prefix_pages(tables: list[list[int]], prefix_tokens: int, block_size: int) -> list[set[int]]:
@@ -108,7 +116,7 @@ def _prefix_pages(tables: list[list[int]], prefix_tokens: int, block_size: int) 
 def measure_row(
     shape: KVShape, num_agents: int, prefix_tokens: int, block_size: int, tail_tokens: int
 ) -> MeasuredRow:
-    """Run the agents through a RadixCache and a NoSharingCache on one pool shape; count their pages."""
+    """Run the agents through the scheduler over a sharing and a per-slot KV manager; count their pages."""
     if min(num_agents, block_size, tail_tokens) <= 0:
         raise ValueError(
             f"--agents, --block-size and --tail-tokens must be positive, got {num_agents}, {block_size}, {tail_tokens}"
@@ -125,11 +133,11 @@ def measure_row(
     assert page_bytes == block_size * shape.kv_bytes_per_token, (
         "slab layout disagrees with the per-token formula"
     )
-    naive, shared = (
-        NoSharingCache(PagePool(num_pages), block_size),
-        RadixCache(PagePool(num_pages), block_size),
+    per_slot, shared = (
+        KVCacheManager(num_pages, block_size, prefix_caching=False),
+        KVCacheManager(num_pages, block_size, prefix_caching=True),
     )
-    naive_prefixes = _prefix_pages(admit(naive, sequences), prefix_tokens, block_size)
+    per_slot_prefixes = _prefix_pages(admit(per_slot, sequences), prefix_tokens, block_size)
     shared_prefixes = _prefix_pages(admit(shared, sequences), prefix_tokens, block_size)
     return MeasuredRow(
         prefix_tokens=prefix_tokens,
@@ -137,10 +145,10 @@ def measure_row(
         block_size=block_size,
         tail_tokens=tail_tokens,
         page_bytes=page_bytes,
-        pages_per_copy=len(naive_prefixes[0]),
-        pages_all_copies=len(set().union(*naive_prefixes)),
+        pages_per_copy=len(per_slot_prefixes[0]),
+        pages_all_copies=len(set().union(*per_slot_prefixes)),
         pages_shared=len(set().union(*shared_prefixes)),
-        pages_naive_total=naive.num_in_use,
+        pages_per_slot_total=per_slot.num_in_use,
         pages_shared_total=shared.num_in_use,
     )
 

@@ -92,10 +92,13 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """GET /health: 200 while the engine loop runs, 503 otherwise."""
+    """GET /health: 200 while the engine loop runs and its latest step succeeded, 503 otherwise."""
     ctx: ServerContext = request.app.state.ctx
     if not ctx.engine.is_running:
         return JSONResponse({"status": "engine stopped"}, status_code=503)
+    error = ctx.engine.last_step_error
+    if error is not None:
+        return JSONResponse({"status": "engine step failed", "error": error}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
@@ -123,7 +126,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _engine_unavailable(request: Request, exc: Exception) -> Response:
-    return _error_response(APIError(503, str(exc), error_type="server_error"))
+    assert isinstance(exc, EngineUnavailableError)
+    return _error_response(APIError(exc.status, str(exc), error_type="server_error"))
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from swarmkv.engine.engine import LLMEngine, RequestDelta
 from swarmkv.engine.sampling_params import SamplingParams
 from swarmkv.engine.sequence import Sequence
-from swarmkv.server.request_stream import EngineUnavailableError, RequestStream, StepOutput
+from swarmkv.server.request_stream import EngineStepError, EngineUnavailableError, RequestStream, StepOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -134,6 +134,11 @@ class AsyncEngine:
         return result
 
     @property
+    def last_step_error(self) -> str | None:
+        """Why the engine's latest step failed; None while steps succeed."""
+        return self.engine.last_step_error  # one attribute read: safe from any thread
+
+    @property
     def num_aborted(self) -> int:
         """Requests aborted (their client went away) since the loop started."""
         return self._num_aborted
@@ -204,6 +209,11 @@ class AsyncEngine:
     def _dispatch(self, delta: RequestDelta, now: float) -> None:
         live = self._live.get(delta.request_id)
         if live is None:
+            return
+        if delta.error is not None:
+            del self._live[delta.request_id]
+            with contextlib.suppress(RuntimeError):  # the stream's event loop has closed
+                live.stream.put(EngineStepError(delta.error))
             return
         seq = live.seq
         output = StepOutput(

@@ -7,7 +7,7 @@ import ipaddress
 import os
 import sys
 
-from swarmkv.generate_cli import add_model_arguments
+from swarmkv.options import add_engine_arguments, add_model_arguments, engine_kwargs, model_kwargs
 
 API_KEY_ENV = "SWARMKV_API_KEY"
 
@@ -16,6 +16,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `serve` subcommand."""
     parser = subparsers.add_parser("serve", help="serve the OpenAI API (chat, completions, tools, /metrics)")
     add_model_arguments(parser)
+    add_engine_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -23,14 +24,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=os.environ.get(API_KEY_ENV),
         help=f"require 'Authorization: Bearer KEY' on /v1/ routes (default: ${API_KEY_ENV}, else none)",
     )
-    parser.add_argument(
-        "--no-prefix-caching", action="store_true", help="never share KV pages between requests"
-    )
-    parser.add_argument(
-        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
-    )
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens computed per step")
     parser.add_argument(
         "--served-model-name", default=None, help="the `model` clients send (default: file stem)"
     )
@@ -51,17 +44,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if not args.api_key and not _is_loopback(args.host):
         print(f"swarmkv serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
-    llm = LLM(
-        model=args.model,
-        kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size,
-        prefix_caching=not args.no_prefix_caching,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        dtype=args.dtype,
-        device=args.device,
-    )
+    llm = LLM(**model_kwargs(args), **engine_kwargs(args))
     app = create_app(llm, api_key=args.api_key or None, model_name=args.served_model_name)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -150,7 +150,7 @@ async def _chat_events(
                 yield sse(env.chat_chunk(tool_call_delta(len(calls), call), with_usage_field=with_usage))
                 calls.append(call)
     except EngineUnavailableError as exc:
-        yield sse(APIError(503, str(exc), error_type="server_error").to_json())
+        yield sse(APIError(exc.status, str(exc), error_type="server_error").to_json())
         yield sse("[DONE]")
         return
     yield sse(env.chat_chunk({}, _finish_reason(last, len(calls)), with_usage_field=with_usage))
@@ -195,7 +195,7 @@ async def _completion_events(
             if out.text:
                 yield sse(env.completion_chunk(out.text, with_usage_field=with_usage))
     except EngineUnavailableError as exc:
-        yield sse(APIError(503, str(exc), error_type="server_error").to_json())
+        yield sse(APIError(exc.status, str(exc), error_type="server_error").to_json())
         yield sse("[DONE]")
         return
     yield sse(env.completion_chunk("", _finish_reason(last, 0), with_usage_field=with_usage))

@@ -27,18 +27,31 @@ _GAUGES = (
 )
 # Monotonic since the engine started; exposed with the `_total` suffix.
 _COUNTERS = (
-    ("prompt_tokens", "prompt_tokens", "Prompt tokens of every request submitted."),
+    ("prompt_tokens", "prompt_tokens", "Prompt tokens processed (served by the prefix cache or computed)."),
     (
         "prefill_tokens_computed",
         "prefill_tokens_computed",
         "Prompt tokens whose KV was computed, not reused.",
     ),
-    ("prefix_hit_tokens", "prefix_hit_tokens", "Prompt tokens served by the prefix cache at admission."),
+    (
+        "prefix_hit_tokens",
+        "prefix_hit_tokens",
+        "Prompt tokens served by the prefix cache instead of computed.",
+    ),
+    (
+        "recomputed_tokens",
+        "recomputed_tokens",
+        "Tokens computed again after a preemption or an eviction"
+        " (prefill_tokens_computed = prompt_tokens - prefix_hit_tokens + recomputed_tokens).",
+    ),
+    ("cascade_decode_rows", "cascade_decode_rows", "Decode rows that read a shared prefix once per group."),
     ("generation_tokens", "generated_tokens", "Tokens generated."),
     ("preemptions", "preemptions", "Requests preempted (pages dropped, recomputed later)."),
     ("evictions", "evictions", "Cached KV pages evicted to make room."),
     ("requests_finished", "requests_finished", "Requests that finished (stop or length)."),
     ("requests_aborted", "requests_aborted", "Requests aborted because their client went away."),
+    ("requests_failed", "requests_failed", "Requests failed by an engine step that raised."),
+    ("failed_steps", "failed_steps", "Engine steps whose forward or sampler raised."),
 )
 
 # Seconds; a CPU step of a small model takes tens of milliseconds, a long prefill seconds.

@@ -12,6 +12,14 @@ from swarmkv.errors import SwarmkvError
 class EngineUnavailableError(SwarmkvError):
     """The engine loop stopped (shutdown) or failed while the request was in flight."""
 
+    status = 503
+
+
+class EngineStepError(EngineUnavailableError):
+    """The engine step computing this request failed; the engine itself goes on serving."""
+
+    status = 500
+
 
 @dataclass(frozen=True)
 class StepOutput:

@@ -1,0 +1,76 @@
+"""The one source of engine defaults: `LLM`'s keyword arguments and every command's flags derive from here.
+
+Each field carries its help text; `swarmkv.options` turns fields into argparse flags, so a default written
+here is the default everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from swarmkv.engine.cascade import CASCADE_MODES, CascadeMode
+from swarmkv.units import parse_size
+
+
+def _opt(default: Any, help: str, flag: bool = True) -> Any:
+    return field(default=default, metadata={"help": help, "flag": flag})
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """Which checkpoint to load, in what dtype, on which device."""
+
+    model: str | None = _opt(None, "HF directory or GGUF file (default: the embedded SmolLM2-135M)")
+    dtype: str = _opt("auto", "auto, float32, bfloat16 or float16")
+    device: str = _opt("cpu", "torch device, e.g. cpu, cuda, cuda:1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes and switches of one engine; `max_model_len` None means the model's own context."""
+
+    kv_cache_memory: int | str = _opt("1GiB", "KV pool size, e.g. 512MiB, 2GiB")
+    block_size: int = _opt(16, "tokens per KV page")
+    prefix_caching: bool = _opt(True, "share KV pages of identical prefixes between requests")
+    max_num_seqs: int = _opt(64, "requests running at once")
+    max_num_batched_tokens: int = _opt(2048, "tokens computed per step (prefill chunks plus decodes)")
+    max_model_len: int | None = _opt(None, "context length (default: the model's)")
+    cascade_attention: CascadeMode = _opt(
+        "auto", "decodes read a shared prefix once: auto (where it pays), on, or off"
+    )
+    seed: int = _opt(0, "seed of requests that sample without their own seed", flag=False)
+    check_writes: bool = _opt(False, "assert before each step that it writes only private pages", flag=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cascade_attention, bool):  # the switch this setting replaced
+            object.__setattr__(self, "cascade_attention", "on" if self.cascade_attention else "off")
+        if self.cascade_attention not in CASCADE_MODES:
+            raise ValueError(
+                f"cascade_attention must be one of {CASCADE_MODES}, got {self.cascade_attention!r}"
+            )
+        if self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The KV pool's size in bytes."""
+        return parse_size(self.kv_cache_memory)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword arguments, refusing unknown names with a TypeError that lists the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        return cls(**kwargs)

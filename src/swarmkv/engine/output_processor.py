@@ -1,0 +1,102 @@
+"""Turns the engine core's tokens into text deltas: detokenizing, stop strings, stream holdback, finish reasons.
+
+The core decides token-level endings (an end-of-turn id, max_tokens, the context limit); this module adds
+the text-level one, a stop string, which can only be seen after detokenizing. Streamed text never has to be
+retracted: a suffix that could still grow into a stop string is held back until it cannot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swarmkv.engine.sampling_params import SamplingParams
+from swarmkv.engine.sequence import FinishReason
+from swarmkv.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one request produced in one step; `error` is set when the step failed it."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    error: str | None = None
+
+
+@dataclass
+class _TextState:
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    num_text_emitted: int = 0
+    num_text_checked: int = 0  # text before this offset holds no stop string
+
+
+class OutputProcessor:
+    """Per-request text state, from `add` to the delta that finishes the request."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _TextState] = {}
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Start tracking a request's text."""
+        self._states[request_id] = _TextState(
+            params, IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
+        )
+
+    def process(
+        self,
+        request_id: str,
+        output_token_ids: list[int],
+        new_token_ids: list[int],
+        reason: FinishReason | None,
+    ) -> RequestDelta:
+        """Detokenize the request's new tokens; a stop string in the text finishes it with "stop" and cuts
+        the text before it. `reason` is the core's finish reason, None while the request goes on."""
+        state = self._states[request_id]
+        if new_token_ids:
+            state.text += state.detokenizer.step(output_token_ids)
+        if reason is not None:
+            state.text += state.detokenizer.flush(output_token_ids)
+        if self._cut_at_stop_string(state):
+            reason = "stop"
+        return self._delta(request_id, state, new_token_ids, reason)
+
+    def fail(self, request_id: str, error: str) -> RequestDelta:
+        """The request ended in a failed step: no more text, the error instead."""
+        self._states.pop(request_id, None)
+        return RequestDelta(request_id, [], "", True, "error", error)
+
+    def drop(self, request_id: str) -> None:
+        """Forget an aborted request."""
+        self._states.pop(request_id, None)
+
+    def _cut_at_stop_string(self, state: _TextState) -> bool:
+        stops = state.params.stop
+        if not stops:
+            return False
+        # A stop string may straddle the checked text and the new piece: back up by the longest one.
+        start = max(0, state.num_text_checked - max(len(s) for s in stops) + 1)
+        state.num_text_checked = len(state.text)
+        hits = [i for s in stops if (i := state.text.find(s, start)) >= 0]
+        if not hits:
+            return False
+        state.text = state.text[: min(hits)]
+        return True
+
+    def _delta(
+        self, request_id: str, state: _TextState, tokens: list[int], reason: FinishReason | None
+    ) -> RequestDelta:
+        finished = reason is not None
+        # Hold back a possible stop-string prefix until the request finishes, so streamed text is never retracted.
+        holdback = 0 if finished else max((len(s) - 1 for s in state.params.stop), default=0)
+        upto = max(state.num_text_emitted, len(state.text) - holdback)
+        new_text = state.text[state.num_text_emitted : upto]
+        state.num_text_emitted = upto
+        if finished:
+            del self._states[request_id]
+        return RequestDelta(request_id, tokens, new_text, finished, reason)

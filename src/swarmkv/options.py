@@ -1,0 +1,79 @@
+"""Command-line flags derived from `ModelOptions` and `EngineConfig`: one default, one help text, per option.
+
+Every command that runs a model calls `add_model_arguments` and `add_engine_arguments`; a command that sets
+an option itself (the swarm sets `max_num_seqs` to its agent count) skips that flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Iterable
+from typing import Any
+
+from swarmkv.engine.cascade import CASCADE_MODES
+from swarmkv.engine.config import EngineConfig, ModelOptions
+from swarmkv.units import parse_size
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _add_fields(parser: argparse.ArgumentParser, cls: type, skip: Iterable[str]) -> None:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip or not f.metadata.get("flag", False):
+            continue
+        help_text, default, kind = f.metadata["help"], f.default, hints[f.name]
+        if kind is bool:
+            # A switch that is on by default is turned off with --no-NAME.
+            parser.add_argument(
+                _flag(f.name) if not default else "--no-" + f.name.replace("_", "-"),
+                dest=f.name,
+                action="store_false" if default else "store_true",
+                help=help_text,
+            )
+            continue
+        options: dict[str, Any] = {
+            "dest": f.name,
+            "default": default,
+            "help": f"{help_text} (default {default})",
+        }
+        if f.name == "cascade_attention":
+            options["choices"] = CASCADE_MODES
+        elif f.name == "kv_cache_memory":
+            options["type"] = parse_size
+        elif _is_int(kind):
+            options["type"] = int
+        parser.add_argument(_flag(f.name), **options)
+
+
+def _is_int(kind: Any) -> bool:
+    if kind is int:
+        return True
+    args = typing.get_args(kind)
+    return isinstance(kind, types.UnionType) and int in args and str not in args
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model, --dtype, --device."""
+    _add_fields(parser, ModelOptions, ())
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, skip: Iterable[str] = ()) -> None:
+    """One flag per EngineConfig field, except those in `skip` and those meant for code only."""
+    _add_fields(parser, EngineConfig, tuple(skip))
+
+
+def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ModelOptions fields found in parsed arguments."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelOptions)}
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig flags found in parsed arguments (those a command skipped are left out)."""
+    fields = dataclasses.fields(EngineConfig)
+    return {f.name: getattr(args, f.name) for f in fields if f.metadata["flag"] and hasattr(args, f.name)}
