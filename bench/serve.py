@@ -1,9 +1,9 @@
-"""The agent swarm over HTTP: a prefix-sharing server against a `--no-prefix-caching` one.
+"""The agent swarm over HTTP: a prefix-sharing server against a per-slot one (`--no-prefix-caching`).
 
 Both servers run in this process on free loopback ports, one after the other, over the same loaded
 weights; the swarm driver talks to each exactly as it would to vLLM or llama.cpp. Reported: time to first
 token (p50, p95; first turn and later turns), output tokens per second, the cached tokens the server
-reports in `usage`, and the prefill work its /metrics counted, with sharing / no-sharing ratios.
+reports in `usage`, and the prefill work its /metrics counted, with shared / per-slot ratios.
 
     .venv/bin/python bench/serve.py                      # the short default run (a few minutes on 2 cores)
     .venv/bin/python bench/serve.py --prefix-tokens 2000 --turns 3 --json serve.json
@@ -29,7 +29,7 @@ from swarmkv.server.background import BackgroundServer
 from swarmkv.swarm.http_driver import run_swarm_over_http
 from swarmkv.swarm.workload import Workload, build_workload, prefix_token_count
 
-MODES = {"sharing": True, "no-prefix-caching": False}
+MODES = {"shared": True, "per-slot": False}  # mode -> prefix_caching
 SERVER_COUNTERS = (
     "prompt_tokens",
     "prefill_tokens_computed",
@@ -101,7 +101,7 @@ def run_mode(
 
 
 def print_table(reports: dict[str, dict[str, Any]]) -> dict[str, float | None]:
-    """One row per figure, one column per mode, and sharing / no-sharing; returns the ratios."""
+    """One row per figure, one column per mode, and shared / per-slot; returns the ratios."""
     rows = [
         ("TTFT p50 (s)", lambda r: r["summary"]["ttft_p50_s"]),
         ("TTFT p95 (s)", lambda r: r["summary"]["ttft_p95_s"]),
@@ -115,11 +115,11 @@ def print_table(reports: dict[str, dict[str, Any]]) -> dict[str, float | None]:
         ("prefill tokens computed (/metrics)", lambda r: r["server"]["prefill_tokens_computed"]),
         ("preemptions (/metrics)", lambda r: r["server"]["preemptions"]),
     ]
-    shared, naive = reports["sharing"], reports["no-prefix-caching"]
+    shared, per_slot = reports["shared"], reports["per-slot"]
     ratios: dict[str, float | None] = {}
-    print(f"{'':36}{'sharing':>14}{'no-prefix-cache':>17}{'ratio':>10}")
+    print(f"{'':36}{'shared':>14}{'per-slot':>17}{'ratio':>10}")
     for name, get in rows:
-        a, b = get(shared), get(naive)
+        a, b = get(shared), get(per_slot)
         ratio = round(a / b, 4) if isinstance(a, int | float) and isinstance(b, int | float) and b else None
         ratios[name] = ratio
         print(f"{name:36}{_cell(a):>14}{_cell(b):>17}{_cell(ratio, 'x'):>10}")

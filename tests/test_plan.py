@@ -96,8 +96,8 @@ def test_vram_fit_counts(capsys: pytest.CaptureFixture[str]) -> None:
         "block_size": 16,
         "kv_budget_bytes": 11 * GIB,
     }
-    # 8,192 tokens = 512 pages of 2.5 MiB = 1.25 GiB per agent: 8 fit in 11 GiB without sharing.
-    assert [r["agents_fit_naive"] for r in out["rows"]] == [8, 8, 8, 8]
+    # 8,192 tokens = 512 pages of 2.5 MiB = 1.25 GiB per agent: 8 fit in 11 GiB per-slot.
+    assert [r["agents_fit_per_slot"] for r in out["rows"]] == [8, 8, 8, 8]
     # Sharing: 62/125/187/250 full prefix pages once, the rest of the 512 pages per agent.
     assert [r["agents_fit_shared"] for r in out["rows"]] == [9, 11, 13, 16]
     for row in out["rows"]:
@@ -109,10 +109,10 @@ def test_fit_rounds_to_pages_and_shares_full_pages_only() -> None:
     budget = VramBudget(vram_bytes=10_000 + 4 * 160, weights_bytes=10_000, context_tokens=33, block_size=16)
     shape = KVShape(num_layers=1, num_kv_layers=1, num_kv_heads=1, head_dim=1, dtype="float32")  # 8 B/token
     fit = fit_agents(shape, budget, prefix_tokens=20)
-    assert fit.agent_bytes_naive == 3 * 16 * 8  # 33 tokens -> 3 pages
+    assert fit.agent_bytes_per_slot == 3 * 16 * 8  # 33 tokens -> 3 pages
     assert fit.prefix_bytes_shared == 1 * 16 * 8  # 20 tokens share 1 full page; the 2nd is partly private
     assert fit.agent_bytes_private == 2 * 16 * 8
-    assert (fit.agents_fit_naive, fit.agents_fit_shared) == (640 // 384, (640 - 128) // 256)
+    assert (fit.agents_fit_per_slot, fit.agents_fit_shared) == (640 // 384, (640 - 128) // 256)
 
 
 def hybrid_config(**overrides: Any) -> dict[str, Any]:
@@ -152,7 +152,7 @@ def test_hybrid_counts_kv_for_full_attention_only(tmp_path: Path, capsys: pytest
     assert out["kv_bytes_per_token"] == 1024
     assert out["hybrid"]["num_linear_attention_layers"] == 6
     assert out["hybrid"]["state_bytes_all_agents"] == 8 * HYBRID_STATE_ELEMENTS * 2
-    assert out["rows"][0]["agent_bytes_naive"] == 4096 * 1024 + HYBRID_STATE_ELEMENTS * 2
+    assert out["rows"][0]["agent_bytes_per_slot"] == 4096 * 1024 + HYBRID_STATE_ELEMENTS * 2
     assert plan("--model", str(tmp_path), "--state-dtype", "float32") == 0
     text = capsys.readouterr().out
     assert "Hybrid model: KV counted only for the 2 full-attention layers of 8" in text
@@ -252,6 +252,8 @@ def test_measure_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["measured"] == {"block_size": 32, "tail_tokens": 100, "agrees": True}
     measured = out["rows"][0]["measured"]
     assert measured["pages_shared"] == 31 + 8 and measured["kv_bytes_shared"] == 39 * 32 * 163_840
+    # 1,100 tokens per agent: 35 pages each per-slot; shared, the 31 full prefix pages once and 4 per agent.
+    assert (measured["pages_per_slot_total"], measured["pages_shared_total"]) == (8 * 35, 31 + 8 * 4)
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,11 @@ from pathlib import Path
 import pytest
 
 from conftest_tokenizer_helpers import smol_tokenizer
-from swarmkv.cli import main
+from swarmkv.cli import build_parser, main
+from swarmkv.engine.config import EngineConfig
+from swarmkv.models.loader import LoadedModel, load_model
+from swarmkv.swarm.cli import selected_modes
+from swarmkv.swarm.run import run_swarm
 from swarmkv.swarm.workload import build_workload, initial_messages, prefix_token_count, tool_result_message
 
 
@@ -52,33 +56,74 @@ def test_prompts_are_rendered_through_the_chat_template_with_tools() -> None:
 def test_swarm_command_reports_ideal_sharing(tmp_path: Path) -> None:
     out, plot = tmp_path / "swarm.json", tmp_path / "swarm.png"
     args = ["swarm", "--agents", "3", "--turns", "2", "--prefix-tokens", "300", "--max-tokens", "3"]
-    assert main([*args, "--json", str(out), "--plot", str(plot)]) == 0
+    assert main([*args, "--block-size", "32", "--json", str(out), "--plot", str(plot)]) == 0
     record = json.loads(out.read_text())
-    config, shared, naive = record["config"], record["modes"]["shared"], record["modes"]["naive"]
-    for key in ("agents", "turns", "block_size", "kv_bytes_per_token", "shared_prefix_tokens"):
+    assert set(record["modes"]) == {"shared", "per_slot"}
+    config, shared, per_slot = record["config"], record["modes"]["shared"], record["modes"]["per_slot"]
+    for key in ("agents", "turns", "kv_bytes_per_token", "shared_prefix_tokens", "cascade_attention"):
         assert key in config
-    for mode in (shared, naive):
+    assert config["block_size"] == 32
+    for mode in (shared, per_slot):
         for key in (
             "peak_kv_bytes",
             "final_kv_bytes",
             "prompt_tokens",
             "prefill_tokens_computed",
             "prefix_hit_tokens",
+            "recomputed_tokens",
+            "cascade_decode_rows",
             "wall_s",
             "ttft_s",
             "decode_tokens_per_s",
         ):
             assert key in mode
         assert len(mode["ttft_s"]) == 3 and all(len(turns) == 2 for turns in mode["ttft_s"])
+        # Each turn's first token is sampled in the step that finishes its prefill, never a decode-only one.
+        assert 0 < mode["decode_tokens"] <= mode["generated_tokens"] - 3 * 2
+        assert mode["recomputed_tokens"] == 0  # the pool holds every context: nothing is evicted
     head_pages = config["shared_prefix_tokens"] // config["block_size"]
     page_bytes = config["block_size"] * config["kv_bytes_per_token"]
     assert (
-        naive["peak_kv_bytes"] - shared["peak_kv_bytes"] >= (config["agents"] - 1) * head_pages * page_bytes
+        per_slot["peak_kv_bytes"] - shared["peak_kv_bytes"]
+        >= (config["agents"] - 1) * head_pages * page_bytes
     )
-    saved = naive["prefill_tokens_computed"] - shared["prefill_tokens_computed"]
+    saved = per_slot["prefill_tokens_computed"] - shared["prefill_tokens_computed"]
     assert saved >= (config["agents"] - 1) * head_pages * config["block_size"]
     assert set(record["ratios"]) >= {"peak_kv_bytes", "prefill_tokens_computed", "wall_s"}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_naive_is_a_deprecated_alias_of_per_slot(capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(["swarm", "--mode", "naive"])
+    assert selected_modes(args.mode) == selected_modes("per-slot") == ["per-slot"]
+    assert selected_modes("both") == ["shared", "per-slot"] and selected_modes("shared") == ["shared"]
+    with pytest.raises(SystemExit):
+        main(["swarm", "--help"])
+    assert "naive is a deprecated alias of per-slot" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    return load_model()
+
+
+def test_decode_throughput_counts_only_decode_only_steps(loaded: LoadedModel) -> None:
+    workload = build_workload(loaded.tokenizer, agents=2, turns=1, prefix_tokens=100, max_tokens=4)
+    r = run_swarm(loaded, workload, "per-slot", EngineConfig(kv_cache_memory="64MiB"))
+    # Both prompts fit the first step, which samples each one's first token; every later step only decodes.
+    assert r.generated_tokens > 2
+    assert r.decode_tokens == r.generated_tokens - 2 and r.decode_s > 0
+    assert r.decode_tokens_per_s == r.decode_tokens / r.decode_s
+
+
+def test_swarm_passes_engine_options_through(loaded: LoadedModel) -> None:
+    workload = build_workload(loaded.tokenizer, agents=2, turns=1, prefix_tokens=100, max_tokens=4)
+    # max_num_seqs=1 is overridden: the swarm runs one request per agent at once.
+    config = EngineConfig(kv_cache_memory="64MiB", cascade_attention="on", max_num_seqs=1)
+    r = run_swarm(loaded, workload, "shared", config)
+    # The two agents decode side by side over the shared head and read it once: "auto" would not group
+    # a head this short, so the rows show that the option reached the engine.
+    assert r.cascade_decode_rows > 0
 
 
 def test_swarm_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:

@@ -79,18 +79,17 @@ class RadixIndex:
         return pages, self._best_partial(node, tokens[len(pages) * size :])
 
     def _best_partial(self, node: _Node, rest: Sequence[int]) -> PartialHit | None:
+        """The longest partial child whose tokens `rest` continues in full. One that `rest` leaves part way
+        is not offered: claiming it would take it from the request that continues it (a paused agent's next
+        turn) to spare recomputing fewer than a page of tokens."""
         best: PartialHit | None = None
         for key, child in node.children.items():
-            if len(key) == self.page_size:
+            n = len(key)
+            if n == self.page_size or n > len(rest) or (best is not None and n <= best.num_tokens):
                 continue
-            common = 0
-            for a, b in zip(key, rest, strict=False):
-                if a != b:
-                    break
-                common += 1
-            if common and (best is None or common > best.num_tokens):
+            if tuple(rest[:n]) == key:
                 assert child.page is not None
-                best = PartialHit(child.page, common)
+                best = PartialHit(child.page, n)
         return best
 
     def touch(self, pages: Iterable[int]) -> None:

@@ -198,14 +198,14 @@ def report(plan: Plan) -> str:
             f" {budget.block_size}-token pages (KV and recurrent state only, no activations):",
         ]
         cells = [
-            [f"{f.prefix_tokens:,}", str(f.agents_fit_naive), str(f.agents_fit_shared)] for f in plan.fits
+            [f"{f.prefix_tokens:,}", str(f.agents_fit_per_slot), str(f.agents_fit_shared)] for f in plan.fits
         ]
         out += _table(["Prefix tokens", "Agents without sharing", "Agents with sharing"], cells)
     if plan.measured:
         first = plan.measured[0]
         out += [
             "",
-            f"Measured: the engine's PagePool through NoSharingCache and RadixCache, {n} agents x"
+            f"Measured: the engine's scheduler over its KV manager, per-slot and shared, {n} agents x"
             f" (prefix + {first.tail_tokens}-token private tail), pages of {first.page_bytes:,} bytes"
             + (" (KV pages only: the recurrent state is per sequence either way):" if rec else ":"),
         ]

@@ -84,9 +84,9 @@ class AgentFit:
     """How many agents of one context length fit, each holding its own prefix or sharing one copy."""
 
     prefix_tokens: int
-    agents_fit_naive: int
+    agents_fit_per_slot: int
     agents_fit_shared: int
-    agent_bytes_naive: int  # one agent's whole context in pages, plus its recurrent state
+    agent_bytes_per_slot: int  # one agent's whole context in pages, plus its recurrent state
     agent_bytes_private: int  # one sharing agent's own pages (its tail), plus its recurrent state
     prefix_bytes_shared: int  # the prefix's full pages, held once for every agent
 
@@ -108,15 +108,15 @@ def fit_agents(shape: KVShape, budget: VramBudget, prefix_tokens: int) -> AgentF
     # A prefix that ends mid-page shares only its full pages: the boundary page also holds the
     # agent's own tokens, so every agent keeps a private copy of it.
     shared_pages = prefix_tokens // bs
-    agent_naive = context_pages * page_bytes + state
+    agent_per_slot = context_pages * page_bytes + state
     agent_private = (context_pages - shared_pages) * page_bytes + state
     prefix_bytes = shared_pages * page_bytes
     room = budget.kv_budget_bytes
     return AgentFit(
         prefix_tokens=prefix_tokens,
-        agents_fit_naive=room // agent_naive,
+        agents_fit_per_slot=room // agent_per_slot,
         agents_fit_shared=(room - prefix_bytes) // agent_private if room >= prefix_bytes else 0,
-        agent_bytes_naive=agent_naive,
+        agent_bytes_per_slot=agent_per_slot,
         agent_bytes_private=agent_private,
         prefix_bytes_shared=prefix_bytes,
     )

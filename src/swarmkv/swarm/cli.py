@@ -5,19 +5,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from typing import Any
+from typing import Any, cast
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from swarmkv.generate_cli import add_model_arguments
+from swarmkv.engine.config import EngineConfig
 from swarmkv.models.default import default_model_path
 from swarmkv.models.gguf_file import read_gguf_metadata
 from swarmkv.models.loader import load_model
+from swarmkv.options import add_engine_arguments, add_model_arguments, engine_kwargs
 from swarmkv.swarm.http_driver import run_swarm_over_http
-from swarmkv.swarm.report import mode_record, print_table, ratios, save_plot
-from swarmkv.swarm.run import Mode, ModeResult, pool_bytes_for, run_swarm
+from swarmkv.swarm.report import json_key, mode_record, print_table, ratios, save_plot
+from swarmkv.swarm.run import MODES, Mode, ModeResult, pool_bytes_for, run_swarm, warm_up
 from swarmkv.swarm.workload import Workload, build_workload, prefix_token_count
 from swarmkv.tokenizer import Tokenizer
 from swarmkv.units import parse_size
@@ -27,13 +28,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `swarm` subcommand."""
     parser = subparsers.add_parser("swarm", help="run an agent swarm with and without prefix sharing")
     add_model_arguments(parser)
-    parser.set_defaults(kv_cache_memory=None)
+    # The swarm runs one request per agent and picks the prefix index's salts by mode; its pool is
+    # sized from the workload unless --kv-cache-memory says otherwise.
+    add_engine_arguments(parser, skip=("max_num_seqs", "prefix_caching", "kv_cache_memory"))
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        default=None,
+        help="KV pool size, e.g. 512MiB, 2GiB (default: sized to hold every agent's context privately)",
+    )
     parser.add_argument("--agents", type=int, default=8)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--prefix-tokens", type=int, default=2000, help="size of the shared head, in tokens")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens generated per turn")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--mode", choices=("both", "shared", "naive"), default="both")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload (tasks, tool outputs)")
+    parser.add_argument(
+        "--mode",
+        choices=("both", *MODES, "naive"),
+        default="both",
+        help="the KV layouts to run (default both); naive is a deprecated alias of per-slot, removed in the"
+        " next release",
+    )
     parser.add_argument("--json", metavar="FILE", help="write the measurements as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="write a plot of KV over time and per agent")
     parser.add_argument(
@@ -43,11 +58,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+def selected_modes(mode: str) -> list[Mode]:
+    """The layouts `--mode` asks for, in running order; `naive` is the old name of per-slot."""
+    if mode == "both":
+        return list(MODES)
+    return ["per-slot" if mode == "naive" else cast(Mode, mode)]
+
+
 def run(args: argparse.Namespace) -> int:
     """Build the workload, run each mode on the same loaded model, print and save the report."""
     if args.agents <= 0 or args.turns <= 0 or args.prefix_tokens <= 0 or args.max_tokens <= 0:
         raise ValueError("--agents, --turns, --prefix-tokens and --max-tokens must be positive")
     console = Console()
+    if args.mode == "naive":
+        console.print("[yellow]--mode naive is deprecated and will be removed: use --mode per-slot[/]")
     if args.server:
         return run_over_http(args, console)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
@@ -56,20 +80,24 @@ def run(args: argparse.Namespace) -> int:
     shared_prefix = prefix_token_count(tokenizer, workload.system_prompt, workload.tools)
     kv_per_token = loaded.config.kv_bytes_per_token(loaded.dtype)
     first_prompt = shared_prefix + max(len(tokenizer.encode(a.task)) for a in workload.agents) + 16
-    pool = (
-        parse_size(args.kv_cache_memory)
-        if args.kv_cache_memory
-        else pool_bytes_for(workload, first_prompt + 256 * workload.turns, kv_per_token)
-    )
+    options = engine_kwargs(args)
+    if options["kv_cache_memory"] is None:
+        options["kv_cache_memory"] = pool_bytes_for(
+            workload, first_prompt + 256 * workload.turns, kv_per_token
+        )
+    engine_config = EngineConfig.from_kwargs(**options)
     config: dict[str, Any] = {
         "model": loaded.name,
         "agents": args.agents,
         "turns": args.turns,
         "max_tokens": args.max_tokens,
         "seed": args.seed,
-        "block_size": args.block_size,
+        "block_size": engine_config.block_size,
+        "max_num_batched_tokens": engine_config.max_num_batched_tokens,
+        "max_model_len": engine_config.max_model_len,
+        "cascade_attention": engine_config.cascade_attention,
         "kv_bytes_per_token": kv_per_token,
-        "kv_cache_memory": pool,
+        "kv_cache_memory": engine_config.kv_cache_bytes,
         "shared_prefix_tokens": shared_prefix,
         "tools": len(workload.tools),
         "dtype": str(loaded.dtype).removeprefix("torch."),
@@ -78,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         f"[bold]{loaded.name}[/]: {args.agents} agents, {args.turns} turns, shared head "
         f"{shared_prefix} tokens ({len(workload.tools)} tools), KV {kv_per_token:,} B/token"
     )
-    modes: list[Mode] = ["shared", "naive"] if args.mode == "both" else [args.mode]
+    warm_up(loaded, workload, engine_config)
     results: dict[str, ModeResult] = {}
     with Progress(
         TextColumn("{task.description}"),
@@ -90,19 +118,23 @@ def run(args: argparse.Namespace) -> int:
         console=console,
         transient=False,
     ) as bar:
-        for mode in modes:
-            task = bar.add_task(f"{mode:>6}", total=len(workload.agents) * workload.turns, kv="")
+        for mode in selected_modes(args.mode):
+            task = bar.add_task(f"{mode:>8}", total=len(workload.agents) * workload.turns, kv="")
 
             def progress(done: int, total: int, r: ModeResult, task: Any = task) -> None:
                 kv = r.kv_bytes_timeline[-1] if r.kv_bytes_timeline else 0
                 bar.update(task, completed=done, kv=f"KV {kv / 2**20:,.1f} MiB")
 
-            results[mode] = run_swarm(loaded, workload, mode, pool, args.block_size, progress=progress)
+            results[mode] = run_swarm(loaded, workload, mode, engine_config, progress=progress)
     print_table(console, results, config)
-    record: dict[str, Any] = {"config": config, "modes": {m: mode_record(r) for m, r in results.items()}}
-    if "shared" in results and "naive" in results:
-        record["ratios"] = ratios(results["shared"], results["naive"])
-        record["kv_reclaimed_bytes"] = results["naive"].peak_kv_bytes - results["shared"].peak_kv_bytes
+    record: dict[str, Any] = {
+        "config": config,
+        "modes": {json_key(m): mode_record(r) for m, r in results.items()},
+    }
+    if "shared" in results and "per-slot" in results:
+        shared, per_slot = results["shared"], results["per-slot"]
+        record["ratios"] = ratios(shared, per_slot)
+        record["kv_reclaimed_bytes"] = per_slot.peak_kv_bytes - shared.peak_kv_bytes
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=2)

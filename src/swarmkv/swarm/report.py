@@ -21,24 +21,33 @@ def mode_record(r: ModeResult) -> dict[str, Any]:
         "prefill_tokens_computed": r.prefill_tokens_computed,
         "prefix_hit_tokens": r.prefix_hit_tokens,
         "prefix_hit_rate": round(r.hit_rate, 4),
+        "recomputed_tokens": r.recomputed_tokens,
         "generated_tokens": r.generated_tokens,
+        "decode_tokens": r.decode_tokens,
+        "cascade_decode_rows": r.cascade_decode_rows,
         "wall_s": round(r.wall_s, 3),
+        "decode_s": round(r.decode_s, 3),
         "ttft_s": [[round(t, 4) for t in turns] for turns in r.ttft_s],
         "decode_tokens_per_s": round(r.decode_tokens_per_s, 2),
         "pool_bytes": r.pool_bytes,
     }
 
 
-def ratios(shared: ModeResult, naive: ModeResult) -> dict[str, float]:
-    """Shared over naive for the headline figures (lower is better for all three)."""
+def json_key(mode: str) -> str:
+    """The key a mode has under `modes` in the JSON record: `per-slot` -> `per_slot`."""
+    return mode.replace("-", "_")
+
+
+def ratios(shared: ModeResult, per_slot: ModeResult) -> dict[str, float]:
+    """Shared over per-slot for the headline figures (lower is better for all three)."""
 
     def ratio(a: float, b: float) -> float:
         return round(a / b, 4) if b else float("nan")
 
     return {
-        "peak_kv_bytes": ratio(shared.peak_kv_bytes, naive.peak_kv_bytes),
-        "prefill_tokens_computed": ratio(shared.prefill_tokens_computed, naive.prefill_tokens_computed),
-        "wall_s": ratio(shared.wall_s, naive.wall_s),
+        "peak_kv_bytes": ratio(shared.peak_kv_bytes, per_slot.peak_kv_bytes),
+        "prefill_tokens_computed": ratio(shared.prefill_tokens_computed, per_slot.prefill_tokens_computed),
+        "wall_s": ratio(shared.wall_s, per_slot.wall_s),
     }
 
 
@@ -58,9 +67,9 @@ def print_table(console: Console, results: dict[str, ModeResult], config: dict[s
     table.add_column("metric")
     for mode in results:
         table.add_column(mode, justify="right")
-    both = "shared" in results and "naive" in results
+    both = "shared" in results and "per-slot" in results
     if both:
-        table.add_column("shared / naive", justify="right")
+        table.add_column("shared / per-slot", justify="right")
     rows: list[tuple[str, Any]] = [
         ("peak KV (GiB)", lambda r: r.peak_kv_bytes / GIB),
         ("final KV (GiB)", lambda r: r.final_kv_bytes / GIB),
@@ -68,22 +77,25 @@ def print_table(console: Console, results: dict[str, ModeResult], config: dict[s
         ("prefill tokens computed", lambda r: r.prefill_tokens_computed),
         ("prefix hit tokens", lambda r: r.prefix_hit_tokens),
         ("prefix hit rate", lambda r: r.hit_rate),
+        ("recomputed tokens", lambda r: r.recomputed_tokens),
         ("TTFT first turn, median (s)", lambda r: _ttft(r, True)),
         ("TTFT later turns, median (s)", lambda r: _ttft(r, False)),
+        ("decode tokens", lambda r: r.decode_tokens),
         ("decode tokens/s", lambda r: r.decode_tokens_per_s),
+        ("cascade decode rows", lambda r: r.cascade_decode_rows),
         ("wall (s)", lambda r: r.wall_s),
     ]
     for name, get in rows:
         values = [get(r) for r in results.values()]
         cells = [f"{v:,.3f}" if isinstance(v, float) else f"{v:,}" for v in values]
         if both:
-            s, n = get(results["shared"]), get(results["naive"])
-            cells.append(f"{s / n:.3f}x" if n else "-")
+            s, p = get(results["shared"]), get(results["per-slot"])
+            cells.append(f"{s / p:.3f}x" if p else "-")
         table.add_row(name, *cells)
     console.print(table)
     console.print(_ttft_table(results))
     if both:
-        reclaimed = results["naive"].peak_kv_bytes - results["shared"].peak_kv_bytes
+        reclaimed = results["per-slot"].peak_kv_bytes - results["shared"].peak_kv_bytes
         pool = results["shared"].pool_bytes
         console.print(
             f"KV reclaimed by sharing: {reclaimed:,} bytes ({reclaimed / GIB:.3f} GiB), "

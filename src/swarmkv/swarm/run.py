@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from swarmkv.engine.engine import EngineConfig, LLMEngine
+from swarmkv.engine.config import EngineConfig
+from swarmkv.engine.engine import LLMEngine
 from swarmkv.engine.sampling_params import SamplingParams
 from swarmkv.models.loader import LoadedModel
 from swarmkv.swarm.workload import Message, Workload, initial_messages, tool_result_message
 
-Mode = Literal["shared", "naive"]
+Mode = Literal["shared", "per-slot"]
+MODES: tuple[Mode, ...] = ("shared", "per-slot")
 
 
 @dataclass
@@ -25,9 +28,12 @@ class ModeResult:
     prompt_tokens: int = 0
     prefill_tokens_computed: int = 0
     prefix_hit_tokens: int = 0
+    recomputed_tokens: int = 0
     generated_tokens: int = 0
+    decode_tokens: int = 0  # tokens sampled in decode-only steps
+    cascade_decode_rows: int = 0
     wall_s: float = 0.0
-    decode_s: float = 0.0
+    decode_s: float = 0.0  # time of decode-only steps
     ttft_s: list[list[float]] = field(default_factory=list)  # [agent][turn]
     kv_bytes_timeline: list[int] = field(default_factory=list)  # pages not free, after each step
     agent_tokens: list[int] = field(default_factory=list)  # each agent's context length at the end
@@ -40,8 +46,8 @@ class ModeResult:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        """Tokens generated per second of decode-only steps."""
-        return self.generated_tokens / self.decode_s if self.decode_s else 0.0
+        """Tokens sampled in decode-only steps per second of those steps."""
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
 
 
 ProgressFn = Callable[[int, int, ModeResult], None]
@@ -53,30 +59,38 @@ def pool_bytes_for(workload: Workload, prompt_tokens_per_agent: int, kv_bytes_pe
     return 2 * len(workload.agents) * per_agent * kv_bytes_per_token
 
 
+def swarm_engine(loaded: LoadedModel, workload: Workload, config: EngineConfig) -> LLMEngine:
+    """An engine for this swarm: `config` with one running request per agent and the prefix index on."""
+    # Both layouts index pages: per-slot files each agent's pages under its own salt, so an agent reuses its
+    # own earlier turns but never another agent's pages.
+    return LLMEngine(
+        loaded, dataclasses.replace(config, max_num_seqs=len(workload.agents), prefix_caching=True)
+    )
+
+
+def warm_up(loaded: LoadedModel, workload: Workload, config: EngineConfig) -> None:
+    """Run one short request on an engine like the timed ones, before any mode is timed."""
+    # First-run costs (the allocator's first pool, kernel compilation, CUDA start-up) would otherwise
+    # be charged to whichever mode runs first.
+    engine = swarm_engine(loaded, workload, config)
+    ids = loaded.tokenizer.encode("Warm up: count to three.")
+    engine.add_request("warm-up", ids, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+
+
 def run_swarm(
     loaded: LoadedModel,
     workload: Workload,
     mode: Mode,
-    kv_cache_memory: int,
-    block_size: int = 16,
-    max_num_batched_tokens: int = 2048,
+    config: EngineConfig,
     progress: ProgressFn | None = None,
 ) -> ModeResult:
     """Every agent runs its turns back to back; a finished turn's tool result is appended at once."""
-    engine = LLMEngine(
-        loaded,
-        EngineConfig(
-            kv_cache_bytes=kv_cache_memory,
-            block_size=block_size,
-            max_num_seqs=len(workload.agents),
-            max_num_batched_tokens=max_num_batched_tokens,
-        ),
-    )
+    engine = swarm_engine(loaded, workload, config)
     tokenizer = loaded.tokenizer
     agents = workload.agents
-    result = ModeResult(
-        mode, ttft_s=[[] for _ in agents], pool_bytes=engine.cache.pool.num_pages * engine.page_bytes
-    )
+    result = ModeResult(mode, ttft_s=[[] for _ in agents], pool_bytes=engine.kv.num_pages * engine.page_bytes)
     params = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0)
     messages: list[list[Message]] = [initial_messages(workload, a) for a in agents]
     replies: dict[str, list[str]] = {}
@@ -89,8 +103,7 @@ def run_swarm(
         text = tokenizer.apply_chat_template(messages[i], tools=list(workload.tools))
         ids = tokenizer.encode(text)
         rid = f"{agents[i].agent_id}/turn-{turn_of[i]}"
-        # The per-slot layout: each agent reuses its own earlier turns but never another agent's pages.
-        salt = agents[i].agent_id if mode == "naive" else None
+        salt = agents[i].agent_id if mode == "per-slot" else None
         engine.add_request(rid, ids, params, cache_salt=salt)
         submitted[rid] = time.perf_counter()
         replies[rid] = []
@@ -106,6 +119,7 @@ def run_swarm(
         now = time.perf_counter()
         if engine.counters.prefill_tokens_computed == prefill_before:
             result.decode_s += now - step_start
+            result.decode_tokens += sum(len(d.new_token_ids) for d in deltas)
         stats = engine.stats()
         result.kv_bytes_timeline.append(stats["kv_bytes_used"])
         for delta in deltas:
@@ -130,7 +144,9 @@ def run_swarm(
     result.prompt_tokens = stats["prompt_tokens"]
     result.prefill_tokens_computed = stats["prefill_tokens_computed"]
     result.prefix_hit_tokens = stats["prefix_hit_tokens"]
+    result.recomputed_tokens = stats["recomputed_tokens"]
     result.generated_tokens = stats["generated_tokens"]
+    result.cascade_decode_rows = stats["cascade_decode_rows"]
     result.agent_tokens = [
         len(tokenizer.encode(tokenizer.apply_chat_template(m, tools=list(workload.tools)))) for m in messages
     ]
