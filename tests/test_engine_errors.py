@@ -143,9 +143,10 @@ def test_stop_string_inside_a_long_new_piece_is_cut() -> None:
     llm = tiny_llm()
     engine = llm.engine
     engine.add_request("s", [1, 2, 3], SamplingParams(max_tokens=5, stop=("----",)))
-    state = engine._requests["s"]
+    outputs = engine.outputs
+    state = outputs._states["s"]
     state.text = "abc"
-    assert not engine._cut_at_stop_string(state)
+    assert not outputs._cut_at_stop_string(state)
     state.text += "x" * 40 + "-" * 32  # one step adding far more text than the longest stop string
-    assert engine._cut_at_stop_string(state)
+    assert outputs._cut_at_stop_string(state)
     assert state.text == "abc" + "x" * 40

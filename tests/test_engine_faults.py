@@ -130,7 +130,7 @@ def test_salted_requests_leave_no_empty_roots() -> None:
     engine.check_integrity()
 
 
-def swarm(mode: str, n: int = 4, prefix: int = 400) -> tuple[list[list[int]], dict[str, Any]]:
+def swarm(mode: str, n: int = 4, prefix: int = 800) -> tuple[list[list[int]], dict[str, Any]]:
     llm = tiny_llm(block_size=16, cascade_attention=mode)
     prompts = [head(prefix) + head(8 + i, seed=i + 1) for i in range(n)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
@@ -141,9 +141,9 @@ def test_cascade_is_used_on_a_long_shared_head_and_changes_no_token() -> None:
     auto, auto_stats = swarm("auto")
     off, off_stats = swarm("off")
     assert auto == off
-    # Every decode of the 4 agents after the first step runs in one group over the 400-token head.
+    # Every decode of the 4 agents after the first step runs in one group over the 800-token head.
     assert auto_stats["cascade_decode_rows"] >= 4 * 6
-    assert auto_stats["cascade_shared_tokens"] >= 6 * 384
+    assert auto_stats["cascade_shared_tokens"] >= 6 * 784
     assert off_stats["cascade_decode_rows"] == 0
 
 
@@ -157,7 +157,7 @@ def test_auto_cascade_skips_a_short_common_head() -> None:
 def test_cascade_groups_form_per_shared_head() -> None:
     llm = tiny_llm(block_size=16, cascade_attention="auto")
     engine = llm.engine
-    heads = [head(600, seed=10), head(600, seed=20)]
+    heads = [head(1100, seed=10), head(1100, seed=20)]
     for i in range(6):
         engine.add_request(f"r{i}", heads[i % 2] + head(5 + i, seed=i), GREEDY)
     cascaded: list[int] = []

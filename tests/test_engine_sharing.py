@@ -104,6 +104,9 @@ def test_second_turn_only_prefills_the_new_tokens() -> None:
     # the reply's last token (sampled, never run through the model) and the tool result are prefilled.
     assert turn2.num_cached_tokens == len(first) + len(turn1.token_ids) - 1
     assert computed == 1 + 40
+    # The reused KV is right: a run that shares nothing generates the same tokens from the same prompt.
+    (solo,) = tiny_llm(prefix_caching=False).generate([second], params)
+    assert turn2.token_ids == solo.token_ids
 
 
 def test_without_sharing_waiting_requests_do_not_wait_for_each_other() -> None:

@@ -241,3 +241,27 @@ def test_empty_salt_roots_do_not_accumulate() -> None:
         kv.evict(kv.num_cached)
     assert kv.index.num_roots == 0 and kv.index.num_pages == 0
     kv.check_integrity()
+
+
+def test_a_request_continuing_part_of_a_partial_page_gets_a_copy() -> None:
+    copies: list[tuple[int, int]] = []
+    kv = KVCacheManager(8, 4, copy_page=lambda src, dst: copies.append((src, dst)))
+    turn = request("t1", [1, 2, 3, 4, 5, 6, 7])  # one full page, three tokens in a second
+    assert kv.allocate(turn, NO_HIT, 7) is not None
+    head_page, partial_page = kv.page_table("t1")
+    turn.num_computed_tokens = 7
+    kv.free(turn)
+    sibling = request("s", [1, 2, 3, 4, 5, 9, 9])  # shares one token of the partial page
+    hit = kv.lookup(sibling.token_ids[:-1], None)
+    assert hit.partial is not None and not hit.partial.whole and hit.num_tokens == 5
+    taken = kv.allocate(sibling, hit, 2)
+    assert taken is not None and taken[0] == head_page and taken[1] != partial_page
+    assert copies == [(partial_page, taken[1])]
+    assert kv.index.is_cached(partial_page), "the owner's partial page stays cached"
+    kv.check_writable("s", 5, 7)
+    kv.check_integrity()
+    nxt = request("t2", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # the owner's next turn continues it whole
+    hit = kv.lookup(nxt.token_ids[:-1], None)
+    assert hit.partial is not None and hit.partial.whole and hit.num_tokens == 7
+    assert kv.allocate(nxt, hit, 2) == [head_page, partial_page, *kv.page_table("t2")[2:]]
+    kv.check_integrity()

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from swarmkv.engine.llm import LLM
+from swarmkv.engine.sampling_params import SamplingParams
 from swarmkv.models.loader import load_model
 from swarmkv.server import create_app
 from swarmkv.server.background import BackgroundServer
@@ -38,7 +39,8 @@ def served() -> Iterator[tuple[str, ServerContext]]:
 
 
 def _prompt(i: int) -> str:
-    # The number comes first, so no two prompts share a page: the pool pressure is real.
+    # The number comes first, so no two completion prompts share a page and chat prompts share only the
+    # template's default system prompt (its first page or two): the pool pressure is real.
     return f"{i * 7919 % 10007} is request number {i}. Write a short poem about the number {i} and the sea."
 
 
@@ -101,19 +103,13 @@ def test_64_streams_on_a_pool_for_8(served: tuple[str, ServerContext]) -> None:
     assert stats["requests_finished"] == NUM_REQUESTS
     ctx.engine.call(lambda engine: engine.check_integrity()).result(timeout=30)
 
-    # Streams that queued, were preempted and recomputed carry the same greedy tokens as a request
-    # served with the pool to itself (fp32: batch composition does not flip an argmax here).
-    async def alone(i: int) -> str:
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
-        common: dict[str, Any] = {"model": ctx.model_name, "max_tokens": MAX_TOKENS, "temperature": 0}
-        if i % 2:
-            messages = [{"role": "user", "content": _prompt(i)}]
-            reply = await client.chat.completions.create(
-                messages=messages, extra_body={"ignore_eos": True}, **common
-            )
-            return reply.choices[0].message.content or ""
-        done = await client.completions.create(prompt=_prompt(i), extra_body={"ignore_eos": True}, **common)
-        return done.choices[0].text
-
+    # Streams that queued, were preempted and recomputed carry the same greedy tokens as a request run
+    # alone on a fresh engine that shares nothing (fp32: batch composition does not flip an argmax here).
+    loaded = ctx.engine.engine.loaded
+    kv_bytes = POOL_TOKENS * loaded.config.kv_bytes_per_token(loaded.dtype)
+    fresh = LLM(loaded=loaded, kv_cache_memory=kv_bytes, prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i in (0, 9, 30, 63):
-        assert asyncio.run(alone(i)) == results[i]["text"], i
+        prompt: Any = [{"role": "user", "content": _prompt(i)}] if i % 2 else _prompt(i)
+        (solo,) = fresh.generate([prompt], params)
+        assert solo.text == results[i]["text"], i

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from swarmkv.options import engine_kwargs
 from swarmkv.server.chat_request import parse_chat_request
 from swarmkv.server.cli import register
 from swarmkv.server.protocol import APIError, parse_completion_request, parse_json_body
@@ -174,8 +175,9 @@ def test_serve_command_defaults_to_loopback() -> None:
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
     args = parser.parse_args(["serve"])
-    assert (args.host, args.port, args.no_prefix_caching) == ("127.0.0.1", 8000, False)
+    assert (args.host, args.port, args.prefix_caching) == ("127.0.0.1", 8000, True)
     args = parser.parse_args(
         ["serve", "--port", "0", "--api-key", "k", "--no-prefix-caching", "--kv-cache-memory", "64MiB"]
     )
-    assert (args.port, args.api_key, args.no_prefix_caching, args.kv_cache_memory) == (0, "k", True, "64MiB")
+    assert (args.port, args.api_key, args.prefix_caching, args.kv_cache_memory) == (0, "k", False, 64 * 2**20)
+    assert engine_kwargs(args)["cascade_attention"] == "auto"  # the EngineConfig default, not a copy of it

@@ -54,11 +54,13 @@ class LLMEngine:
                 f"it cannot hold a single request: raise kv_cache_memory"
             )
         self.page_bytes = page_bytes
-        self.kv = KVCacheManager(num_pages, config.block_size, prefix_caching=config.prefix_caching)
+        kv_tensors = KVCache(loaded.config, num_pages, config.block_size, loaded.dtype, loaded.device)
+        self.kv = KVCacheManager(
+            num_pages, config.block_size, prefix_caching=config.prefix_caching, copy_page=kv_tensors.copy_page
+        )
         self.counters = EngineCounters()
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.kv, limits, self.counters)
-        kv_tensors = KVCache(loaded.config, num_pages, config.block_size, loaded.dtype, loaded.device)
         max_pages = max_pages_per_request(self.max_model_len, config.block_size)
         page_table = PageTable(config.max_num_seqs, max_pages, config.block_size, loaded.device)
         self.runner = ModelRunner(

@@ -23,6 +23,12 @@ class KVCache:
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy every layer's K and V of page `src` into page `dst`."""
+        size = self.block_size
+        for slab in (self.k, self.v):
+            slab[:, dst * size : (dst + 1) * size] = slab[:, src * size : (src + 1) * size]
+
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at the given slots (any shape S) -> [*S, Hkv, D]."""
         flat = slots.reshape(-1)

@@ -2,10 +2,13 @@
 
 The verbs follow vLLM v1's KV cache manager:
 - `lookup` finds the cached prefix of a request's tokens and changes nothing;
-- `allocate` takes references on a hit, claims its partial page, evicts and allocates, all or nothing;
+- `allocate` takes references on a hit, claims or copies its partial page, evicts and allocates, all or nothing;
 - `commit` indexes the pages that became full, and never rewrites a page table entry;
 - `free` releases a request's pages, optionally leaving its partly filled last page cached.
-Page tables are append-only, so a runner can keep them resident. A page two requests computed in a cold
+Page tables are append-only, so a runner can keep them resident. A partial page is taken by a request that
+continues all of its tokens; one that continues only some of them gets a copy (through `copy_page`, the
+engine's KV tensors), so the page stays cached for the request that continues it whole, such as the paused
+agent's next turn. A page two requests computed in a cold
 race stays in the later one's table, private, and is freed when that request ends; that request indexes
 nothing past it. Without prefix caching (the per-slot layout) the same manager keeps no index at all.
 """
@@ -13,7 +16,7 @@ nothing past it. Without prefix caching (the per-slot layout) the same manager k
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -60,13 +63,21 @@ class _Table:
 class KVCacheManager:
     """Request -> pages over a `PagePool`; with `prefix_caching`, full pages are shared through a radix index."""
 
-    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        prefix_caching: bool = True,
+        copy_page: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """`copy_page(src, dst)` copies a page's KV; without it (bookkeeping only) copies are not made."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.pool = PagePool(num_pages)
         self.page_size = page_size
         self.prefix_caching = prefix_caching
         self.index = RadixIndex(self.pool, page_size)
+        self._copy_page = copy_page
         self._tables: dict[str, _Table] = {}
         self.num_evictions = 0
 
@@ -113,7 +124,7 @@ class KVCacheManager:
         """Pages `allocate` would take from the pool (or from eviction) for this call."""
         table = self._tables.get(request.request_id)
         if table is None:
-            have, base = len(hit.pages) + (hit.partial is not None), hit.num_tokens
+            have, base = len(hit.pages) + (hit.partial is not None and hit.partial.whole), hit.num_tokens
         else:
             have, base = len(table.pages), request.num_computed_tokens
         return max(0, pages_for(base + num_new_tokens, self.page_size) - have)
@@ -121,7 +132,7 @@ class KVCacheManager:
     def can_allocate(self, request: KVRequest, hit: Hit, num_new_tokens: int) -> bool:
         """Whether `allocate` with these arguments would succeed."""
         # Hit pages nobody holds are evictable now, but taking them removes them from the evictable set;
-        # a partial page is always unheld and is claimed out of it.
+        # a partial page is always unheld, and is claimed out of it or held there until copied.
         taken = sum(1 for p in hit.pages if self.pool.refcounts[p] == 0) + (hit.partial is not None)
         available = self.pool.num_free + self.num_cached - taken
         return self.num_new_pages(request, hit, num_new_tokens) <= available
@@ -139,21 +150,31 @@ class KVCacheManager:
         needed = self.num_new_pages(request, hit, num_new_tokens)
         table = self._tables.get(rid)
         appended: list[int] = []
+        copy_from = hit.partial.page if hit.partial is not None and not hit.partial.whole else None
         if table is None:
             table = self._tables[rid] = _Table(request.cache_salt)
             appended += hit.pages
             self.pool.retain(list(hit.pages))
             self.index.touch(hit.pages)
             table.num_indexed = len(hit.pages)
-            if hit.partial is not None:
+            if hit.partial is not None and hit.partial.whole:
                 self.index.detach(hit.partial.page)
                 self.pool.retain([hit.partial.page])
                 appended.append(hit.partial.page)
+            elif copy_from is not None:
+                self.pool.retain([copy_from])  # not evictable until copied below
         shortfall = needed - self.pool.num_free
         if shortfall > 0:
             evicted = self.evict(shortfall)
             assert evicted == shortfall, "the index could not evict what it counted as evictable"
-        appended += self.pool.allocate(needed)
+        new_pages = self.pool.allocate(needed)
+        if copy_from is not None:
+            if self._copy_page is not None:
+                self._copy_page(copy_from, new_pages[0])
+            self.pool.release([copy_from])
+            self.index.touch([copy_from])
+            self.index.offer(copy_from)
+        appended += new_pages
         table.pages += appended
         return appended
 

@@ -22,10 +22,12 @@ PageKey = tuple[int, ...]
 
 @dataclass(frozen=True)
 class PartialHit:
-    """A cached, partly filled page whose first `num_tokens` slots hold KV a request can continue from."""
+    """A cached, partly filled page whose first `num_tokens` slots hold KV a request can continue from;
+    `whole` when those are all of its tokens, so the request may take the page itself."""
 
     page: int
     num_tokens: int
+    whole: bool = True
 
 
 @dataclass(eq=False)
@@ -79,17 +81,21 @@ class RadixIndex:
         return pages, self._best_partial(node, tokens[len(pages) * size :])
 
     def _best_partial(self, node: _Node, rest: Sequence[int]) -> PartialHit | None:
-        """The longest partial child whose tokens `rest` continues in full. One that `rest` leaves part way
-        is not offered: claiming it would take it from the request that continues it (a paused agent's next
-        turn) to spare recomputing fewer than a page of tokens."""
+        """The partial child sharing the most leading tokens with `rest`; on a tie, one `rest` continues
+        whole (it can be taken rather than copied)."""
         best: PartialHit | None = None
         for key, child in node.children.items():
-            n = len(key)
-            if n == self.page_size or n > len(rest) or (best is not None and n <= best.num_tokens):
+            if len(key) == self.page_size:
                 continue
-            if tuple(rest[:n]) == key:
+            common = 0
+            for a, b in zip(key, rest, strict=False):
+                if a != b:
+                    break
+                common += 1
+            whole = common == len(key)
+            if common and (best is None or (common, whole) > (best.num_tokens, best.whole)):
                 assert child.page is not None
-                best = PartialHit(child.page, n)
+                best = PartialHit(child.page, common, whole)
         return best
 
     def touch(self, pages: Iterable[int]) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from swarmkv.engine.config import EngineConfig
 from swarmkv.plan.measure import MeasuredRow, measure_rows
 from swarmkv.plan.shape import Checkpoint, KVShape, element_bytes, load_checkpoint
 from swarmkv.plan.table import AgentFit, PrefixRow, VramBudget, fit_agents, prefix_rows
@@ -42,7 +43,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--context", type=int, default=8192, help="tokens per agent for the fit (default 8192)"
     )
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV page (default 16)")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=EngineConfig.block_size,
+        help=f"tokens per KV page (default {EngineConfig.block_size}, the engine's)",
+    )
     parser.add_argument("--measure", action="store_true", help="also count pages through the real allocator")
     parser.add_argument(
         "--tail-tokens", type=int, default=100, help="each agent's private tail for --measure"
