@@ -23,15 +23,15 @@ def head(n: int, seed: int = 0) -> list[int]:
 
 
 class FailOnce:
-    """Wraps a callable so that its next call raises, once."""
+    """Wraps a callable so that its next `times` calls raise."""
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Any, times: int = 1) -> None:
         self.fn = fn
-        self.armed = True
+        self.times = times
 
     def __call__(self, *args: Any) -> Any:
-        if self.armed:
-            self.armed = False
+        if self.times > 0:
+            self.times -= 1
             raise RuntimeError("injected fault")
         return self.fn(*args)
 
@@ -73,18 +73,21 @@ def test_a_failed_step_is_a_server_error_and_health_recovers(monkeypatch: pytest
     body = {"model": "tiny", "prompt": head(20), "max_tokens": 4, "temperature": 0}
     with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
         assert http.get("/health").status_code == 200
-        monkeypatch.setattr(llm.engine.runner, "run", FailOnce(llm.engine.runner.run))
+        # The request fails, then the probe /health runs on the idle engine fails too: still broken.
+        fault = FailOnce(llm.engine.runner.run, times=2)
+        monkeypatch.setattr(llm.engine.runner, "run", fault)
         failed = http.post("/v1/completions", json=body)
         assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
         health = http.get("/health")
         assert health.status_code == 503 and "injected fault" in health.json()["error"]
+        assert fault.times == 0
+        assert http.get("/health").status_code == 200, "the next probe runs and succeeds"
         streamed = http.post("/v1/completions", json={**body, "stream": True})
         assert streamed.status_code == 200 and '"error"' not in streamed.text
-        assert http.get("/health").status_code == 200
         ok = http.post("/v1/completions", json=body)
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
         metrics = http.get("/metrics").text
-        assert "swarmkv_failed_steps_total 1.0" in metrics
+        assert "swarmkv_failed_steps_total 2.0" in metrics  # the request's step and the first probe
         assert "swarmkv_recomputed_tokens_total" in metrics
     app.state.ctx.engine.engine.check_integrity()
 
@@ -174,3 +177,29 @@ def test_cascade_groups_form_per_shared_head() -> None:
         engine.step()
     # Two swarms of three: both heads are read once per step, so all six decodes are cascaded.
     assert max(cascaded) == 6
+
+
+def test_a_request_given_up_between_steps_leaves_no_page_table_row() -> None:
+    llm = tiny_llm(block_size=4, kv_cache_memory=4 * 4 * 1024, max_num_seqs=2)
+    engine = llm.engine
+    for i in range(3):  # each outgrows the 4-page pool while running alone and is given up
+        (out,) = llm.generate(
+            [head(10, seed=i)], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+        )
+        assert out.finish_reason == "length" and out.error is None
+        engine.check_integrity()
+    assert engine.runner.page_table.request_ids == set()
+    outs = llm.generate(
+        [head(3), head(3, seed=1)], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    )
+    assert all(o.error is None for o in outs)
+
+
+def test_a_huge_top_k_samples_like_no_top_k() -> None:
+    llm = tiny_llm()
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    (plain,) = llm.generate([head(12)], seeded)
+    (huge,) = llm.generate(
+        [head(12)], SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True, top_k=10**20)
+    )
+    assert huge.error is None and huge.token_ids == plain.token_ids

@@ -72,7 +72,7 @@ def test_manager_verbs_keep_the_books(ops: list, num_pages: int, sharing: bool) 
         hit = kv.lookup(seq.token_ids, seq.cache_salt)
         # Every full page a live request indexed is findable again: it cannot have been evicted.
         table = kv._tables[seq.request_id]
-        assert list(hit.pages[: table.num_indexed]) == table.pages[: table.num_indexed]
+        assert list(hit.pages[: len(table.path)]) == table.path
     for seq in live:
         kv.free(seq)
     kv.check_integrity()
@@ -93,7 +93,7 @@ class FakeRunner:
         for chunk in plan.chunks:
             if chunk.samples:
                 seq = chunk.seq
-                seq.output_token_ids.append(seq.num_tokens % 4)
+                seq.append_token(seq.num_tokens % 4)
                 if len(seq.output_token_ids) >= seq.params.max_tokens:
                     scheduler.finish(seq, "length")
         return plan
@@ -174,19 +174,39 @@ def test_salts_never_share() -> None:
 
 def test_a_page_computed_twice_stays_private_and_is_freed_with_its_request() -> None:
     kv = KVCacheManager(8, PAGE)
-    first, second = request("a", [5, 6, 7, 8]), request("b", [5, 6, 7, 8])
+    first, second = request("a", [5, 6, 7, 8]), request("b", [5, 6, 7, 8, 9, 10])
     for seq in (first, second):  # a cold race: both miss, both compute the same two pages
-        assert kv.allocate(seq, kv.lookup(seq.token_ids, None), 4) is not None
+        assert kv.allocate(seq, kv.lookup(seq.token_ids, None), seq.num_tokens) is not None
     for seq in (first, second):
-        seq.num_computed_tokens = 4
-        kv.commit(seq, 4)
+        seq.num_computed_tokens = seq.num_tokens
+        kv.commit(seq, seq.num_tokens)
     a_pages, b_pages = list(kv.page_table("a")), list(kv.page_table("b"))
     assert not set(a_pages) & set(b_pages), "append-only: the loser keeps its own pages"
-    assert list(kv.lookup([5, 6, 7, 8], None).pages) == a_pages
+    # The loser holds the index's copies too, and its third page is indexed under them.
+    assert list(kv.lookup([5, 6, 7, 8, 9, 10, 0], None).pages) == [*a_pages, b_pages[2]]
+    assert [kv.pool.refcounts[p] for p in a_pages] == [2, 2]
     kv.check_integrity()
     kv.free(second)
-    assert kv.num_free == 6 and kv.num_in_use == 2, "the duplicates went straight back to the free list"
+    assert kv.num_free == 5 and kv.num_in_use == 2, "the duplicates went straight back to the free list"
     kv.free(first)
+    kv.check_integrity()
+
+
+def test_a_page_aligned_cached_prompt_copies_its_last_page() -> None:
+    copies: list[tuple[int, int]] = []
+    kv = KVCacheManager(8, PAGE, copy_page=lambda src, dst: copies.append((src, dst)))
+    first = request("a", [1, 2, 3, 4])
+    assert kv.allocate(first, NO_HIT, 4) is not None
+    first.num_computed_tokens = 4
+    kv.free(first)
+    again = request("b", [1, 2, 3, 4])  # all cached, but its last token must be computed to sample
+    hit = kv.lookup(again.token_ids[:-1], None)
+    assert hit.num_tokens == 3 and hit.partial is not None and not hit.partial.whole
+    taken = kv.allocate(again, hit, 1)
+    assert taken is not None and copies == [(hit.partial.page, taken[1])]
+    kv.check_writable("b", 3, 4)
+    again.num_computed_tokens = 4
+    kv.commit(again, 4)
     kv.check_integrity()
 
 

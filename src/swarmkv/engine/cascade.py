@@ -1,8 +1,8 @@
 """Which decodes read a shared prefix once (cascade attention), and when that is worth an extra pass.
 
-Decodes are grouped per radix node: requests whose tables start with the same page hold the same cached
-prefix (pages are shared only through the index), and the group's shared part is the pages all of its
-members hold in the same places. A group pays one extra attention pass and a log-sum-exp merge; it saves
+Decodes are grouped per radix node: requests whose tables hold the same first pages hold the same cached
+prefix (pages are shared only through the index), so the page tables spell the radix tree, and a group
+reads the pages its members hold in common once. A group pays one extra attention pass and a log-sum-exp merge; it saves
 reading its prefix once per member beyond the first. `auto` groups only where the saving is worth it.
 """
 
@@ -35,23 +35,35 @@ def plan_groups(
     host_table: torch.Tensor, rows: list[int], shareable_pages: list[int], page_size: int, mode: CascadeMode
 ) -> list[CascadeGroup]:
     """Cascade groups among decodes in page-table `rows`, each sharing at most `shareable_pages` pages
-    (those wholly before the token it decodes: the page being written is never shared)."""
+    (those wholly before the token it decodes: the page being written is never shared). Groups follow
+    the tree the page tables spell: at each branch point the decodes below are grouped there, or left to
+    the deeper groups of its branches, whichever saves more prefix reads."""
     if mode == "off" or len(rows) < 2:
         return []
-    by_head: dict[int, list[int]] = defaultdict(list)
-    heads = host_table[rows, 0].tolist()
-    for i, (head, limit) in enumerate(zip(heads, shareable_pages, strict=True)):
-        if limit > 0:
-            by_head[head].append(i)
-    groups = []
-    for members in by_head.values():
-        if len(members) < 2:
-            continue
-        limit = min(shareable_pages[i] for i in members)
-        pages = host_table[[rows[i] for i in members], :limit]
-        same = (pages == pages[0]).all(dim=0)
-        num_pages = int(same.cumprod(dim=0).sum())
-        saved_tokens = (len(members) - 1) * num_pages * page_size
-        if num_pages and (mode == "on" or saved_tokens >= AUTO_MIN_SAVED_TOKENS):
-            groups.append(CascadeGroup(members, num_pages))
-    return groups
+    prefixes = [host_table[row, :limit].tolist() for row, limit in zip(rows, shareable_pages, strict=True)]
+    min_saved = 1 if mode == "on" else AUTO_MIN_SAVED_TOKENS
+
+    def value(members: list[int], depth: int) -> int:
+        saved = (len(members) - 1) * depth * page_size
+        return saved if depth and saved >= min_saved else 0
+
+    def best(members: list[int], depth: int) -> tuple[int, list[CascadeGroup]]:
+        while (
+            all(len(prefixes[i]) > depth for i in members) and len({prefixes[i][depth] for i in members}) == 1
+        ):
+            depth += 1
+        branches: dict[int, list[int]] = defaultdict(list)
+        for i in members:
+            if len(prefixes[i]) > depth:
+                branches[prefixes[i][depth]].append(i)
+        deeper_saved, deeper = 0, list[CascadeGroup]()
+        for branch in branches.values():
+            if len(branch) >= 2:
+                saved, groups = best(branch, depth + 1)
+                deeper_saved, deeper = deeper_saved + saved, deeper + groups
+        here = value(members, depth)
+        if here and here >= deeper_saved:
+            return here, [CascadeGroup(members, depth)]
+        return deeper_saved, deeper
+
+    return best(list(range(len(rows))), 0)[1]

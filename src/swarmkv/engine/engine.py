@@ -78,6 +78,16 @@ class LLMEngine:
         """False while the latest step failed: the engine may be unusable until a step succeeds."""
         return self.last_step_error is None
 
+    def probe(self) -> bool:
+        """After a failed step, when idle, run one token through the model: whether the engine works again.
+        (While requests are in flight their next step answers the same question.)"""
+        if self.last_step_error is not None and not self.has_unfinished():
+            rid = f"health-probe-{self._arrivals}"
+            self.add_request(rid, [0], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            while self.has_unfinished():
+                self.step()
+        return self.healthy
+
     def add_request(
         self,
         request_id: str,
@@ -123,6 +133,8 @@ class LLMEngine:
         deltas: list[RequestDelta] = []
         if plan.chunks:
             deltas += self._run(plan)
+        else:  # nothing to compute, but tables may have been freed (a request given up, an abort)
+            self.runner.page_table.drop(plan.freed)
         for seq in self.scheduler.gave_up:
             deltas.append(self.outputs.process(seq.request_id, seq.output_token_ids, [], "length"))
         self.scheduler.gave_up.clear()
@@ -167,7 +179,7 @@ class LLMEngine:
 
     def _append_token(self, chunk: Chunk, token: int) -> RequestDelta:
         seq = chunk.seq
-        seq.output_token_ids.append(token)
+        seq.append_token(token)
         self.counters.generated_tokens += 1
         params = seq.params
         reason: FinishReason | None = None
@@ -209,6 +221,10 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """Assert that pages, refcounts, page tables, the prefix index and the runner's rows agree."""
         self.scheduler.check_integrity()
+        # Rows of requests freed since the last plan go with the next one.
+        live = {s.request_id for s in self.scheduler.running} | set(self.scheduler.freed_since_plan)
+        rows = self.runner.page_table.request_ids
+        assert rows <= live, f"rows of stopped requests: {sorted(rows - live)}"
         for seq in self.scheduler.running:
             have = self.runner.page_table.pages(seq.request_id)
             assert have == list(self.kv.page_table(seq.request_id)), (

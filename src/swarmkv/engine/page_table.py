@@ -52,6 +52,11 @@ class PageTable:
             self.table[rows.to(self.device)] = self.host[rows].to(self.device, non_blocking=True)
         self._dirty.clear()
 
+    @property
+    def request_ids(self) -> set[str]:
+        """Requests that have a row."""
+        return set(self._rows)
+
     def row(self, request_id: str) -> int:
         """The row holding a request's pages."""
         return self._rows[request_id]

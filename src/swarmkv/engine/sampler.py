@@ -30,7 +30,7 @@ def _sample_rows(
     temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
     ranked, order = (logits / temperature[:, None]).sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=device)
-    top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
+    top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=device)  # any int fits
     ranked = ranked.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
     probs = torch.softmax(ranked, dim=-1)
     # top-p keeps the smallest head whose mass reaches top_p; the most likely token always survives.

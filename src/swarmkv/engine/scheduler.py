@@ -71,6 +71,11 @@ class Scheduler:
         ] = []  # requests the pool cannot hold, finished here, drained by the engine
         self._freed: list[str] = []  # tables freed since the last plan
 
+    @property
+    def freed_since_plan(self) -> list[str]:
+        """Requests whose tables were freed after the last plan was made (the next plan carries them)."""
+        return list(self._freed)
+
     def add(self, seq: Sequence) -> None:
         """Queue a new request."""
         self.waiting.append(seq)
@@ -83,14 +88,16 @@ class Scheduler:
         """Pick this step's chunks: running requests first (oldest first), then admissions from the queue."""
         plan = StepPlan()
         budget = self.limits.max_num_batched_tokens
+        scheduled: set[int] = set()  # ids of sequences with a chunk in this plan: never preempted for another
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             num_tokens = min(seq.num_uncomputed_tokens, budget)
-            if not self._reserve(seq, num_tokens, plan):
+            if not self._reserve(seq, num_tokens, plan, scheduled):
                 continue
+            scheduled.add(id(seq))
             # A lone prompt token left over from a chunked prefill is still prefill; decode means generated tokens.
             decoding = seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= len(seq.prompt_token_ids)
             plan.chunks.append(self._chunk(seq, num_tokens, "decode" if decoding else "prefill"))
@@ -104,9 +111,8 @@ class Scheduler:
         end = start + num_tokens
         return Chunk(seq, start, seq.token_ids[start:end], kind, samples=end == seq.num_tokens)
 
-    def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
+    def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan, scheduled: set[int]) -> bool:
         """Pages for `num_tokens` more tokens of a running request, preempting the newest unscheduled ones."""
-        scheduled = {id(c.seq) for c in plan.chunks}
         while not self.kv.can_allocate(seq, NO_HIT, num_tokens):
             victims = [s for s in self.running if s is not seq and id(s) not in scheduled]
             if not victims:

@@ -37,10 +37,20 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
 
+    _token_ids: list[int] = field(default_factory=list, repr=False)  # prompt + output, kept in step
+
+    def __post_init__(self) -> None:
+        self._token_ids = self.prompt_token_ids + self.output_token_ids
+
     @property
     def token_ids(self) -> list[int]:
-        """Prompt followed by generated tokens."""
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt followed by generated tokens (the sequence's own list: read it, do not change it)."""
+        return self._token_ids
+
+    def append_token(self, token: int) -> None:
+        """Add a generated token."""
+        self.output_token_ids.append(token)
+        self._token_ids.append(token)
 
     @property
     def num_tokens(self) -> int:

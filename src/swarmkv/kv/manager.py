@@ -9,8 +9,9 @@ Page tables are append-only, so a runner can keep them resident. A partial page 
 continues all of its tokens; one that continues only some of them gets a copy (through `copy_page`, the
 engine's KV tensors), so the page stays cached for the request that continues it whole, such as the paused
 agent's next turn. A page two requests computed in a cold
-race stays in the later one's table, private, and is freed when that request ends; that request indexes
-nothing past it. Without prefix caching (the per-slot layout) the same manager keeps no index at all.
+race (or recomputed because a prompt ends on a page boundary) stays in the later one's table, private, and
+is freed when that request ends; that request also holds the indexed copy, under which its later pages are
+indexed. Without prefix caching (the per-slot layout) the same manager keeps no index at all.
 """
 
 from __future__ import annotations
@@ -56,8 +57,11 @@ NO_HIT = Hit()
 class _Table:
     salt: Salt
     pages: list[int] = field(default_factory=list)
-    num_indexed: int = 0  # pages[:num_indexed] are in the index, on one path from the salt's root
-    diverged: bool = False  # a page of ours duplicates an indexed one: index nothing more
+    # The index's pages for our first len(path) pages, a path from the salt's root. path[i] is pages[i]
+    # unless our page duplicates one the index held already; we then hold that one too (in `shadow`), so
+    # that our later pages index under it and it cannot be evicted from under them.
+    path: list[int] = field(default_factory=list)
+    shadow: list[int] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -156,7 +160,7 @@ class KVCacheManager:
             appended += hit.pages
             self.pool.retain(list(hit.pages))
             self.index.touch(hit.pages)
-            table.num_indexed = len(hit.pages)
+            table.path = list(hit.pages)
             if hit.partial is not None and hit.partial.whole:
                 self.index.detach(hit.partial.page)
                 self.pool.retain([hit.partial.page])
@@ -188,18 +192,19 @@ class KVCacheManager:
     def commit(self, request: KVRequest, num_computed_tokens: int) -> None:
         """The request's first `num_computed_tokens` tokens now have KV: index the pages that became full."""
         table = self._tables[request.request_id]
-        if not self.prefix_caching or table.diverged:
+        num_full = min(num_computed_tokens // self.page_size, len(table.pages))
+        if not self.prefix_caching or len(table.path) >= num_full:
             return
         size, tokens = self.page_size, request.token_ids
-        num_full = min(num_computed_tokens // size, len(table.pages))
-        while table.num_indexed < num_full:
-            i = table.num_indexed
-            parent = table.pages[i - 1] if i else None
+        while len(table.path) < num_full:
+            i = len(table.path)
+            parent = table.path[i - 1] if i else None
             key = tuple(tokens[i * size : (i + 1) * size])
-            if not self.index.insert(table.salt, parent, key, table.pages[i]):
-                table.diverged = True  # computed twice: ours stays private until we free it
-                return
-            table.num_indexed += 1
+            indexed = self.index.insert(table.salt, parent, key, table.pages[i])
+            if indexed != table.pages[i]:  # computed twice: ours stays private, we hold the index's copy
+                self.pool.retain([indexed])
+                table.shadow.append(indexed)
+            table.path.append(indexed)
 
     def free(self, request: KVRequest, keep_partial: bool = True) -> None:
         """Release the request's pages. With `keep_partial` (a request that stopped running), its computed
@@ -215,17 +220,16 @@ class KVCacheManager:
             keep_partial
             and self.prefix_caching
             and rest
-            and not table.diverged
-            and table.num_indexed == full
+            and len(table.path) == full
             and len(table.pages) > full
         ):
             key = tuple(request.token_ids[full * self.page_size : computed])
-            parent = table.pages[full - 1] if full else None
+            parent = table.path[full - 1] if full else None
             # If an identical partial page is cached already, ours is not indexed and is freed below.
             self.index.insert(table.salt, parent, key, table.pages[full])
         del self._tables[rid]
         uncached = []
-        for page in self.pool.release(table.pages):
+        for page in self.pool.release(table.pages + table.shadow):
             if self.index.is_cached(page):
                 self.index.offer(page)
             else:
@@ -239,7 +243,7 @@ class KVCacheManager:
         refcounts equal holders; free + cached + held == total; every page two requests hold is a full
         indexed page; a partial leaf in the index is unheld; no page is both free and indexed."""
         pool = self.pool
-        holders = Counter(p for table in self._tables.values() for p in table.pages)
+        holders = Counter(p for table in self._tables.values() for p in table.pages + table.shadow)
         for page in range(pool.num_pages):
             refs = pool.refcounts[page]
             assert refs == holders.get(page, 0), f"page {page}: refcount {refs} but {holders[page]} holders"
@@ -254,9 +258,10 @@ class KVCacheManager:
         for rid, table in self._tables.items():
             assert len(set(table.pages)) == len(table.pages), f"{rid} holds a page twice"
             parent: int | None = None
-            for page in table.pages[: table.num_indexed]:
-                assert self.index.is_full(page), f"{rid}: indexed page {page} is not in the index"
+            for own, page in zip(table.pages, table.path, strict=False):
+                assert self.index.is_full(page), f"{rid}: path page {page} is not in the index"
                 assert self.index.parent_page(page) == parent, f"{rid}: page {page} is off its path"
+                assert own == page or page in table.shadow, f"{rid}: holds neither its page nor the index's"
                 parent = page
         if not self.prefix_caching:
             assert self.index.num_pages == 0, "the per-slot layout indexes nothing"

@@ -81,18 +81,17 @@ class RadixIndex:
         return pages, self._best_partial(node, tokens[len(pages) * size :])
 
     def _best_partial(self, node: _Node, rest: Sequence[int]) -> PartialHit | None:
-        """The partial child sharing the most leading tokens with `rest`; on a tie, one `rest` continues
-        whole (it can be taken rather than copied)."""
+        """The child sharing the most leading tokens with `rest` (shorter than a page, or diverging from
+        every full child); on a tie, a partial child `rest` continues whole, which can be taken rather
+        than copied. A full child is only ever copied: its last slots are someone else's tokens."""
         best: PartialHit | None = None
         for key, child in node.children.items():
-            if len(key) == self.page_size:
-                continue
             common = 0
             for a, b in zip(key, rest, strict=False):
                 if a != b:
                     break
                 common += 1
-            whole = common == len(key)
+            whole = common == len(key) < self.page_size
             if common and (best is None or (common, whole) > (best.num_tokens, best.whole)):
                 assert child.page is not None
                 best = PartialHit(child.page, common, whole)
@@ -104,20 +103,21 @@ class RadixIndex:
         for page in pages:
             self._node_of_page[page].last_access = now
 
-    def insert(self, salt: Salt, parent_page: int | None, key: PageKey, page: int) -> bool:
-        """Index `page` holding `key` under `parent_page` (None: the salt's root). True if the tree now maps
-        that prefix to `page`; False if another page already holds it (the caller keeps `page` private)."""
+    def insert(self, salt: Salt, parent_page: int | None, key: PageKey, page: int) -> int:
+        """Index `page` holding `key` under `parent_page` (None: the salt's root). Returns the page the tree
+        maps that prefix to: `page`, or the page that held it already (then `page` is not indexed)."""
         parent = self._roots.get(salt) if parent_page is None else self._node_of_page[parent_page]
         if parent is None:
             parent = self._roots[salt] = _Node(key=(), page=None, parent=None, salt=salt)
         child = parent.children.get(key)
         if child is not None:
-            return child.page == page
+            assert child.page is not None
+            return child.page
         assert page not in self._node_of_page, f"page {page} is indexed under another prefix"
         child = _Node(key=key, page=page, parent=parent, last_access=next(self._clock))
         parent.children[key] = child
         self._node_of_page[page] = child
-        return True
+        return page
 
     def detach(self, page: int) -> None:
         """Take a partial leaf out of the tree: its claimer will write past its tokens."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -92,10 +93,12 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """GET /health: 200 while the engine loop runs and its latest step succeeded, 503 otherwise."""
+    """GET /health: 200 while the engine loop runs and its latest step (or a probe) succeeded, else 503."""
     ctx: ServerContext = request.app.state.ctx
     if not ctx.engine.is_running:
         return JSONResponse({"status": "engine stopped"}, status_code=503)
+    if ctx.engine.last_step_error is not None:  # is it still failing? an idle engine tries one token
+        await asyncio.wrap_future(ctx.engine.call(lambda engine: engine.probe()))
     error = ctx.engine.last_step_error
     if error is not None:
         return JSONResponse({"status": "engine step failed", "error": error}, status_code=503)
