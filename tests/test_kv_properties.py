@@ -271,14 +271,15 @@ def test_a_request_continuing_part_of_a_partial_page_gets_a_copy() -> None:
     head_page, partial_page = kv.page_table("t1")
     turn.num_computed_tokens = 7
     kv.free(turn)
-    sibling = request("s", [1, 2, 3, 4, 5, 9, 9])  # shares one token of the partial page
+    assert kv.lookup([1, 2, 3, 4, 5, 9], None).partial is None, "one token is not worth a page copy"
+    sibling = request("s", [1, 2, 3, 4, 5, 6, 9, 9])  # shares two tokens of the partial page
     hit = kv.lookup(sibling.token_ids[:-1], None)
-    assert hit.partial is not None and not hit.partial.whole and hit.num_tokens == 5
+    assert hit.partial is not None and not hit.partial.whole and hit.num_tokens == 6
     taken = kv.allocate(sibling, hit, 2)
     assert taken is not None and taken[0] == head_page and taken[1] != partial_page
     assert copies == [(partial_page, taken[1])]
     assert kv.index.is_cached(partial_page), "the owner's partial page stays cached"
-    kv.check_writable("s", 5, 7)
+    kv.check_writable("s", 6, 8)
     kv.check_integrity()
     nxt = request("t2", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # the owner's next turn continues it whole
     hit = kv.lookup(nxt.token_ids[:-1], None)

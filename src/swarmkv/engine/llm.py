@@ -44,6 +44,7 @@ class LLM:
     def __init__(
         self,
         model: str | None = ModelOptions.model,
+        *,
         dtype: str | torch.dtype = ModelOptions.dtype,
         device: str | torch.device = ModelOptions.device,
         loaded: LoadedModel | None = None,

@@ -121,6 +121,8 @@ class KVCacheManager:
         if not self.prefix_caching:
             return NO_HIT
         pages, partial = self.index.lookup(tokens, salt)
+        if partial is not None and not partial.whole and partial.num_tokens < self.page_size // 2:
+            partial = None  # a copy must spare at least half a page of compute to be worth a page copy
         num_tokens = len(pages) * self.page_size + (partial.num_tokens if partial else 0)
         return Hit(tuple(pages), partial, num_tokens)
 
