@@ -133,7 +133,7 @@ def test_salted_requests_leave_no_empty_roots() -> None:
     engine.check_integrity()
 
 
-def swarm(mode: str, n: int = 4, prefix: int = 800) -> tuple[list[list[int]], dict[str, Any]]:
+def swarm(mode: str, n: int = 4, prefix: int = 1100) -> tuple[list[list[int]], dict[str, Any]]:
     llm = tiny_llm(block_size=16, cascade_attention=mode)
     prompts = [head(prefix) + head(8 + i, seed=i + 1) for i in range(n)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
@@ -144,9 +144,9 @@ def test_cascade_is_used_on_a_long_shared_head_and_changes_no_token() -> None:
     auto, auto_stats = swarm("auto")
     off, off_stats = swarm("off")
     assert auto == off
-    # Every decode of the 4 agents after the first step runs in one group over the 800-token head.
+    # Every decode of the 4 agents after the first step runs in one group over the 1,100-token head.
     assert auto_stats["cascade_decode_rows"] >= 4 * 6
-    assert auto_stats["cascade_shared_tokens"] >= 6 * 784
+    assert auto_stats["cascade_shared_tokens"] >= 6 * 1088
     assert off_stats["cascade_decode_rows"] == 0
 
 
@@ -161,7 +161,7 @@ def test_cascade_groups_form_per_shared_head() -> None:
     llm = tiny_llm(block_size=16, cascade_attention="auto")
     engine = llm.engine
     heads = [head(1100, seed=10), head(1100, seed=20)]
-    for i in range(6):
+    for i in range(8):
         engine.add_request(f"r{i}", heads[i % 2] + head(5 + i, seed=i), GREEDY)
     cascaded: list[int] = []
     run = engine.runner.run
@@ -175,8 +175,8 @@ def test_cascade_groups_form_per_shared_head() -> None:
     engine.runner.run = spy  # type: ignore[method-assign]
     while engine.has_unfinished():
         engine.step()
-    # Two swarms of three: both heads are read once per step, so all six decodes are cascaded.
-    assert max(cascaded) == 6
+    # Two swarms of four: both heads are read once per step, so all eight decodes are cascaded.
+    assert max(cascaded) == 8
 
 
 def test_a_request_given_up_between_steps_leaves_no_page_table_row() -> None:
