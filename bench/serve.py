@@ -1,4 +1,5 @@
-"""The agent swarm over HTTP: a prefix-sharing server against a per-slot one (`--no-prefix-caching`).
+"""The agent swarm over HTTP, shared against per-slot (each agent sends its own `cache_salt`, so it reuses its
+own earlier turns but never another agent's pages, as a per-slot server such as `llama-server -np 8` does).
 
 Both servers run in this process on free loopback ports, one after the other, over the same loaded
 weights; the swarm driver talks to each exactly as it would to vLLM or llama.cpp. Reported: time to first
@@ -29,7 +30,7 @@ from swarmkv.server.background import BackgroundServer
 from swarmkv.swarm.http_driver import run_swarm_over_http
 from swarmkv.swarm.workload import Workload, build_workload, prefix_token_count
 
-MODES = {"shared": True, "per-slot": False}  # mode -> prefix_caching
+MODES = ("shared", "per-slot")
 SERVER_COUNTERS = (
     "prompt_tokens",
     "prefill_tokens_computed",
@@ -73,9 +74,7 @@ def scrape_counters(url: str) -> dict[str, float]:
     return {name: values.get(f"swarmkv_{name}_total", math.nan) for name in SERVER_COUNTERS}
 
 
-def run_mode(
-    loaded: LoadedModel, workload: Workload, prefix_caching: bool, max_model_len: int
-) -> dict[str, Any]:
+def run_mode(loaded: LoadedModel, workload: Workload, mode: str, max_model_len: int) -> dict[str, Any]:
     """Start a server, drive the swarm through it, stop it; the driver's report plus the server's counters."""
     kv_per_token = loaded.config.kv_bytes_per_token(loaded.dtype)
     # Room for every agent's whole context privately: neither mode is slowed by eviction or preemption.
@@ -83,7 +82,6 @@ def run_mode(
     llm = LLM(
         loaded=loaded,
         kv_cache_memory=pool_bytes,
-        prefix_caching=prefix_caching,
         max_model_len=max_model_len,
         max_num_seqs=len(workload.agents),
     )
@@ -95,7 +93,8 @@ def run_mode(
                 end = "\n" if done == total else ""
                 print(f"\r  {done}/{total} turns, {time.perf_counter() - start:6.1f} s", end=end, flush=True)
 
-        report = asyncio.run(run_swarm_over_http(server.url, workload, progress=progress))
+        per_slot = mode == "per-slot"
+        report = asyncio.run(run_swarm_over_http(server.url, workload, progress=progress, per_slot=per_slot))
         report["server"] = scrape_counters(server.url)
     return report
 
@@ -153,9 +152,9 @@ def main() -> None:
         f"({len(workload.tools)} tools), {args.max_tokens} tokens per turn, context {max_model_len}"
     )
     reports: dict[str, dict[str, Any]] = {}
-    for mode, prefix_caching in MODES.items():
+    for mode in MODES:
         print(f"{mode}:")
-        reports[mode] = run_mode(loaded, workload, prefix_caching, max_model_len)
+        reports[mode] = run_mode(loaded, workload, mode, max_model_len)
     ratios = print_table(reports)
     if args.json:
         with open(args.json, "w") as f:

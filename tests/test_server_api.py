@@ -583,3 +583,17 @@ def test_swarm_driver_reports_ttft_and_server_cached_tokens(served: Served) -> N
     assert summary["ttft_p50_s"] <= summary["ttft_p95_s"]
     assert summary["output_tokens_per_s"] > 0
     assert wait_idle(served)["kv_pages_in_use"] == 0
+
+
+def test_swarm_driver_per_slot_agents_share_no_page(served: Served) -> None:
+    tokenizer = served.ctx.tokenizer
+    workload = build_workload(
+        tokenizer, agents=3, turns=2, prefix_tokens=300, max_tokens=4, tool_result_tokens=20, seed=11
+    )
+    report = asyncio.run(run_swarm_over_http(served.url, workload, api_key=API_KEY, per_slot=True))
+    turns = [t for agent in report["agent_turns"] for t in agent]
+    head = prefix_token_count(tokenizer, workload.system_prompt, workload.tools) // 16 * 16
+    # First turns find nothing (each agent's salt is new), later turns find their own first turn.
+    assert all(t["cached_tokens"] == 0 for t in turns if t["turn"] == 0)
+    assert all(t["cached_tokens"] >= head for t in turns if t["turn"] == 1)
+    assert wait_idle(served)["kv_pages_in_use"] == 0

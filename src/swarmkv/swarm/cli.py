@@ -146,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_over_http(args: argparse.Namespace, console: Console) -> int:
-    """`--server URL`: the same workload, sized with the default model's tokenizer, sent over HTTP."""
+    """`--server URL`: the same workload, sized with the default model's tokenizer, sent over HTTP; with
+    `--mode per-slot` each agent sends its own `cache_salt`."""
     tokenizer = Tokenizer.from_gguf_metadata(read_gguf_metadata(default_model_path()))
     workload = _workload(args, tokenizer)
     with Progress(
@@ -160,6 +161,7 @@ def run_over_http(args: argparse.Namespace, console: Console) -> int:
                 model=args.model,
                 api_key=args.api_key,
                 progress=lambda done, total: bar.update(task, completed=done),
+                per_slot=selected_modes(args.mode) == ["per-slot"],
             )
         )
     table = Table(title=f"{args.server} ({report['model']}): {args.agents} agents x {args.turns} turns")

@@ -67,8 +67,11 @@ async def run_swarm_over_http(
     timeout_s: float = 600.0,
     extra_body: dict[str, Any] | None = None,
     progress: ProgressFn | None = None,
+    per_slot: bool = False,
 ) -> dict[str, Any]:
-    """Run every agent's turns against the server; the report has each turn and a summary."""
+    """Run every agent's turns against the server; the report has each turn and a summary. With `per_slot`,
+    each agent sends its own `cache_salt`: it reuses its own earlier turns, never another agent's pages, as
+    a per-slot server stores them."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=len(workload.agents) + 2)
     async with httpx.AsyncClient(
@@ -87,7 +90,16 @@ async def run_swarm_over_http(
         body = {"model": model, "temperature": temperature, **(extra_body or {})}
         start = time.perf_counter()
         per_agent = await asyncio.gather(
-            *(_run_agent(client, workload, agent, body, turn_done) for agent in workload.agents)
+            *(
+                _run_agent(
+                    client,
+                    workload,
+                    agent,
+                    {**body, "cache_salt": agent.agent_id} if per_slot else body,
+                    turn_done,
+                )
+                for agent in workload.agents
+            )
         )
         wall_s = time.perf_counter() - start
     turns = [t for agent_turns in per_agent for t in agent_turns]
