@@ -147,3 +147,10 @@ def test_swarm_over_http_reports_cached_tokens(tmp_path: Path) -> None:
     # The second agent's first turn and every later turn hit the shared head and the agent's own turns.
     assert report["summary"]["cached_tokens"] >= 3 * (300 // 16 * 16)
     assert all(t["ttft_s"] is not None for turns in report["agent_turns"] for t in turns)
+
+
+def test_swarm_over_an_unreachable_server_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["swarm", "--server", "http://127.0.0.1:9", "--agents", "1", "--turns", "1", "--prefix-tokens", "50"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("swarmkv swarm: error: cannot talk to http://127.0.0.1:9") and "\n" not in err

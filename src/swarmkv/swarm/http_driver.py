@@ -18,13 +18,14 @@ from typing import Any
 
 import httpx
 
+from swarmkv.errors import SwarmkvError
 from swarmkv.swarm.workload import AgentScript, Message, Workload, initial_messages, tool_result_message
 
 ProgressFn = Callable[[int, int], None]  # (turns done, turns in all)
 
 
-class ServerError(RuntimeError):
-    """The server refused a request or broke off a stream."""
+class ServerError(SwarmkvError):
+    """The server could not be reached, refused a request or broke off a stream."""
 
 
 @dataclass
@@ -73,6 +74,37 @@ async def run_swarm_over_http(
     each agent sends its own `cache_salt`: it reuses its own earlier turns, never another agent's pages, as
     a per-slot server stores them."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        per_agent, model, wall_s = await _run_agents(
+            base_url, workload, model, headers, temperature, timeout_s, extra_body, progress, per_slot
+        )
+    except httpx.TransportError as exc:
+        raise ServerError(f"cannot talk to {base_url}: {exc or type(exc).__name__}") from exc
+    turns = [t for agent_turns in per_agent for t in agent_turns]
+    return {
+        "base_url": base_url,
+        "model": model,
+        "agents": len(workload.agents),
+        "turns": workload.turns,
+        "max_tokens": workload.max_tokens,
+        "wall_s": round(wall_s, 4),
+        "summary": summarize(turns, wall_s),
+        "agent_turns": [[_turn_record(t) for t in agent_turns] for agent_turns in per_agent],
+    }
+
+
+async def _run_agents(
+    base_url: str,
+    workload: Workload,
+    model: str | None,
+    headers: dict[str, str],
+    temperature: float,
+    timeout_s: float,
+    extra_body: dict[str, Any] | None,
+    progress: ProgressFn | None,
+    per_slot: bool,
+) -> tuple[list[list[TurnResult]], str, float]:
+    """Every agent's turns on one client: the turns, the model name used and the wall time."""
     limits = httpx.Limits(max_connections=len(workload.agents) + 2)
     async with httpx.AsyncClient(
         base_url=api_base(base_url), headers=headers, timeout=timeout_s, limits=limits
@@ -102,17 +134,7 @@ async def run_swarm_over_http(
             )
         )
         wall_s = time.perf_counter() - start
-    turns = [t for agent_turns in per_agent for t in agent_turns]
-    return {
-        "base_url": base_url,
-        "model": model,
-        "agents": len(workload.agents),
-        "turns": workload.turns,
-        "max_tokens": workload.max_tokens,
-        "wall_s": round(wall_s, 4),
-        "summary": summarize(turns, wall_s),
-        "agent_turns": [[_turn_record(t) for t in agent_turns] for agent_turns in per_agent],
-    }
+    return per_agent, model, wall_s
 
 
 async def _first_model(client: httpx.AsyncClient) -> str:
