@@ -150,7 +150,17 @@ def test_swarm_over_http_reports_cached_tokens(tmp_path: Path) -> None:
 
 
 def test_swarm_over_an_unreachable_server_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["swarm", "--server", "http://127.0.0.1:9", "--agents", "1", "--turns", "1", "--prefix-tokens", "50"]
+    args = [
+        "swarm",
+        "--server",
+        "http://127.0.0.1:9",
+        "--agents",
+        "1",
+        "--turns",
+        "1",
+        "--prefix-tokens",
+        "50",
+    ]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("swarmkv swarm: error: cannot talk to http://127.0.0.1:9") and "\n" not in err
