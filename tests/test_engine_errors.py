@@ -150,3 +150,11 @@ def test_stop_string_inside_a_long_new_piece_is_cut() -> None:
     state.text += "x" * 40 + "-" * 32  # one step adding far more text than the longest stop string
     assert outputs._cut_at_stop_string(state)
     assert state.text == "abc" + "x" * 40
+
+
+def test_unknown_engine_options_and_cascade_modes_are_refused() -> None:
+    with pytest.raises(TypeError, match="unknown engine option.*kv_cach_memory"):
+        tiny_llm(kv_cach_memory="1GiB")
+    with pytest.raises(ValueError, match="cascade_attention"):
+        tiny_llm(cascade_attention="sometimes")
+    assert tiny_llm(cascade_attention=False).engine.config.cascade_attention == "off"  # the old switch

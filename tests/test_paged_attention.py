@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from engine_helpers import tiny_config
-from swarmkv.engine.kv_cache import KVCache, page_slots
+from swarmkv.engine.kv_cache import KVCache
+from swarmkv.engine.page_table import PageTable
 from swarmkv.engine.paged_attention import DecodeGroup, PagedAttention, StepLayout
 
 BLOCK = 4
@@ -28,7 +29,10 @@ def test_cascade_decode_equals_dense_attention() -> None:
     shared_pages = [3, 7, 1]
     tables = [shared_pages + [10, 11], shared_pages + [20], shared_pages + [25, 26, 27]]
     lengths = [19, 13, 24]  # tokens already in the cache, the decoded one included
-    slots = [page_slots(t, n, BLOCK) for t, n in zip(tables, lengths, strict=True)]
+    table = PageTable(len(tables), 8, BLOCK, torch.device("cpu"))
+    for i, pages in enumerate(tables):
+        table.append(f"r{i}", pages)
+    slots = [table.context_slots(torch.tensor([table.row(f"r{i}")]), n)[0] for i, n in enumerate(lengths)]
     q = torch.randn(3, CONFIG.num_heads, CONFIG.head_dim, dtype=torch.float64)
     shared = len(shared_pages) * BLOCK
     own = torch.nn.utils.rnn.pad_sequence([s[shared:] for s in slots], batch_first=True)

@@ -16,14 +16,14 @@ from swarmkv.engine.config import EngineConfig
 from swarmkv.engine.kv_cache import KVCache
 from swarmkv.engine.output_processor import OutputProcessor, RequestDelta
 from swarmkv.engine.page_table import PageTable
-from swarmkv.engine.runner import ModelRunner, max_pages_per_request
+from swarmkv.engine.runner import ModelRunner
 from swarmkv.engine.sampler import sample
 from swarmkv.engine.sampling_params import SamplingParams
 from swarmkv.engine.scheduler import Chunk, Scheduler, SchedulerLimits, StepPlan
 from swarmkv.engine.sequence import FinishReason, Sequence
 from swarmkv.engine.stats import EngineCounters
 from swarmkv.errors import CapacityError, InvalidRequestError
-from swarmkv.kv import KVCacheManager
+from swarmkv.kv import KVCacheManager, pages_for
 from swarmkv.models.loader import LoadedModel
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestDelta"]
@@ -61,7 +61,7 @@ class LLMEngine:
         self.counters = EngineCounters()
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.kv, limits, self.counters)
-        max_pages = max_pages_per_request(self.max_model_len, config.block_size)
+        max_pages = pages_for(self.max_model_len, config.block_size)  # a request that fills the context
         page_table = PageTable(config.max_num_seqs, max_pages, config.block_size, loaded.device)
         self.runner = ModelRunner(
             loaded.model, kv_tensors, page_table, self.counters, config.cascade_attention
@@ -130,11 +130,11 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         """Run one batch; return what each request produced (finished requests are forgotten here)."""
         plan = self.scheduler.schedule()
+        # Every plan reaches the resident page table, one without chunks too: it may only free rows.
+        self.runner.update_page_table(plan)
         deltas: list[RequestDelta] = []
         if plan.chunks:
             deltas += self._run(plan)
-        else:  # nothing to compute, but tables may have been freed (a request given up, an abort)
-            self.runner.page_table.drop(plan.freed)
         for seq in self.scheduler.gave_up:
             deltas.append(self.outputs.process(seq.request_id, seq.output_token_ids, [], "length"))
         self.scheduler.gave_up.clear()
@@ -166,8 +166,7 @@ class LLMEngine:
         log.exception("a step of %d chunk(s) failed; failing its requests", len(plan.chunks))
         self.last_step_error = f"{type(exc).__name__}: {exc}"
         self.counters.failed_steps += 1
-        rids = [c.request_id for c in plan.chunks]
-        self.runner.page_table.drop(plan.freed + rids)  # whatever the failed run applied, forget it
+        self.runner.page_table.drop([c.request_id for c in plan.chunks])  # their rows go with them
         deltas = []
         for chunk in plan.chunks:
             self.scheduler.finish(chunk.seq, "error")

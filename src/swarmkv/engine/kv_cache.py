@@ -35,10 +35,3 @@ class KVCache:
         k = self.k[layer].index_select(0, flat)
         v = self.v[layer].index_select(0, flat)
         return k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:])
-
-
-def page_slots(page_table: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
-    """Slot ids of token positions [0, num_tokens) under a page table, as a CPU int64 tensor."""
-    pages = torch.tensor(page_table, dtype=torch.int64)
-    offsets = torch.arange(block_size, dtype=torch.int64)
-    return (pages[:, None] * block_size + offsets).reshape(-1)[:num_tokens]

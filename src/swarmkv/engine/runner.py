@@ -10,7 +10,6 @@ from swarmkv.engine.page_table import PageTable
 from swarmkv.engine.paged_attention import DecodeGroup, PagedAttention, PrefillSpan, StepLayout
 from swarmkv.engine.scheduler import Chunk, StepPlan
 from swarmkv.engine.stats import EngineCounters
-from swarmkv.kv import pages_for
 from swarmkv.models.decoder import DecoderForCausalLM
 
 
@@ -36,9 +35,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
-        """Apply the plan's page-table changes, compute every chunk; return the chunks that sample, in
-        the order of their rows of float32 logits [N, vocab]."""
-        self.update_page_table(plan)
+        """Compute every chunk (after `update_page_table(plan)`); return the chunks that sample, in the
+        order of their rows of float32 logits [N, vocab]."""
         prefills = [c for c in plan.chunks if c.kind == "prefill"]
         decodes = [c for c in plan.chunks if c.kind == "decode"]
         groups, decodes = self._group_decodes(decodes)
@@ -124,8 +122,3 @@ class ModelRunner:
 def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An additive attention mask (CPU SDPA is several times faster with these than with boolean masks)."""
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
-
-
-def max_pages_per_request(max_model_len: int, page_size: int) -> int:
-    """Page-table columns: enough for a request that fills the whole context."""
-    return pages_for(max_model_len, page_size)
