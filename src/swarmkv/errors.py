@@ -19,3 +19,7 @@ class InvalidRequestError(SwarmkvError, ValueError):
 
 class CapacityError(SwarmkvError):
     """The configured KV pool cannot hold what was asked of it."""
+
+
+class ConfigError(SwarmkvError, ValueError):
+    """An engine option cannot be honoured on this machine (a backend it lacks, a device it cannot use)."""

@@ -13,7 +13,6 @@ import typing
 from collections.abc import Iterable
 from typing import Any
 
-from swarmkv.engine.cascade import CASCADE_MODES
 from swarmkv.engine.config import EngineConfig, ModelOptions
 from swarmkv.units import parse_size
 
@@ -42,8 +41,8 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type, skip: Iterable[str])
             "default": default,
             "help": f"{help_text} (default {default})",
         }
-        if f.name == "cascade_attention":
-            options["choices"] = CASCADE_MODES
+        if typing.get_origin(kind) is typing.Literal:
+            options["choices"] = typing.get_args(kind)
         elif f.name == "kv_cache_memory":
             options["type"] = parse_size
         elif _is_int(kind):

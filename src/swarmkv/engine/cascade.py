@@ -20,7 +20,7 @@ CASCADE_MODES: tuple[CascadeMode, ...] = ("auto", "on", "off")
 # `auto` groups when the prefix reads it saves, (members - 1) x shared tokens, reach this. Measured on the
 # CPU with bench/cascade.py (SmolLM2-135M's heads, one layer): the extra pass and merge cost about 0.5 ms,
 # 2 x 2,048 shared tokens still lose (0.68x), 4 x 1,024 win (4.1x), 8 x 512 break even (0.94x to 1.5x).
-# A GPU moves this point; the GPU backend measures its own.
+# This is the torch backend's point; the triton backend has its own (engine/runner.py).
 AUTO_MIN_SAVED_TOKENS = 3072
 
 
@@ -33,16 +33,22 @@ class CascadeGroup:
 
 
 def plan_groups(
-    host_table: torch.Tensor, rows: list[int], shareable_pages: list[int], page_size: int, mode: CascadeMode
+    host_table: torch.Tensor,
+    rows: list[int],
+    shareable_pages: list[int],
+    page_size: int,
+    mode: CascadeMode,
+    min_saved_tokens: int = AUTO_MIN_SAVED_TOKENS,
 ) -> list[CascadeGroup]:
     """Cascade groups among decodes in page-table `rows`, each sharing at most `shareable_pages` pages
-    (those wholly before the token it decodes: the page being written is never shared). Groups follow
-    the tree the page tables spell: at each branch point the decodes below are grouped there, or left to
-    the deeper groups of its branches, whichever saves more prefix reads."""
+        (those wholly before the token it decodes: the page being written is never shared). Groups follow
+        the tree the page tables spell: at each branch point the decodes below are grouped there, or left to
+        the deeper groups of its branches, whichever saves more prefix reads. `auto` groups where the reads
+    saved reach `min_saved_tokens` (the attention backend's own break-even)."""
     if mode == "off" or len(rows) < 2:
         return []
     prefixes = [host_table[row, :limit].tolist() for row, limit in zip(rows, shareable_pages, strict=True)]
-    min_saved = 1 if mode == "on" else AUTO_MIN_SAVED_TOKENS
+    min_saved = 1 if mode == "on" else min_saved_tokens
 
     def value(members: list[int], depth: int) -> int:
         saved = (len(members) - 1) * depth * page_size

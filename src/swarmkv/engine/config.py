@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from swarmkv.engine.backend import ATTENTION_BACKENDS, AttentionBackendName
 from swarmkv.engine.cascade import CASCADE_MODES, CascadeMode
 from swarmkv.units import parse_size
 
@@ -40,6 +41,10 @@ class EngineConfig:
     cascade_attention: CascadeMode = _opt(
         "auto", "decodes read a shared prefix once: auto (where it pays), on, or off"
     )
+    attention_backend: AttentionBackendName = _opt(
+        "auto", "attention kernels: auto (triton on CUDA/ROCm, torch elsewhere), torch or triton"
+    )
+    enforce_eager: bool = _opt(False, "never replay decode steps from CUDA graphs")
     seed: int = _opt(0, "seed of requests that sample without their own seed", flag=False)
     check_writes: bool = _opt(False, "assert before each step that it writes only private pages", flag=False)
 
@@ -49,6 +54,10 @@ class EngineConfig:
         if self.cascade_attention not in CASCADE_MODES:
             raise ValueError(
                 f"cascade_attention must be one of {CASCADE_MODES}, got {self.cascade_attention!r}"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
         if self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from swarmkv.engine.backend import resolve_attention_backend
 from swarmkv.engine.config import EngineConfig
 from swarmkv.engine.kv_cache import KVCache
 from swarmkv.engine.output_processor import OutputProcessor, RequestDelta
@@ -63,8 +64,17 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, limits, self.counters)
         max_pages = pages_for(self.max_model_len, config.block_size)  # a request that fills the context
         page_table = PageTable(config.max_num_seqs, max_pages, config.block_size, loaded.device)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, loaded.device)
         self.runner = ModelRunner(
-            loaded.model, kv_tensors, page_table, self.counters, config.cascade_attention
+            loaded.model,
+            kv_tensors,
+            page_table,
+            self.counters,
+            config.cascade_attention,
+            backend=self.attention_backend,
+            cuda_graphs=loaded.device.type == "cuda" and not config.enforce_eager,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._requests: dict[str, Sequence] = {}

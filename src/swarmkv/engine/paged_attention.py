@@ -1,4 +1,5 @@
-"""Paged attention in plain PyTorch: prefill chunks over a cached prefix and batched decode, in one step."""
+"""The torch attention backend (the reference, and the CPU path): prefill chunks over a cached prefix and
+batched decode in one step, with SDPA over gathered keys."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from swarmkv.engine.kv_cache import KVCache
+from swarmkv.engine.page_table import PageTable
+from swarmkv.engine.scheduler import Chunk
 
 
 @dataclass(frozen=True)
@@ -132,3 +135,64 @@ class PagedAttention:
             prefix_sum * prefix_scale + own_sum * own_scale
         )
         return merged.reshape(batch, num_heads, dim).to(out_dtype)
+
+
+def build_layout(
+    table: PageTable,
+    prefills: list[Chunk],
+    decodes: list[Chunk],
+    groups: list[tuple[int, int]],
+    dtype: torch.dtype,
+) -> tuple[StepLayout, torch.Tensor, torch.Tensor]:
+    """The torch backend's layout of a step (prefills, then decodes with the cascade `groups` first, as
+    (members, shared pages)), with its input ids and positions on the device."""
+    dev = table.device
+    ordered = prefills + decodes
+    ids = [t for c in ordered for t in c.token_ids]
+    positions = torch.cat([torch.arange(c.start, c.start + c.num_tokens) for c in ordered]).to(dev)
+    rows_host = [table.row(c.request_id) for c in ordered]
+    token_rows = torch.repeat_interleave(
+        torch.tensor(rows_host), torch.tensor([c.num_tokens for c in ordered])
+    ).to(dev)
+    slot_mapping = table.slots(token_rows, positions)
+    spans: list[PrefillSpan] = []
+    q_start = 0
+    for chunk, row in zip(prefills, rows_host, strict=False):
+        if chunk.start == 0:
+            spans.append(PrefillSpan(q_start, chunk.num_tokens, None, None))
+        else:
+            end = chunk.start + chunk.num_tokens
+            key_slots = table.context_slots(torch.tensor([row], device=dev), end)[0]
+            pos = torch.arange(chunk.start, end)
+            bias = _bias(torch.arange(end)[None, :] <= pos[:, None], dtype)
+            spans.append(PrefillSpan(q_start, chunk.num_tokens, key_slots, bias.to(dev)))
+        q_start += chunk.num_tokens
+    decode_groups: list[DecodeGroup] = []
+    first = 0
+    for size, num_pages in [*groups, (len(decodes) - sum(s for s, _ in groups), 0)]:
+        if size:
+            members = decodes[first : first + size]
+            decode_groups.append(_decode_group(table, members, q_start + first, num_pages, dtype))
+        first += size
+    layout = StepLayout(slot_mapping, tuple(spans), tuple(decode_groups))
+    return layout, torch.tensor(ids, dtype=torch.int64, device=dev), positions
+
+
+def _decode_group(
+    table: PageTable, decodes: list[Chunk], q_start: int, num_shared_pages: int, dtype: torch.dtype
+) -> DecodeGroup:
+    """Key slots of each decode past its first `num_shared_pages` pages, padded, with their mask."""
+    dev = table.device
+    shared = num_shared_pages * table.page_size
+    rows = torch.tensor([table.row(c.request_id) for c in decodes], device=dev)
+    lengths = torch.tensor([c.start + 1 - shared for c in decodes])
+    width = int(lengths.max())
+    context = table.context_slots(rows, shared + width)[:, shared:]
+    bias = _bias(torch.arange(width)[None, :] < lengths[:, None], dtype)
+    shared_slots = table.context_slots(rows[:1], shared)[0] if num_shared_pages else None
+    return DecodeGroup(q_start, context, bias[:, None, None, :].to(dev), shared_slots)
+
+
+def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An additive attention mask (CPU SDPA is several times faster with these than with boolean masks)."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
