@@ -144,6 +144,8 @@ def test_cascade_decode_reads_the_prefix_through_the_leader() -> None:
 
 def test_merge_ignores_unwritten_columns_and_empty_rows() -> None:
     part_out = torch.randn(2, 2, 3, 8, device=DEVICE)
+    part_out[:, :, 1] = float("nan")  # unwritten partials are uninitialised memory
+    part_out[1] = float("nan")
     part_lse = torch.tensor([[[0.5, float("-inf"), 1.5]] * 2, [[float("-inf")] * 3] * 2], device=DEVICE)
     out = torch.full((4, 2, 8), 7.0, device=DEVICE)
     merge_partials(part_out, part_lse, out, 1, 3)

@@ -23,6 +23,7 @@ from swarmkv.engine.triton_attention import (
     prefix_tiles,
 )
 from swarmkv.models.decoder import DecoderForCausalLM
+from swarmkv.models.layers import triton_ops
 
 # Programs a decode launch aims for per compute unit: key splits make up what the batch lacks.
 PROGRAMS_PER_UNIT = 4
@@ -49,6 +50,7 @@ class TritonRunner:
         self.num_kv_heads = model.config.num_kv_heads
         self.head_dim = model.config.head_dim
         self.max_keys = max_keys
+        self.ops = triton_ops()
         units = torch.cuda.get_device_properties(self.device).multi_processor_count if self.is_cuda else 1
         self.target_programs = PROGRAMS_PER_UNIT * units
         self.graphs: DecodeGraphs | None = None
@@ -84,7 +86,7 @@ class TritonRunner:
     def forward(self, meta: StepMetadata) -> torch.Tensor:
         """The model over one step's device metadata: float32 logits of its logit rows."""
         attention = TritonAttention(self.kv_cache, self.page_table.table, meta, self.num_heads, self.head_dim)
-        hidden = self.model(meta.input_ids, meta.positions, attention)
+        hidden = self.model(meta.input_ids, meta.positions, attention, self.ops)
         return self.model.compute_logits(hidden[meta.logit_rows])
 
     def _graph_shape(self, bucket: int) -> TritonShape:

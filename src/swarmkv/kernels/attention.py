@@ -240,10 +240,12 @@ def _merge_kernel(
     d_ok = d < HEAD_DIM
     lse = tl.load(PartLse + row * stride_lt + head * stride_lh + c, mask=c_ok, other=float("-inf"))
     top = tl.max(lse, 0)
-    weights = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # an unwritten column weighs 0
+    weights = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))
+    # An unwritten column weighs 0 and is never read: its memory is uninitialised, maybe NaN.
+    written = c_ok & (lse > float("-inf"))
     parts = tl.load(
         PartOut + row * stride_pt + head * stride_ph + c[:, None] * stride_pc + d[None, :],
-        mask=c_ok[:, None] & d_ok[None, :],
+        mask=written[:, None] & d_ok[None, :],
         other=0.0,
     )
     total = tl.sum(weights, 0)

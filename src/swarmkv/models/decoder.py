@@ -7,7 +7,7 @@ from torch import nn
 
 from swarmkv.config import ModelConfig
 from swarmkv.models.attention import AttentionBackend
-from swarmkv.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from swarmkv.models.layers import TORCH_OPS, GatedMLP, LayerOps, RMSNorm, RotaryEmbedding
 
 
 class SelfAttention(nn.Module):
@@ -27,21 +27,25 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, ops: LayerOps
+    ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q = self.q_norm(q.reshape(-1, self.head_dim), ops).view(num_tokens, self.num_heads, -1)
+            k = self.k_norm(k.reshape(-1, self.head_dim), ops).view(num_tokens, self.num_kv_heads, -1)
+        q, k = self.rotary(positions, q, k, ops)
         out = backend.attend(self.layer, q, k, v)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention block followed by a pre-norm SwiGLU block."""
+    """Pre-norm attention block followed by a pre-norm SwiGLU block. The residual stream is carried beside
+    the block outputs, so each residual add is fused into the norm that follows it."""
 
     def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -50,9 +54,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        ops: LayerOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this block's MLP output, the residual stream before it is added)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x, ops), x
+        else:
+            x, residual = self.input_layernorm.add(x, residual, ops)
+        x = self.self_attn(x, positions, backend, ops)
+        x, residual = self.post_attention_layernorm.add(x, residual, ops)
+        return self.mlp(x, ops), residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -76,13 +93,18 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        ops: LayerOps = TORCH_OPS,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] for a flat batch of T tokens."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, backend, ops)
+        assert residual is not None, "a decoder has at least one layer"
+        return self.norm.add(x, residual, ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the hidden rows given."""

@@ -1,8 +1,11 @@
-"""The shared layer vocabulary: RMSNorm, rotary embedding, fused QKV and gate-up projections."""
+"""The shared layer vocabulary: RMSNorm (with the residual add fused in), rotary embedding, fused QKV and
+gate-up projections, and the four ops they call in plain torch or, on a GPU, as Triton kernels."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -11,19 +14,81 @@ from torch import nn
 from swarmkv.config import RopeScaling
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Root-mean-square norm over the last dim, computed in at least float32 as the reference models do."""
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * wide.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the pre-norm block's residual add and its next norm."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def apply_rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D] and k [T, Hkv, D] rotated by the [2, positions, D] cos/sin rows of their positions [T]."""
+    cos, sin = cos_sin[:, positions].unsqueeze(2).to(q.dtype)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up for a fused gate-up row [T, 2I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """The ops the layers call, chosen once per engine: torch's everywhere, Triton kernels on a GPU."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    add_rms_norm: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+    ]
+    apply_rotary: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+    ]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
+TORCH_OPS = LayerOps(rms_norm, add_rms_norm, apply_rotary, silu_and_mul)
+
+
+def triton_ops() -> LayerOps:
+    """The same ops as Triton kernels (one launch each; rotary in place on q and k)."""
+    from swarmkv.kernels import activation, norm, rotary  # imports triton: only when asked for
+
+    def rotate_in_place(
+        positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rotary.apply_rotary_(positions, q, k, cos_sin)
+        return q, k
+
+    return LayerOps(norm.rms_norm, norm.add_rms_norm, rotate_in_place, activation.silu_and_mul)
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in at least float32, as the reference implementations do."""
+    """Root-mean-square norm; `add` fuses the residual add before it."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        wide = x.to(torch.promote_types(dtype, torch.float32))
-        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * wide.to(dtype)
+    def forward(self, x: torch.Tensor, ops: LayerOps = TORCH_OPS) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add(
+        self, x: torch.Tensor, residual: torch.Tensor, ops: LayerOps
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one op."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -66,12 +131,11 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = torch.stack([angles.cos(), angles.sin()]).to(device)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, ops: LayerOps = TORCH_OPS
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, D] and k [T, Hkv, D] by their token positions [T]."""
         assert self.cos_sin is not None, "RotaryEmbedding.build() was not called"
-        cos, sin = self.cos_sin[:, positions].unsqueeze(2).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return ops.apply_rotary(positions, q, k, self.cos_sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -89,6 +153,5 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: LayerOps = TORCH_OPS) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
