@@ -109,5 +109,5 @@ def test_a_failing_section_records_its_error_and_the_next_runs() -> None:
         logger.removeHandler(failed)
     sections = record["sections"]
     assert sections["raises"]["error"].startswith("ZeroDivisionError")
-    assert "1 engine step(s) failed" in sections["step fails"]["error"]
+    assert "the engine logged 1 error(s)" in sections["step fails"]["error"]
     assert "error" not in sections["fine"] and sections["fine"]["x"] == 1.0

@@ -115,3 +115,13 @@ def test_buckets_cover_every_batch_up_to_the_limit() -> None:
     assert batch_buckets(1) == [1]
     assert batch_buckets(8) == [1, 2, 4, 8]
     assert batch_buckets(12) == [1, 2, 4, 8, 12]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_equal_eager_on_the_gpu(tiny: Path) -> None:
+    eager, _ = _two_turns(_llm(tiny, "triton", enforce_eager=True))
+    llm = _llm(tiny, "triton")
+    graphed, _ = _two_turns(llm)
+    runner = llm.engine.runner.triton
+    assert runner is not None and runner.graphs is not None and runner.graphs.replays > 0
+    assert graphed == eager

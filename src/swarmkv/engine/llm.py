@@ -52,7 +52,7 @@ class LLM:
     ) -> None:
         """Load `model` (or take `loaded`); `engine_options` are EngineConfig's fields (kv_cache_memory,
         block_size, prefix_caching, max_num_seqs, max_num_batched_tokens, max_model_len,
-        cascade_attention, seed), with its defaults."""
+        cascade_attention, attention_backend, enforce_eager, seed), with its defaults."""
         config = EngineConfig.from_kwargs(**engine_options)
         self.loaded = loaded or load_model(model, dtype=dtype, device=device)
         self.tokenizer = self.loaded.tokenizer

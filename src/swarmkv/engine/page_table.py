@@ -49,7 +49,10 @@ class PageTable:
         """Copy the rows changed since the last sync to the device (nothing to do on the CPU)."""
         if self.table is not self.host and self._dirty:
             rows = torch.tensor(sorted(self._dirty), dtype=torch.int64)
-            self.table[rows.to(self.device)] = self.host[rows].to(self.device, non_blocking=True)
+            changed = self.host[rows]
+            if self.device.type == "cuda":
+                rows, changed = rows.pin_memory(), changed.pin_memory()  # so the copies do not wait
+            self.table[rows.to(self.device, non_blocking=True)] = changed.to(self.device, non_blocking=True)
         self._dirty.clear()
 
     @property

@@ -6,6 +6,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -14,11 +15,12 @@ from swarmkv.config import ModelConfig, resolve_dtype
 from swarmkv.errors import ModelLoadError
 from swarmkv.models.decoder import DecoderForCausalLM
 from swarmkv.models.default import default_model_path
-from swarmkv.models.gguf_file import GGUFFile, open_gguf
-from swarmkv.models.gguf_weights import gguf_tensors
 from swarmkv.models.registry import build_model
 from swarmkv.models.weights import load_weights, named_tensors_to
 from swarmkv.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from swarmkv.models.gguf_file import GGUFFile
 
 
 @dataclass(frozen=True)
@@ -59,11 +61,14 @@ def load_model(
             )
         resolved = ggufs[0]
     if resolved.is_file():
+        from swarmkv.models.gguf_file import open_gguf  # the gguf package: only for GGUF files
+
         return _load_gguf(open_gguf(resolved), compute_dtype, device)
     return _load_hf_dir(resolved, compute_dtype, device)
 
 
-def _instantiate(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
+def instantiate_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
+    """A model of `config`'s shape on `device` with uninitialised weights (a loader or a benchmark fills them)."""
     # Built on the meta device so no time is spent on random initialisation that the weights overwrite.
     with torch.device("meta"):
         model = build_model(config)
@@ -74,10 +79,12 @@ def _instantiate(config: ModelConfig, dtype: torch.dtype, device: torch.device) 
 
 
 def _load_gguf(file: GGUFFile, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    from swarmkv.models.gguf_weights import gguf_tensors
+
     names = {t.name for t in file.reader.tensors}
     config = ModelConfig.from_gguf_metadata(file.metadata, num_output_tensors=int("output.weight" in names))
     config.require_runnable()
-    model = _instantiate(config, dtype, device)
+    model = instantiate_model(config, dtype, device)
     load_weights(model, config, named_tensors_to(gguf_tensors(file, config), dtype))
     model.tie_weights()
     tokenizer = Tokenizer.from_gguf_metadata(file.metadata)
@@ -114,7 +121,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> Loaded
     config = ModelConfig.from_hf_dir(path)
     config.require_runnable()
     files = _safetensors_files(path)
-    model = _instantiate(config, dtype, device)
+    model = instantiate_model(config, dtype, device)
     load_weights(model, config, named_tensors_to(_safetensors_tensors(files), dtype))
     model.tie_weights()
     tokenizer = Tokenizer.from_hf_dir(path)

@@ -11,7 +11,6 @@ import torch
 
 from swarmkv.config import DTYPES
 from swarmkv.errors import ModelLoadError, UnsupportedModelError
-from swarmkv.models.gguf_file import open_gguf
 
 KV_DTYPES: dict[str, torch.dtype] = {
     **DTYPES,
@@ -187,6 +186,8 @@ def _hf_checkpoint(config_path: Path, dtype: str, state_dtype: str | None) -> Ch
 
 
 def _gguf_checkpoint(path: Path, dtype: str) -> Checkpoint:
+    from swarmkv.models.gguf_file import open_gguf  # the gguf package: only for GGUF files
+
     gguf_file = open_gguf(path)
     meta, arch = gguf_file.metadata, gguf_file.architecture
 

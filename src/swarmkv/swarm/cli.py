@@ -13,7 +13,6 @@ from rich.table import Table
 
 from swarmkv.engine.config import EngineConfig
 from swarmkv.models.default import default_model_path
-from swarmkv.models.gguf_file import read_gguf_metadata
 from swarmkv.models.loader import load_model
 from swarmkv.options import add_engine_arguments, add_model_arguments, engine_kwargs
 from swarmkv.swarm.http_driver import run_swarm_over_http
@@ -148,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
 def run_over_http(args: argparse.Namespace, console: Console) -> int:
     """`--server URL`: the same workload, sized with the default model's tokenizer, sent over HTTP; with
     `--mode per-slot` each agent sends its own `cache_salt`."""
+    from swarmkv.models.gguf_file import read_gguf_metadata  # the gguf package: only for GGUF files
+
     tokenizer = Tokenizer.from_gguf_metadata(read_gguf_metadata(default_model_path()))
     workload = _workload(args, tokenizer)
     with Progress(
