@@ -18,6 +18,7 @@ from swarmkv.engine.backend import resolve_attention_backend  # noqa: E402
 from swarmkv.engine.cuda_graphs import DecodeGraphs, EagerGraph, batch_buckets  # noqa: E402
 from swarmkv.engine.llm import LLM  # noqa: E402
 from swarmkv.engine.sampling_params import SamplingParams  # noqa: E402
+from swarmkv.engine.triton_attention import TritonShape  # noqa: E402
 from swarmkv.errors import ConfigError  # noqa: E402
 from swarmkv.options import add_engine_arguments, engine_kwargs  # noqa: E402
 from tiny_models import make_tiny_checkpoint  # noqa: E402
@@ -125,3 +126,24 @@ def test_cuda_graphs_equal_eager_on_the_gpu(tiny: Path) -> None:
     runner = llm.engine.runner.triton
     assert runner is not None and runner.graphs is not None and runner.graphs.replays > 0
     assert graphed == eager
+
+
+def test_a_bucket_whose_capture_fails_runs_eagerly() -> None:
+    class BrokenGraph:
+        def capture(self, compute: object) -> torch.Tensor:
+            raise RuntimeError("out of memory while capturing")
+
+        def replay(self) -> None:
+            raise AssertionError("never captured, never replayed")
+
+    graphs = DecodeGraphs(
+        [1, 2],
+        lambda bucket: TritonShape(bucket, 0, 0, bucket, bucket, 1),
+        lambda meta: torch.zeros(meta.shape.num_tokens, 3),
+        torch.device("cpu"),
+        BrokenGraph,
+    )
+    packed = torch.zeros(sum(TritonShape(2, 0, 0, 2, 2, 1).section_sizes().values()), dtype=torch.int64)
+    assert graphs.run(2, packed, 2) is None
+    assert graphs.bucket(2) is None  # its steps now run eagerly, without retrying the capture
+    assert graphs.bucket(1) == 1

@@ -45,9 +45,11 @@ def plan_groups(
         the tree the page tables spell: at each branch point the decodes below are grouped there, or left to
         the deeper groups of its branches, whichever saves more prefix reads. `auto` groups where the reads
     saved reach `min_saved_tokens` (the attention backend's own break-even)."""
-    if mode == "off" or len(rows) < 2:
+    if mode == "off" or len(rows) < 2 or max(shareable_pages) == 0:
         return []
-    prefixes = [host_table[row, :limit].tolist() for row, limit in zip(rows, shareable_pages, strict=True)]
+    width = max(shareable_pages)
+    table = host_table[rows, :width]  # one gather; entries past a row's own limit are never compared
+    limits = torch.tensor(shareable_pages)
     min_saved = 1 if mode == "on" else min_saved_tokens
 
     def value(members: list[int], depth: int) -> int:
@@ -55,14 +57,18 @@ def plan_groups(
         return saved if depth and saved >= min_saved else 0
 
     def best(members: list[int], depth: int) -> tuple[int, list[CascadeGroup]]:
-        while (
-            all(len(prefixes[i]) > depth for i in members) and len({prefixes[i][depth] for i in members}) == 1
-        ):
-            depth += 1
+        index = torch.tensor(members)
+        member_limits = limits[index]
+        limit = int(member_limits.min())
+        if limit > depth:  # walk down while every member holds the same page
+            block = table[index, depth:limit]
+            depth += int((block == block[:1]).all(0).int().cumprod(0).sum())
         branches: dict[int, list[int]] = defaultdict(list)
-        for i in members:
-            if len(prefixes[i]) > depth:
-                branches[prefixes[i][depth]].append(i)
+        if depth < width:
+            pages = table[index, depth].tolist()
+            for i, page, own_limit in zip(members, pages, member_limits.tolist(), strict=True):
+                if own_limit > depth:
+                    branches[page].append(i)
         deeper_saved, deeper = 0, list[CascadeGroup]()
         for branch in branches.values():
             if len(branch) >= 2:

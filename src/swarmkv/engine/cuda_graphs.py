@@ -4,17 +4,20 @@ A graph is captured per batch-size bucket on the bucket's first decode step: its
 packed metadata buffer (token ids, positions, slots, tiles) and the resident page table, its output the
 static logits of every row. A step of n decodes is padded to the smallest bucket that holds it: padding rows
 store no KV, attend to nothing and their logits are ignored. Steps with prefill chunks, or more decodes than
-the largest bucket, run eagerly.
+the largest bucket, run eagerly; so do a bucket's steps after its capture failed (out of memory, say).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
 from swarmkv.engine.triton_attention import StepMetadata, TritonShape
+
+log = logging.getLogger(__name__)
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -96,16 +99,27 @@ class DecodeGraphs:
             make_graph = lambda: CudaGraph(pool)  # noqa: E731
         self.make_graph = make_graph
         self._captured: dict[int, tuple[Graph, StepMetadata, torch.Tensor]] = {}
+        self._failed: set[int] = set()
         self.replays = 0
 
     def bucket(self, num_decodes: int) -> int | None:
-        """The smallest bucket holding `num_decodes` rows, None when the step is too big for graphs."""
-        return next((b for b in self.buckets if b >= num_decodes), None)
+        """The smallest bucket holding `num_decodes` rows; None when the step is too big for graphs or that
+        bucket could not be captured."""
+        bucket = next((b for b in self.buckets if b >= num_decodes), None)
+        return None if bucket in self._failed else bucket
 
-    def run(self, bucket: int, packed: torch.Tensor, num_rows: int) -> torch.Tensor:
+    def run(self, bucket: int, packed: torch.Tensor, num_rows: int) -> torch.Tensor | None:
         """Replay `bucket`'s graph on host metadata `packed` (laid out as shape_for(bucket)); the logits
-        of the first `num_rows` rows."""
-        graph, meta, logits = self._captured.get(bucket) or self._capture(bucket)
+        of the first `num_rows` rows, or None if the bucket's graph cannot be captured (run eagerly)."""
+        captured = self._captured.get(bucket)
+        if captured is None:
+            try:
+                captured = self._capture(bucket)
+            except Exception:
+                log.exception("capturing the decode graph of %d rows failed; those steps run eagerly", bucket)
+                self._failed.add(bucket)
+                return None
+        graph, meta, logits = captured
         meta.packed.copy_(packed, non_blocking=True)
         graph.replay()
         self.replays += 1

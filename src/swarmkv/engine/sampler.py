@@ -17,7 +17,7 @@ def sample(
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         device = logits.device
-        index = torch.tensor(rows, device=device)
+        index = _to_device(torch.tensor(rows), device)
         picked = _sample_rows(logits[index], [params[i] for i in rows], [generators[i] for i in rows])
         chosen[index] = picked
     return chosen.tolist()
@@ -27,16 +27,33 @@ def _sample_rows(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> torch.Tensor:
     device, vocab = logits.device, logits.shape[-1]
-    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
-    ranked, order = (logits / temperature[:, None]).sort(dim=-1, descending=True)
+    # Every per-row setting, and one uniform draw from each request's own CPU generator (so a seeded
+    # request does not depend on its batch neighbours), go to the device in one copy.
+    settings = torch.tensor(
+        [
+            [p.temperature, min(p.top_k or vocab, vocab), p.top_p, float(torch.rand((), generator=g))]
+            for p, g in zip(params, generators, strict=True)
+        ],
+        dtype=torch.float64,
+    )
+    temperature, top_k, top_p, uniform = _to_device(settings, device).unbind(-1)
+    ranked, order = (logits / temperature[:, None].to(logits.dtype)).sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=device)
-    top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=device)  # any int fits
     ranked = ranked.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
     probs = torch.softmax(ranked, dim=-1)
     # top-p keeps the smallest head whose mass reaches top_p; the most likely token always survives.
-    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=probs.dtype)
-    probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p[:, None], 0.0)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p without normalising it. The noise comes
-    # from each request's own CPU generator, so seeded requests do not depend on their batch neighbours.
-    noise = torch.stack([torch.empty(vocab).exponential_(generator=g) for g in generators]).to(device)
-    return order.gather(-1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(-1)
+    probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p[:, None].to(probs.dtype), 0.0)
+    # Inverse CDF: the first rank whose cumulative mass passes u x (the kept mass).
+    cdf = probs.cumsum(-1)
+    target = (uniform.to(cdf.dtype) * cdf[:, -1])[:, None]
+    picked = torch.searchsorted(cdf, target, right=True)
+    # Kept tokens are a prefix of the ranking; rounding must not step past the last of them.
+    picked = torch.minimum(picked, (probs > 0).sum(-1, keepdim=True) - 1)
+    return order.gather(-1, picked).squeeze(-1)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, copied without waiting for the device (through pinned memory on a GPU)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

@@ -12,9 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from swarmkv.engine.kv_cache import KVCache
 from swarmkv.kernels.attention import (
+    BLOCK_N,
+    MAX_COLUMNS,
     NOT_CAUSAL,
     TILE_FIELDS,
     attend_tiles,
@@ -26,9 +29,15 @@ from swarmkv.kernels.attention import (
 # q_start, q_count, table_row, kv_start, kv_end, q_pos0, column: see swarmkv.kernels.attention
 Tile = tuple[int, int, int, int, int, int, int]
 
-EXTEND_TOKENS = 16  # prefill tokens per tile
 PREFIX_TOKENS = 16  # grouped decodes per shared-prefix tile: the prefix is read once per tile
-MAX_SPLITS = 16
+MAX_SPLITS = MAX_COLUMNS // 2  # the shared prefix's splits and the own keys' splits share the merge
+
+
+def extend_tokens(group: int, dtype: torch.dtype) -> int:
+    """Prefill tokens per tile: 128 rows of (token, head) for half types, 64 for float32 (its tiles take
+    twice the shared memory); more tokens per tile means fewer re-reads of each key block."""
+    rows = 64 if dtype == torch.float32 else 128
+    return tile_tokens(group, max(1, rows // triton.next_power_of_2(group)))
 
 
 @dataclass(frozen=True)
@@ -144,12 +153,14 @@ def pack_metadata(
     return packed
 
 
-def extend_tiles(q_start: int, num_tokens: int, table_row: int, first_position: int) -> list[Tile]:
+def extend_tiles(
+    q_start: int, num_tokens: int, table_row: int, first_position: int, tokens_per_tile: int
+) -> list[Tile]:
     """Tiles of one prefill chunk: causal over its row up to its last token."""
     end = first_position + num_tokens
     return [
-        (q_start + off, min(EXTEND_TOKENS, num_tokens - off), table_row, 0, end, first_position + off, -1)
-        for off in range(0, num_tokens, EXTEND_TOKENS)
+        (q_start + off, min(tokens_per_tile, num_tokens - off), table_row, 0, end, first_position + off, -1)
+        for off in range(0, num_tokens, tokens_per_tile)
     ]
 
 
@@ -179,16 +190,23 @@ def max_prefix_tiles(num_decodes: int) -> int:
 def choose_splits(num_decodes: int, num_kv_heads: int, max_keys: int, target_programs: int) -> int:
     """Key splits per decode: enough programs to fill the device, no split shorter than a key block."""
     wanted = -(-target_programs // max(1, num_decodes * num_kv_heads))
-    return max(1, min(MAX_SPLITS, wanted, -(-max_keys // 32)))
+    return max(1, min(MAX_SPLITS, wanted, -(-max_keys // BLOCK_N)))
 
 
 class TritonAttention:
     """An AttentionBackend over one step's StepMetadata: store, extend, shared-prefix and decode, merge."""
 
     def __init__(
-        self, cache: KVCache, table: torch.Tensor, meta: StepMetadata, num_heads: int, head_dim: int
+        self,
+        cache: KVCache,
+        table: torch.Tensor,
+        meta: StepMetadata,
+        num_heads: int,
+        head_dim: int,
+        extend_tokens: int,
     ) -> None:
         self.cache = cache
+        self.extend_tokens = extend_tokens
         self.table = table
         self.meta = meta
         self.group = num_heads // cache.k.shape[2]
@@ -217,7 +235,7 @@ class TritonAttention:
             self.table,
             meta.extend_tiles,
             page_size=page_size,
-            tokens_per_tile=tile_tokens(self.group, EXTEND_TOKENS),
+            tokens_per_tile=self.extend_tokens,
             out=out,
         )
         if self.partials is not None:

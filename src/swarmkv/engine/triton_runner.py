@@ -3,6 +3,8 @@ TritonAttention, and decode-only steps replayed from CUDA graphs."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from swarmkv.engine.cuda_graphs import DecodeGraphs, Graph
@@ -18,6 +20,7 @@ from swarmkv.engine.triton_attention import (
     choose_splits,
     decode_tiles,
     extend_tiles,
+    extend_tokens,
     max_prefix_tiles,
     pack_metadata,
     prefix_tiles,
@@ -51,6 +54,7 @@ class TritonRunner:
         self.head_dim = model.config.head_dim
         self.max_keys = max_keys
         self.ops = triton_ops()
+        self.extend_tokens = extend_tokens(self.num_heads // self.num_kv_heads, kv_cache.k.dtype)
         units = torch.cuda.get_device_properties(self.device).multi_processor_count if self.is_cuda else 1
         self.target_programs = PROGRAMS_PER_UNIT * units
         self.graphs: DecodeGraphs | None = None
@@ -66,15 +70,24 @@ class TritonRunner:
 
     def run(self, prefills: list[Chunk], decodes: list[Chunk], groups: list[tuple[int, int]]) -> torch.Tensor:
         """Float32 logits of the sampling chunks, in row order (prefills, then decodes as ordered)."""
+        # Triton launches on the thread's current device, and the engine may run on its own thread.
+        with torch.cuda.device(self.device) if self.is_cuda else contextlib.nullcontext():
+            return self._run(prefills, decodes, groups)
+
+    def _run(
+        self, prefills: list[Chunk], decodes: list[Chunk], groups: list[tuple[int, int]]
+    ) -> torch.Tensor:
         bucket = self.graphs.bucket(len(decodes)) if self.graphs is not None and not prefills else None
         if self.graphs is not None and bucket is not None:
             shape = self._graph_shape(bucket)
             packed = self._pack(prefills, decodes, groups, shape, logit_rows=list(range(bucket)))
-            return self.graphs.run(bucket, packed, len(decodes))
+            logits = self.graphs.run(bucket, packed, len(decodes))
+            if logits is not None:
+                return logits
         max_len = max((c.start + 1 for c in decodes), default=0)
         shape = TritonShape(
             num_tokens=sum(c.num_tokens for c in prefills) + len(decodes),
-            num_extend_tiles=sum(len(extend_tiles(0, c.num_tokens, 0, 0)) for c in prefills),
+            num_extend_tiles=sum(-(-c.num_tokens // self.extend_tokens) for c in prefills),
             num_prefix_tiles=len(prefix_tiles(self._group_spans(decodes, groups), 0)),
             num_decodes=len(decodes),
             num_logits=sum(c.samples for c in prefills + decodes),
@@ -85,7 +98,9 @@ class TritonRunner:
 
     def forward(self, meta: StepMetadata) -> torch.Tensor:
         """The model over one step's device metadata: float32 logits of its logit rows."""
-        attention = TritonAttention(self.kv_cache, self.page_table.table, meta, self.num_heads, self.head_dim)
+        attention = TritonAttention(
+            self.kv_cache, self.page_table.table, meta, self.num_heads, self.head_dim, self.extend_tokens
+        )
         hidden = self.model(meta.input_ids, meta.positions, attention, self.ops)
         return self.model.compute_logits(hidden[meta.logit_rows])
 
@@ -123,7 +138,7 @@ class TritonRunner:
         slots = (table.host[token_rows, pos // size] * size + pos % size).tolist() if positions else []
         extend, q_start = [], 0
         for chunk, row in zip(prefills, rows, strict=False):
-            extend += extend_tiles(q_start, chunk.num_tokens, row, chunk.start)
+            extend += extend_tiles(q_start, chunk.num_tokens, row, chunk.start, self.extend_tokens)
             q_start += chunk.num_tokens
         spans = self._group_spans(decodes, groups)
         shared = [0] * len(decodes)

@@ -23,7 +23,8 @@ import triton.language as tl
 TILE_FIELDS = 7  # q_start, q_count, table_row, kv_start, kv_end, q_pos0, column
 NOT_CAUSAL = 1 << 30  # q_pos0 of a tile whose queries see every key of its range
 BLOCK_N = 32  # keys per inner iteration
-MIN_ROWS = 16  # tl.dot needs at least 16 rows
+MIN_ROWS = 16  # tl.dot needs at least 16 rows on some targets
+MAX_COLUMNS = 32  # partial columns a merge combines (splits of the shared prefix plus the own keys)
 
 
 def tile_tokens(group: int, tokens: int) -> int:
@@ -50,7 +51,7 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + token).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -99,7 +100,7 @@ def store_kv_reference(
     v_cache.index_copy_(0, slots[keep], v[keep])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["part_row0", "num_splits"])
 def _attention_kernel(
     Q,
     K,
@@ -111,6 +112,7 @@ def _attention_kernel(
     Tiles,
     sm_scale,
     part_row0,
+    num_splits,
     stride_qt,
     stride_qh,
     stride_ks,
@@ -130,9 +132,7 @@ def _attention_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     PARTIAL: tl.constexpr,
-    PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -163,7 +163,7 @@ def _attention_kernel(
     # A causal tile never reads past its last query; the rest of the range splits into BLOCK_N-aligned parts.
     hi_all = tl.minimum(kv_end, q_pos0 + q_count)
     span = tl.maximum(hi_all - kv_start, 0)
-    per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
     lo = kv_start + split * per_split
     hi = tl.minimum(lo + per_split, hi_all)
 
@@ -177,7 +177,8 @@ def _attention_kernel(
         slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
         kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(K + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
+        # "ieee": float32 stays exact (no tf32), and it is the one precision every target accepts.
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
         allowed = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         scores = tl.where(allowed, scores, float("-inf"))
         new_top = tl.maximum(top, tl.max(scores, 1))
@@ -186,7 +187,7 @@ def _attention_kernel(
         rescale = tl.exp(top - safe_top)
         total = total * rescale + tl.sum(weights, 1)
         v = tl.load(V + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
         top = new_top
 
     seen = total > 0
@@ -214,12 +215,13 @@ def _attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["out_row0", "num_columns"])
 def _merge_kernel(
     PartOut,
     PartLse,
     Out,
     out_row0,
+    num_columns,
     stride_pt,
     stride_ph,
     stride_pc,
@@ -227,7 +229,6 @@ def _merge_kernel(
     stride_lh,
     stride_ot,
     stride_oh,
-    NUM_COLUMNS: tl.constexpr,
     BLOCK_C: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -235,7 +236,7 @@ def _merge_kernel(
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     c = tl.arange(0, BLOCK_C)
-    c_ok = c < NUM_COLUMNS
+    c_ok = c < num_columns
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     lse = tl.load(PartLse + row * stride_lt + head * stride_lh + c, mask=c_ok, other=float("-inf"))
@@ -252,11 +253,6 @@ def _merge_kernel(
     out = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
     out_row = out_row0 + row
     tl.store(Out + out_row * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
-
-
-def _precision(dtype: torch.dtype) -> str:
-    # float32 models stay exact float32 on a GPU (no tf32), so the backends agree token for token.
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def attend_tiles(
@@ -310,6 +306,7 @@ def attend_tiles(
         tiles,
         head_dim**-0.5,
         part_row0,
+        num_splits,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -325,9 +322,9 @@ def attend_tiles(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=BLOCK_N,
         PAGE_SIZE=page_size,
-        NUM_SPLITS=num_splits,
         PARTIAL=partials is not None,
-        PRECISION=_precision(q.dtype),
+        # wide tiles need the registers of 8 warps (a 128 x 128 float32 accumulator)
+        num_warps=8 if tokens_per_tile * triton.next_power_of_2(group) >= 64 else 4,
     )
 
 
@@ -339,11 +336,13 @@ def merge_partials(
     num_rows, num_heads, _, head_dim = part_out.shape
     if num_rows == 0:
         return
+    assert num_columns <= MAX_COLUMNS
     _merge_kernel[(num_rows, num_heads)](
         part_out,
         part_lse,
         out,
         out_row0,
+        num_columns,
         part_out.stride(0),
         part_out.stride(1),
         part_out.stride(2),
@@ -351,8 +350,7 @@ def merge_partials(
         part_lse.stride(1),
         out.stride(0),
         out.stride(1),
-        NUM_COLUMNS=num_columns,
-        BLOCK_C=triton.next_power_of_2(num_columns),
+        BLOCK_C=MAX_COLUMNS,  # fixed, so the merge compiles once whatever the split count
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
     )
