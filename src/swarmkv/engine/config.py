@@ -12,6 +12,7 @@ from typing import Any
 
 from swarmkv.engine.backend import ATTENTION_BACKENDS, AttentionBackendName
 from swarmkv.engine.cascade import CASCADE_MODES, CascadeMode
+from swarmkv.models.quantized import WeightsOption
 from swarmkv.units import parse_size
 
 
@@ -26,6 +27,9 @@ class ModelOptions:
     model: str | None = _opt(None, "HF directory or GGUF file (default: the embedded SmolLM2-135M)")
     dtype: str = _opt("auto", "auto, float32, bfloat16 or float16")
     device: str = _opt("cpu", "torch device, e.g. cpu, cuda, cuda:1")
+    weights: WeightsOption = _opt(
+        "auto", "projection weights: auto (a GGUF's Q4 stays int4, other quants int8), float, int8 or int4"
+    )
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from swarmkv.engine.sampling_params import SamplingParams
 from swarmkv.engine.sequence import FinishReason
 from swarmkv.errors import InvalidRequestError, SwarmkvError
 from swarmkv.models.loader import LoadedModel, load_model
+from swarmkv.models.quantized import WeightsOption
 
 Message = dict[str, Any]
 Prompt = str | list[int] | list[Message]
@@ -47,6 +48,7 @@ class LLM:
         *,
         dtype: str | torch.dtype = ModelOptions.dtype,
         device: str | torch.device = ModelOptions.device,
+        weights: WeightsOption = ModelOptions.weights,
         loaded: LoadedModel | None = None,
         **engine_options: Any,
     ) -> None:
@@ -54,7 +56,7 @@ class LLM:
         block_size, prefix_caching, max_num_seqs, max_num_batched_tokens, max_model_len,
         cascade_attention, attention_backend, enforce_eager, seed), with its defaults."""
         config = EngineConfig.from_kwargs(**engine_options)
-        self.loaded = loaded or load_model(model, dtype=dtype, device=device)
+        self.loaded = loaded or load_model(model, dtype=dtype, device=device, weights=weights)
         self.tokenizer = self.loaded.tokenizer
         self.engine = LLMEngine(self.loaded, config)
         self._ids = itertools.count()

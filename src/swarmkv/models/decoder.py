@@ -8,12 +8,15 @@ from torch import nn
 from swarmkv.config import ModelConfig
 from swarmkv.models.attention import AttentionBackend
 from swarmkv.models.layers import TORCH_OPS, GatedMLP, LayerOps, RMSNorm, RotaryEmbedding
+from swarmkv.models.quantized import WeightFormat, make_linear
 
 
 class SelfAttention(nn.Module):
     """Fused-QKV grouped-query attention; the KV handling is the backend's business."""
 
-    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, weights: WeightFormat = "float"
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads = config.num_heads
@@ -21,8 +24,8 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.qkv_proj = make_linear(config.hidden_size, q_size + 2 * kv_size, config.attention_bias, weights)
+        self.o_proj = make_linear(q_size, config.hidden_size, False, weights)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = rotary
@@ -47,12 +50,14 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention block followed by a pre-norm SwiGLU block. The residual stream is carried beside
     the block outputs, so each residual add is fused into the norm that follows it."""
 
-    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, weights: WeightFormat = "float"
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config, layer, rotary)
+        self.self_attn = SelfAttention(config, layer, rotary, weights)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, weights)
 
     def forward(
         self,
@@ -75,15 +80,19 @@ class DecoderLayer(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """Token ids in, last-layer hidden states out; logits only for the rows asked for."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, weights: WeightFormat = "float") -> None:
+        """`weights`: the format of every projection in the layers (embeddings and LM head stay float)."""
         super().__init__()
         config.require_runnable()
         self.config = config
+        self.weights = weights
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.rotary, weights) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 

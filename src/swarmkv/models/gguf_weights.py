@@ -1,4 +1,5 @@
-"""Read GGUF tensors as Hugging Face-named float tensors, undoing llama.cpp's Q/K row permutation."""
+"""Read GGUF tensors as Hugging Face-named tensors, undoing llama.cpp's Q/K row permutation: float, or Q4_0 and
+Q4_1 projection weights kept as int4 groups of 32 (their blocks are exactly such groups)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,48 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from swarmkv.config import ModelConfig
 from swarmkv.errors import ModelLoadError
 from swarmkv.models.gguf_file import GGUFFile
+from swarmkv.models.quantized import INT4_GROUP_SIZE, QuantizedWeight, WeightFormat, pack_int4
+
+_Q4 = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}  # bytes per block of 32
+_FLOAT = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+_PROJECTION = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
+
+
+def auto_weight_format(file: GGUFFile) -> WeightFormat:
+    """The format that keeps a file's projection weights at their precision: int4 when all are Q4_0/Q4_1
+    (exact), float when all are float, int8 otherwise (Q8_0 and K-quants, requantized per channel)."""
+    kinds = {t.tensor_type for t in file.reader.tensors if _PROJECTION.match(t.name)}
+    if kinds and kinds <= set(_Q4):
+        return "int4"
+    if kinds <= _FLOAT:
+        return "float"
+    return "int8"
+
+
+def q4_blocks(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, int]) -> QuantizedWeight:
+    """Q4_0 / Q4_1 rows as int4 groups: w = q * d + m (Q4_1), w = (q - 8) * d (Q4_0), q in 0..15."""
+    rows, cols = shape
+    blocks = np.ascontiguousarray(data).reshape(rows, cols // INT4_GROUP_SIZE, _Q4[kind])
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == GGMLQuantizationType.Q4_1:
+        m, qs = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32), blocks[..., 4:]
+    else:
+        m, qs = -8 * d, blocks[..., 2:]
+    # A block's byte j holds element j in its low nibble and element j + 16 in its high one.
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(rows, cols)
+    return QuantizedWeight(
+        "int4",
+        pack_int4(torch.from_numpy(q)),
+        torch.from_numpy(d),
+        torch.from_numpy(m),
+    )
+
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -51,23 +89,50 @@ def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(file: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor) for every tensor in the file."""
+def gguf_tensors(
+    file: GGUFFile, config: ModelConfig, keep_int4: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Yield (HF name, tensor) for every tensor in the file: float32, except Q4_0/Q4_1 projection weights,
+    which stay int4 when `keep_int4`."""
     for tensor in file.reader.tensors:
         name = hf_name(tensor.name)
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        weight: torch.Tensor | QuantizedWeight
         try:
-            data = dequantize(tensor.data, tensor.tensor_type)
+            if keep_int4 and tensor.tensor_type in _Q4 and _PROJECTION.match(tensor.name):
+                weight = q4_blocks(tensor.data, tensor.tensor_type, (shape[0], shape[1]))
+            else:
+                data = dequantize(tensor.data, tensor.tensor_type)
+                if data.size != int(np.prod(shape)):
+                    raise ModelLoadError(
+                        f"tensor {tensor.name!r} in {file.path} holds {data.size} values, expected {shape}"
+                    )
+                weight = torch.tensor(data.reshape(shape), dtype=torch.float32)
+        except ModelLoadError:
+            raise
+        except NotImplementedError as exc:
+            raise ModelLoadError(
+                f"tensor {tensor.name!r} in {file.path} has type {tensor.tensor_type.name}, "
+                "which swarmkv can neither keep nor dequantize"
+            ) from exc
         except Exception as exc:  # a truncated file surfaces here as a short buffer
             raise ModelLoadError(f"cannot read tensor {tensor.name!r} from {file.path}: {exc}") from exc
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        if data.size != int(np.prod(shape)):
-            raise ModelLoadError(
-                f"tensor {tensor.name!r} in {file.path} holds {data.size} values, expected {shape}"
-            )
-        weight = torch.tensor(data.reshape(shape), dtype=torch.float32)
         # Only the "llama" GGUF layout interleaves rotary halves; Qwen files keep the HF (neox) order.
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            weight = unpermute_rotary_rows(weight, config.num_heads)
+            weight = _unpermute(weight, config.num_heads)
         elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            weight = unpermute_rotary_rows(weight, config.num_kv_heads)
+            weight = _unpermute(weight, config.num_kv_heads)
         yield name, weight
+
+
+def _unpermute(weight: torch.Tensor | QuantizedWeight, num_heads: int) -> torch.Tensor | QuantizedWeight:
+    if isinstance(weight, torch.Tensor):
+        return unpermute_rotary_rows(weight, num_heads)
+    # The permutation moves whole rows, and quantized rows carry their own group constants.
+    mins = None if weight.mins is None else unpermute_rotary_rows(weight.mins, num_heads)
+    return QuantizedWeight(
+        weight.format,
+        unpermute_rotary_rows(weight.qweight, num_heads),
+        unpermute_rotary_rows(weight.scales, num_heads),
+        mins,
+    )

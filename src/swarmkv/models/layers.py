@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarmkv.config import RopeScaling
+from swarmkv.models.quantized import WeightFormat, make_linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -147,11 +148,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward with the gate and up projections fused into one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, weights: WeightFormat = "float") -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = make_linear(hidden_size, 2 * intermediate_size, False, weights)
+        self.down_proj = make_linear(intermediate_size, hidden_size, False, weights)
 
     def forward(self, x: torch.Tensor, ops: LayerOps = TORCH_OPS) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

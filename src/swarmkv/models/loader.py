@@ -15,6 +15,7 @@ from swarmkv.config import ModelConfig, resolve_dtype
 from swarmkv.errors import ModelLoadError
 from swarmkv.models.decoder import DecoderForCausalLM
 from swarmkv.models.default import default_model_path
+from swarmkv.models.quantized import WeightFormat, WeightsOption, finalize_quantized
 from swarmkv.models.registry import build_model
 from swarmkv.models.weights import load_weights, named_tensors_to
 from swarmkv.tokenizer import Tokenizer
@@ -34,6 +35,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     dtype: torch.dtype
     device: torch.device
+    weights: WeightFormat = "float"  # the format of the layers' projections
 
 
 def resolve_model_path(path: str | Path | None) -> Path:
@@ -47,9 +49,14 @@ def resolve_model_path(path: str | Path | None) -> Path:
 
 
 def load_model(
-    path: str | Path | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu"
+    path: str | Path | None = None,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    weights: WeightsOption = "auto",
 ) -> LoadedModel:
-    """Load a Hugging Face directory or a GGUF file (the default model when `path` is None)."""
+    """Load a Hugging Face directory or a GGUF file (the default model when `path` is None), its projections
+    in `weights`: auto keeps a GGUF's Q4_0/Q4_1 as int4 and requantizes other quants to int8; safetensors
+    stay float unless int8 or int4 is asked for."""
     resolved = resolve_model_path(path)
     device = torch.device(device)
     compute_dtype = resolve_dtype(dtype, device)
@@ -63,33 +70,40 @@ def load_model(
     if resolved.is_file():
         from swarmkv.models.gguf_file import open_gguf  # the gguf package: only for GGUF files
 
-        return _load_gguf(open_gguf(resolved), compute_dtype, device)
-    return _load_hf_dir(resolved, compute_dtype, device)
+        return _load_gguf(open_gguf(resolved), compute_dtype, device, weights)
+    return _load_hf_dir(resolved, compute_dtype, device, "float" if weights == "auto" else weights)
 
 
-def instantiate_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
+def instantiate_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, weights: WeightFormat = "float"
+) -> DecoderForCausalLM:
     """A model of `config`'s shape on `device` with uninitialised weights (a loader or a benchmark fills them)."""
     # Built on the meta device so no time is spent on random initialisation that the weights overwrite.
     with torch.device("meta"):
-        model = build_model(config)
+        model = build_model(config, weights)
     # Cast while still on meta: casting allocated-but-uninitialised memory costs seconds for bfloat16.
     model.to(dtype).to_empty(device=device)
     model.rotary.build(device)
     return model
 
 
-def _load_gguf(file: GGUFFile, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    from swarmkv.models.gguf_weights import gguf_tensors
+def _load_gguf(
+    file: GGUFFile, dtype: torch.dtype, device: torch.device, weights: WeightsOption
+) -> LoadedModel:
+    from swarmkv.models.gguf_weights import auto_weight_format, gguf_tensors
 
     names = {t.name for t in file.reader.tensors}
     config = ModelConfig.from_gguf_metadata(file.metadata, num_output_tensors=int("output.weight" in names))
     config.require_runnable()
-    model = instantiate_model(config, dtype, device)
-    load_weights(model, config, named_tensors_to(gguf_tensors(file, config), dtype))
+    fmt = auto_weight_format(file) if weights == "auto" else weights
+    model = instantiate_model(config, dtype, device, fmt)
+    tensors = gguf_tensors(file, config, keep_int4=fmt == "int4")
+    load_weights(model, config, named_tensors_to(tensors, dtype))
+    finalize_quantized(model)
     model.tie_weights()
     tokenizer = Tokenizer.from_gguf_metadata(file.metadata)
     name = str(file.metadata.get("general.name") or file.path.stem)
-    return LoadedModel(file.path, name, config, model.eval(), tokenizer, dtype, device)
+    return LoadedModel(file.path, name, config, model.eval(), tokenizer, dtype, device, fmt)
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -117,12 +131,13 @@ def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]
             raise ModelLoadError(f"cannot read {file}: {exc}") from exc
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, weights: WeightFormat) -> LoadedModel:
     config = ModelConfig.from_hf_dir(path)
     config.require_runnable()
     files = _safetensors_files(path)
-    model = instantiate_model(config, dtype, device)
+    model = instantiate_model(config, dtype, device, weights)
     load_weights(model, config, named_tensors_to(_safetensors_tensors(files), dtype))
+    finalize_quantized(model)
     model.tie_weights()
     tokenizer = Tokenizer.from_hf_dir(path)
-    return LoadedModel(path, path.name, config, model.eval(), tokenizer, dtype, device)
+    return LoadedModel(path, path.name, config, model.eval(), tokenizer, dtype, device, weights)

@@ -6,6 +6,7 @@ from torch import nn
 
 from swarmkv.config import Architecture, ModelConfig
 from swarmkv.models.decoder import DecoderForCausalLM
+from swarmkv.models.quantized import WeightFormat
 
 MODEL_CLASSES: dict[Architecture, type[nn.Module]] = {
     "llama": DecoderForCausalLM,
@@ -14,8 +15,8 @@ MODEL_CLASSES: dict[Architecture, type[nn.Module]] = {
 }
 
 
-def build_model(config: ModelConfig) -> DecoderForCausalLM:
-    """Instantiate the model class registered for `config.architecture`."""
-    model = MODEL_CLASSES[config.architecture](config)
+def build_model(config: ModelConfig, weights: WeightFormat = "float") -> DecoderForCausalLM:
+    """Instantiate the model class registered for `config.architecture`, its projections in `weights`."""
+    model = MODEL_CLASSES[config.architecture](config, weights)
     assert isinstance(model, DecoderForCausalLM)
     return model

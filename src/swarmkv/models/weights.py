@@ -11,6 +11,10 @@ from torch import nn
 
 from swarmkv.config import ModelConfig
 from swarmkv.errors import ModelLoadError
+from swarmkv.models.quantized import QuantizedLinear, QuantizedWeight, quantize
+
+# A checkpoint tensor: float, or already quantized (GGUF Q4 blocks kept as int4).
+CheckpointTensor = torch.Tensor | QuantizedWeight
 
 # Hugging Face names (minus the "model." prefix) that land in a slice of one of our fused parameters.
 _FUSED = {
@@ -62,9 +66,13 @@ def _shard_sizes(param: str, config: ModelConfig) -> list[int]:
     return [config.intermediate_size, config.intermediate_size]
 
 
-def load_weights(model: nn.Module, config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy named HF-layout tensors into `model`; fail on any missing, unexpected, duplicate or mis-shaped one."""
+def load_weights(
+    model: nn.Module, config: ModelConfig, tensors: Iterable[tuple[str, CheckpointTensor]]
+) -> None:
+    """Copy named HF-layout tensors into `model` (quantizing those bound for quantized layers); fail on any
+    missing, unexpected, duplicate or mis-shaped one."""
     params = dict(model.named_parameters(remove_duplicate=True))
+    quantized = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     if config.tie_word_embeddings:
         params.pop("lm_head.weight", None)
     filled: dict[tuple[str, int | None], str] = {}
@@ -72,27 +80,59 @@ def load_weights(model: nn.Module, config: ModelConfig, tensors: Iterable[tuple[
         target = hf_target(name, config)
         if target is None:
             continue
-        if target.param not in params:
+        if target.param not in params and target.param not in quantized:
             raise ModelLoadError(f"unexpected tensor {name!r}: the model has no parameter {target.param!r}")
         key = (target.param, target.shard)
         if key in filled:
             raise ModelLoadError(
                 f"tensor {name!r} fills {target.param!r} a second time (first: {filled[key]!r})"
             )
-        dest = params[target.param].data
-        if target.shard is not None:
-            sizes = _shard_sizes(target.param, config)
-            dest = dest.narrow(0, sum(sizes[: target.shard]), sizes[target.shard])
-        if tuple(tensor.shape) != tuple(dest.shape):
-            raise ModelLoadError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)} for {target.param!r}"
-            )
-        dest.copy_(tensor)
+        if target.param in quantized:
+            _load_quantized(quantized[target.param], target, name, tensor, config)
+        else:
+            _load_float(params[target.param].data, target, name, tensor, config)
         filled[key] = name
-    missing = [name for p in params for name in _missing_checkpoint_names(p, filled)]
+    missing = [name for p in [*params, *quantized] for name in _missing_checkpoint_names(p, filled)]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+
+
+def _rows(target: Target, config: ModelConfig, total: int) -> tuple[int, int]:
+    """The first row and row count `target` fills of a parameter with `total` rows."""
+    if target.shard is None:
+        return 0, total
+    sizes = _shard_sizes(target.param, config)
+    return sum(sizes[: target.shard]), sizes[target.shard]
+
+
+def _check_shape(name: str, shape: tuple[int, ...], expected: tuple[int, ...], param: str) -> None:
+    if shape != expected:
+        raise ModelLoadError(f"tensor {name!r} has shape {shape}, expected {expected} for {param!r}")
+
+
+def _load_float(
+    dest: torch.Tensor, target: Target, name: str, tensor: CheckpointTensor, config: ModelConfig
+) -> None:
+    if isinstance(tensor, QuantizedWeight):
+        tensor = tensor.dequantize().to(dest.dtype)
+    start, rows = _rows(target, config, dest.shape[0])
+    dest = dest.narrow(0, start, rows)
+    _check_shape(name, tuple(tensor.shape), tuple(dest.shape), target.param)
+    dest.copy_(tensor)
+
+
+def _load_quantized(
+    module: QuantizedLinear, target: Target, name: str, tensor: CheckpointTensor, config: ModelConfig
+) -> None:
+    start, rows = _rows(target, config, module.out_features)
+    _check_shape(name, tuple(tensor.shape), (rows, module.in_features), target.param)
+    if isinstance(tensor, QuantizedWeight) and tensor.format != module.format:
+        tensor = tensor.dequantize()
+    if not isinstance(tensor, QuantizedWeight):
+        # Quantization is row-local, so a shard quantized alone equals its rows of the fused matrix.
+        tensor = quantize(tensor, module.format, module.scales.dtype)
+    module.load_rows(start, tensor)
 
 
 def _missing_checkpoint_names(param: str, filled: dict[tuple[str, int | None], str]) -> list[str]:
@@ -112,8 +152,8 @@ def _missing_checkpoint_names(param: str, filled: dict[tuple[str, int | None], s
 
 
 def named_tensors_to(
-    tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Cast a stream of named tensors to the compute dtype."""
+    tensors: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Cast a stream of named float tensors to the compute dtype (quantized ones pass as they are)."""
     for name, tensor in tensors:
-        yield name, tensor.to(dtype)
+        yield name, tensor if isinstance(tensor, QuantizedWeight) else tensor.to(dtype)

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         console.print("[yellow]--mode naive is deprecated and will be removed: use --mode per-slot[/]")
     if args.server:
         return run_over_http(args, console)
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device, weights=args.weights)
     tokenizer = loaded.tokenizer
     workload = _workload(args, tokenizer)
     shared_prefix = prefix_token_count(tokenizer, workload.system_prompt, workload.tools)
