@@ -22,7 +22,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(kv_cache_memory="512MiB", max_num_batched_tokens=1024)
+    return LLM(weights="float", kv_cache_memory="512MiB", max_num_batched_tokens=1024)
 
 
 @pytest.fixture(scope="module")

@@ -130,7 +130,7 @@ def test_llama3_rope_scaling_changes_logits(
 @pytest.fixture(scope="module")
 def smol() -> LoadedModel:
     """The embedded SmolLM2 GGUF in float32."""
-    return load_model(None, dtype="float32")
+    return load_model(None, dtype="float32", weights="float")
 
 
 @pytest.fixture(scope="module")
