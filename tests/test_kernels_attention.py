@@ -154,3 +154,35 @@ def test_merge_ignores_unwritten_columns_and_empty_rows() -> None:
     torch.testing.assert_close(out[1], expected)
     assert torch.equal(out[2], torch.zeros(2, 8, device=DEVICE))  # no partial: zeros, not NaN
     assert torch.equal(out[0], torch.full((2, 8), 7.0, device=DEVICE))  # rows before out_row0 untouched
+
+
+def test_fp8_cache_is_stored_scaled_and_read_back_descaled() -> None:
+    """Store into an fp8 cache (value / scale), then attend over it: the kernels de-scale K through the
+    softmax scale and V at the output, matching attention over the de-scaled cache."""
+    heads, kv_heads, dim, k_scale, v_scale = 4, 2, 16, 0.02, 0.01
+    fp8 = torch.float8_e4m3fn
+    k_cache = torch.zeros(16 * PAGE, kv_heads, dim, dtype=fp8, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    k = torch.randn(13, kv_heads, dim, device=DEVICE)
+    v = torch.randn(13, kv_heads, dim, device=DEVICE)
+    slots = torch.arange(13, device=DEVICE) + 2 * PAGE
+    store_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+    ref_k, ref_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    store_kv_reference(k, v, ref_k, ref_v, slots, k_scale, v_scale)
+    stored = k_cache[slots].float() * k_scale
+    assert (stored - k).abs().max() < 0.1 * k.abs().max()  # e4m3 keeps about two significant digits
+    assert (k_cache[slots].float() - ref_k[slots].float()).abs().max() <= 2 * ref_k[
+        slots
+    ].float().abs().max() / 16
+    table = _table([[2, 3, 4, 5]], 8)
+    q = torch.randn(2, heads, dim, device=DEVICE)
+    tiles = _tiles([(0, 2, 0, 0, 13, 11, -1)])
+    out = torch.zeros_like(q)
+    tokens = tile_tokens(heads // kv_heads, 2)
+    attend_tiles(
+        q, k_cache, v_cache, table, tiles, page_size=PAGE, tokens_per_tile=tokens, out=out,
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    descaled_k, descaled_v = k_cache.float() * k_scale, v_cache.float() * v_scale
+    ref, _ = attend_tiles_reference(q, descaled_k, descaled_v, table, tiles, PAGE)
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)

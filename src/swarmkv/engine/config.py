@@ -12,6 +12,7 @@ from typing import Any
 
 from swarmkv.engine.backend import ATTENTION_BACKENDS, AttentionBackendName
 from swarmkv.engine.cascade import CASCADE_MODES, CascadeMode
+from swarmkv.engine.kv_cache import KV_CACHE_DTYPES, KVCacheDtype
 from swarmkv.models.quantized import WeightsOption
 from swarmkv.units import parse_size
 
@@ -38,6 +39,10 @@ class EngineConfig:
 
     kv_cache_memory: int | str = _opt("1GiB", "KV pool size, e.g. 512MiB, 2GiB")
     block_size: int = _opt(16, "tokens per KV page")
+    kv_cache_dtype: KVCacheDtype = _opt(
+        "auto",
+        "KV page dtype: auto (the model's), float16, bfloat16, float32 or fp8_e4m3 (a scale per layer)",
+    )
     prefix_caching: bool = _opt(True, "share KV pages of identical prefixes between requests")
     max_num_seqs: int = _opt(64, "requests running at once")
     max_num_batched_tokens: int = _opt(2048, "tokens computed per step (prefill chunks plus decodes)")
@@ -59,6 +64,8 @@ class EngineConfig:
             raise ValueError(
                 f"cascade_attention must be one of {CASCADE_MODES}, got {self.cascade_attention!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"

@@ -14,7 +14,8 @@ import torch
 
 from swarmkv.engine.backend import resolve_attention_backend
 from swarmkv.engine.config import EngineConfig
-from swarmkv.engine.kv_cache import KVCache
+from swarmkv.engine.kv_cache import KVCache, kv_storage_dtype
+from swarmkv.engine.kv_calibration import calibrate_kv_scales
 from swarmkv.engine.output_processor import OutputProcessor, RequestDelta
 from swarmkv.engine.page_table import PageTable
 from swarmkv.engine.runner import ModelRunner
@@ -39,7 +40,8 @@ class LLMEngine:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.config = config
-        self.kv_bytes_per_token = loaded.config.kv_bytes_per_token(loaded.dtype)
+        self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, loaded.dtype)
+        self.kv_bytes_per_token = loaded.config.kv_bytes_per_token(self.kv_dtype)
         page_bytes = self.kv_bytes_per_token * config.block_size
         num_pages = config.kv_cache_bytes // page_bytes
         model_len = loaded.config.max_position_embeddings
@@ -55,7 +57,11 @@ class LLMEngine:
                 f"it cannot hold a single request: raise kv_cache_memory"
             )
         self.page_bytes = page_bytes
-        kv_tensors = KVCache(loaded.config, num_pages, config.block_size, loaded.dtype, loaded.device)
+        kv_tensors = KVCache(
+            loaded.config, num_pages, config.block_size, loaded.dtype, loaded.device, self.kv_dtype
+        )
+        if kv_tensors.is_fp8:
+            calibrate_kv_scales(loaded.model, kv_tensors, loaded.tokenizer)
         self.kv = KVCacheManager(
             num_pages, config.block_size, prefix_caching=config.prefix_caching, copy_page=kv_tensors.copy_page
         )

@@ -42,7 +42,7 @@ class ModelRunner:
         self.backend = backend
         self.page_size = kv_cache.block_size
         self.device = page_table.device
-        self.dtype = kv_cache.k.dtype
+        self.dtype = kv_cache.dtype  # the model's, whatever the pages hold
         self.min_saved_tokens = TRITON_AUTO_MIN_SAVED_TOKENS if backend == "triton" else AUTO_MIN_SAVED_TOKENS
         self.triton = None
         if backend == "triton":

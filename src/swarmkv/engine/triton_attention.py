@@ -225,7 +225,8 @@ class TritonAttention:
         """Store k, v at the step's slots, then attend every row over its page-table row."""
         meta, shape = self.meta, self.meta.shape
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        k_scale, v_scale = self.cache.k_scales[layer], self.cache.v_scales[layer]
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         page_size = self.cache.block_size
         attend_tiles(
@@ -237,6 +238,8 @@ class TritonAttention:
             page_size=page_size,
             tokens_per_tile=self.extend_tokens,
             out=out,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         if self.partials is not None:
             for tiles, tokens in ((meta.prefix_tiles, PREFIX_TOKENS), (meta.decode_tiles, 1)):
@@ -251,6 +254,8 @@ class TritonAttention:
                     partials=self.partials,
                     part_row0=meta.decode_row0,
                     num_splits=shape.num_splits,
+                    k_scale=k_scale,
+                    v_scale=v_scale,
                 )
             merge_partials(*self.partials, out, meta.decode_row0, shape.num_columns)
         return out

@@ -54,7 +54,7 @@ class TritonRunner:
         self.head_dim = model.config.head_dim
         self.max_keys = max_keys
         self.ops = triton_ops()
-        self.extend_tokens = extend_tokens(self.num_heads // self.num_kv_heads, kv_cache.k.dtype)
+        self.extend_tokens = extend_tokens(self.num_heads // self.num_kv_heads, kv_cache.dtype)
         units = torch.cuda.get_device_properties(self.device).multi_processor_count if self.is_cuda else 1
         self.target_programs = PROGRAMS_PER_UNIT * units
         self.graphs: DecodeGraphs | None = None

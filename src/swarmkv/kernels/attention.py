@@ -40,6 +40,8 @@ def _store_kv_kernel(
     KCache,
     VCache,
     Slots,
+    k_scale,
+    v_scale,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -50,6 +52,7 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + token).to(tl.int64)
@@ -59,15 +62,24 @@ def _store_kv_kernel(
     mask = (h < NUM_HEADS) & (d < HEAD_DIM) & (slot >= 0)
     k = tl.load(K + token * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(V + token * stride_vt + h * stride_vh + d, mask=mask)
-    tl.store(KCache + slot * stride_cs + h * stride_ch + d, k, mask=mask)
-    tl.store(VCache + slot * stride_cs + h * stride_ch + d, v, mask=mask)
+    if FP8:  # stored = value / scale, saturated at e4m3's largest finite value
+        k = tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
+    tl.store(KCache + slot * stride_cs + h * stride_ch + d, k.to(KCache.dtype.element_ty), mask=mask)
+    tl.store(VCache + slot * stride_cs + h * stride_ch + d, v.to(VCache.dtype.element_ty), mask=mask)
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write the new tokens' k, v [T, Hkv, D] into one layer's cache slabs [slots, Hkv, D] at `slots` [T]
-    (rows with a negative slot are skipped)."""
+    (rows with a negative slot are skipped); an fp8 cache stores k / k_scale and v / v_scale."""
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -78,6 +90,8 @@ def store_kv(
         k_cache,
         v_cache,
         slots,
+        k_scale,
+        v_scale,
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -88,16 +102,26 @@ def store_kv(
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
     )
 
 
 def store_kv_reference(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """What store_kv does, in torch."""
     keep = slots >= 0
-    k_cache.index_copy_(0, slots[keep], k[keep])
-    v_cache.index_copy_(0, slots[keep], v[keep])
+    if k_cache.dtype == torch.float8_e4m3fn:
+        k = (k.float() / k_scale).clamp(-448, 448).to(k_cache.dtype)
+        v = (v.float() / v_scale).clamp(-448, 448).to(v_cache.dtype)
+    k_cache[slots[keep]] = k[keep]
+    v_cache[slots[keep]] = v[keep]
 
 
 @triton.jit(do_not_specialize=["part_row0", "num_splits"])
@@ -111,6 +135,7 @@ def _attention_kernel(
     Table,
     Tiles,
     sm_scale,
+    v_scale,
     part_row0,
     num_splits,
     stride_qt,
@@ -177,6 +202,7 @@ def _attention_kernel(
         slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
         kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(K + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        k = k.to(q.dtype)  # an fp8 cache: its scale is folded into sm_scale
         # "ieee": float32 stays exact (no tf32), and it is the one precision every target accepts.
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
         allowed = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -187,11 +213,12 @@ def _attention_kernel(
         rescale = tl.exp(top - safe_top)
         total = total * rescale + tl.sum(weights, 1)
         v = tl.load(V + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        v = v.to(q.dtype)
         acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
         top = new_top
 
     seen = total > 0
-    out = acc / tl.where(seen, total, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(seen, total, 1.0))[:, None]
     out_mask = row_ok[:, None] & d_ok[None, :]
     if PARTIAL:
         part_rows = q_rows - part_row0
@@ -268,12 +295,14 @@ def attend_tiles(
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
     part_row0: int = 0,
     num_splits: int = 1,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Run every tile of `tiles` [N, TILE_FIELDS] (int32 or int64) for queries q [T, Hq, D] over the cache
     slabs [slots, Hkv, D] through page table `table` [rows, pages]. Without `partials`, write normalised
     outputs into `out` [T, Hq, D] (one split). With `partials` (out [R, Hq, C, D] float32, lse [R, Hq, C]
     float32, rows counted from `part_row0`), write each split's normalised output and log-sum-exp at
-    column `column + split` of the tile's rows."""
+    column `column + split` of the tile's rows. An fp8 cache's values are multiplied by k_scale, v_scale."""
     num_tiles = tiles.shape[0]
     if num_tiles == 0:
         return
@@ -304,7 +333,8 @@ def attend_tiles(
         part_lse,
         table,
         tiles,
-        head_dim**-0.5,
+        head_dim**-0.5 * k_scale,
+        v_scale,
         part_row0,
         num_splits,
         q.stride(0),
