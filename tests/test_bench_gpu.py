@@ -111,3 +111,11 @@ def test_a_failing_section_records_its_error_and_the_next_runs() -> None:
     assert sections["raises"]["error"].startswith("ZeroDivisionError")
     assert "the engine logged 1 error(s)" in sections["step fails"]["error"]
     assert "error" not in sections["fine"] and sections["fine"]["x"] == 1.0
+
+
+def test_bench_gpu_runs_with_int4_weights(tmp_path: Path) -> None:
+    out = tmp_path / "int4.json"
+    assert load_bench().main(["--device", "cpu", "--weights", "int4", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert "int4" in record["config"]["model"]
+    assert all("error" not in section for section in record["sections"].values())
