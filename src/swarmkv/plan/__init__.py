@@ -1,22 +1,33 @@
-"""`swarmkv plan`: the KV arithmetic of a shared prefix across an agent swarm, and a check against the allocator."""
+"""`swarmkv plan`: the KV arithmetic of a shared prefix across an agent swarm, the weights and runtime reserve
+beside it on a card, and checks against the allocator and the model code."""
 
+from swarmkv.plan.checkpoint import Checkpoint, load_checkpoint
 from swarmkv.plan.measure import MeasuredRow, measure_row, measure_rows
-from swarmkv.plan.shape import Checkpoint, KVShape, RecurrentState, load_checkpoint, shape_from_hf_dict
+from swarmkv.plan.reserve import RuntimeReserve, runtime_reserve
+from swarmkv.plan.shape import KVShape, RecurrentState, shape_from_hf_dict
 from swarmkv.plan.table import AgentFit, PrefixRow, VramBudget, fit_agents, prefix_row, prefix_rows
+from swarmkv.plan.weights import Precision, WeightCount, WeightsCheck, check_weights, count_weights
 
 __all__ = [
     "AgentFit",
     "Checkpoint",
     "KVShape",
     "MeasuredRow",
+    "Precision",
     "PrefixRow",
     "RecurrentState",
+    "RuntimeReserve",
     "VramBudget",
+    "WeightCount",
+    "WeightsCheck",
+    "check_weights",
+    "count_weights",
     "fit_agents",
     "load_checkpoint",
     "measure_row",
     "measure_rows",
     "prefix_row",
     "prefix_rows",
+    "runtime_reserve",
     "shape_from_hf_dict",
 ]

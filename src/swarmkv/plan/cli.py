@@ -1,55 +1,113 @@
-"""`swarmkv plan`: what N agents' copies of a shared prefix cost in KV, and what storing it once reclaims."""
+"""`swarmkv plan`: what N agents' copies of a shared prefix cost in KV, what storing it once reclaims, and
+how many agents fit on a card beside the weights and the runtime reserve."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
+from swarmkv.config import DTYPES, Architecture, ModelConfig
 from swarmkv.engine.config import EngineConfig
-from swarmkv.plan.measure import MeasuredRow, measure_rows
-from swarmkv.plan.shape import Checkpoint, KVShape, element_bytes, load_checkpoint
-from swarmkv.plan.table import AgentFit, PrefixRow, VramBudget, fit_agents, prefix_rows
-from swarmkv.units import format_gib, parse_size
+from swarmkv.engine.kv_cache import KV_CACHE_DTYPES
+from swarmkv.plan.checkpoint import Checkpoint, load_checkpoint
+from swarmkv.plan.measure import measure_rows
+from swarmkv.plan.report import Plan, report, to_json
+from swarmkv.plan.reserve import DEFAULT_WORKSPACE, RuntimeReserve, runtime_reserve
+from swarmkv.plan.shape import KVShape, element_bytes
+from swarmkv.plan.table import VramBudget, fit_agents, prefix_rows
+from swarmkv.plan.weights import WEIGHT_FORMATS, Precision, WeightsFigure, check_weights, count_weights
+from swarmkv.units import parse_size
 
 DEFAULT_PREFIXES = "1000,2000,3000,4000"
+KV_SHAPE_FLAGS = {"--layers": "layers", "--kv-heads": "kv_heads", "--head-dim": "head_dim"}
+SIZE_FLAGS = {
+    "--hidden-size": "hidden_size",
+    "--intermediate-size": "intermediate_size",
+    "--vocab-size": "vocab_size",
+    "--heads": "heads",
+}
+SWITCH_FLAGS = {
+    "--tie-embeddings": "tie_embeddings",
+    "--qk-norm": "qk_norm",
+    "--attention-bias": "attention_bias",
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `plan` subcommand."""
     parser = subparsers.add_parser(
-        "plan", help="KV cost of a shared prefix across N agents, and what sharing saves"
+        "plan", help="KV cost of a shared prefix across N agents, what sharing saves, and what fits a card"
     )
-    shape = parser.add_argument_group("KV shape (give --model, or --layers, --kv-heads and --head-dim)")
+    shape = parser.add_argument_group("model shape (give --model, or --layers, --kv-heads and --head-dim)")
     shape.add_argument("--model", default=None, help="HF directory, config.json or GGUF file")
     shape.add_argument("--layers", type=int, default=None, help="attention layers that keep KV")
     shape.add_argument("--kv-heads", type=int, default=None, help="KV heads per layer")
     shape.add_argument("--head-dim", type=int, default=None, help="dimension of each head")
+    shape.add_argument("--hidden-size", type=int, default=None, help="model width (to count weights)")
+    shape.add_argument("--intermediate-size", type=int, default=None, help="MLP width (to count weights)")
+    shape.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (to count weights)")
+    shape.add_argument("--heads", type=int, default=None, help="attention (query) heads (to count weights)")
+    shape.add_argument("--tie-embeddings", action="store_true", help="the LM head is the embedding matrix")
+    shape.add_argument("--qk-norm", action="store_true", help="per-head q and k RMSNorms (Qwen3)")
+    shape.add_argument("--attention-bias", action="store_true", help="QKV projections have biases (Qwen2)")
     shape.add_argument(
-        "--dtype", default="float16", help="KV dtype: float16, bfloat16, float32, float8_e4m3fn, ..."
+        "--weight-format",
+        default="auto",
+        choices=WEIGHT_FORMATS,
+        help="projection weights: auto (a GGUF's own: Q4 -> int4, other quants -> int8; an HF checkpoint's"
+        " dtype), int4 (groups of 32), int8 (per channel), or one float dtype",
     )
     shape.add_argument(
-        "--state-dtype", default=None, help="hybrid models' recurrent state dtype (default --dtype)"
+        "--kv-dtype",
+        "--kv-cache-dtype",
+        "--dtype",
+        dest="kv_dtype",
+        default=EngineConfig.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="KV page dtype, the engine's --kv-cache-dtype: auto (the weights' float dtype), or a dtype;"
+        " fp8_e4m3 is one byte per element",
+    )
+    shape.add_argument(
+        "--state-dtype",
+        default=None,
+        choices=tuple(DTYPES),
+        help="hybrid models' recurrent state dtype (default the KV dtype)",
     )
     parser.add_argument("--agents", type=int, default=8, help="agents sharing the prefix (default 8)")
     parser.add_argument("--prefix-tokens", default=DEFAULT_PREFIXES, help="comma-separated prefix lengths")
-    parser.add_argument(
-        "--vram", default=None, help="card memory, e.g. 16GiB: also report how many agents fit"
-    )
-    parser.add_argument("--weights", default=None, help="weights size (default: read from --model)")
-    parser.add_argument(
-        "--context", type=int, default=8192, help="tokens per agent for the fit (default 8192)"
-    )
-    parser.add_argument(
+    fit = parser.add_argument_group("fit on a card")
+    fit.add_argument("--vram", default=None, help="card memory, e.g. 16GiB: also report how many agents fit")
+    fit.add_argument("--weights", default=None, help="weights size (default: counted from the shape)")
+    fit.add_argument("--context", type=int, default=8192, help="tokens per agent (default 8192)")
+    fit.add_argument(
         "--block-size",
         type=int,
         default=EngineConfig.block_size,
         help=f"tokens per KV page (default {EngineConfig.block_size}, the engine's)",
     )
-    parser.add_argument("--measure", action="store_true", help="also count pages through the real allocator")
+    fit.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=EngineConfig.max_num_batched_tokens,
+        help=f"largest prefill chunk, for the activations (default {EngineConfig.max_num_batched_tokens})",
+    )
+    fit.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=EngineConfig.max_num_seqs,
+        help=f"rows sampled per step, for the logits (default {EngineConfig.max_num_seqs})",
+    )
+    fit.add_argument(
+        "--workspace",
+        default=DEFAULT_WORKSPACE,
+        help=f"CUDA context and workspace allowance (default {DEFAULT_WORKSPACE})",
+    )
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="also count pages through the real allocator, and weights in a model built on the meta device",
+    )
     parser.add_argument(
         "--tail-tokens", type=int, default=100, help="each agent's private tail for --measure"
     )
@@ -68,163 +126,115 @@ def parse_prefixes(text: str) -> list[int]:
     return values
 
 
-def resolve_checkpoint(args: argparse.Namespace) -> tuple[KVShape, int | None]:
-    """The KV shape, and the weights' bytes when a checkpoint was read."""
-    flags = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
-    given = [name for name, value in flags.items() if value is not None]
+def _flags_config(args: argparse.Namespace) -> ModelConfig:
+    """A ModelConfig from the size flags, every one of them given and positive."""
+    missing = [flag for flag, dest in SIZE_FLAGS.items() if getattr(args, dest) is None]
+    if missing:
+        raise ValueError(
+            f"counting the weights from flags needs {', '.join(SIZE_FLAGS)} (missing {', '.join(missing)})"
+        )
+    for flag, dest in SIZE_FLAGS.items():
+        if getattr(args, dest) <= 0:
+            raise ValueError(f"{flag} must be a positive integer, got {getattr(args, dest)}")
+    # The family only names the model: q/k norms and biases are their own fields.
+    family: Architecture = "qwen3" if args.qk_norm else "qwen2" if args.attention_bias else "llama"
+    return ModelConfig(
+        architecture=family,
+        num_layers=int(args.layers),
+        hidden_size=int(args.hidden_size),
+        num_heads=int(args.heads),
+        num_kv_heads=int(args.kv_heads),
+        head_dim=int(args.head_dim),
+        intermediate_size=int(args.intermediate_size),
+        vocab_size=int(args.vocab_size),
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=int(args.context),  # the rotary table covers the planned context
+        tie_word_embeddings=bool(args.tie_embeddings),
+        qk_norm=bool(args.qk_norm),
+        attention_bias=bool(args.attention_bias),
+    )
+
+
+def resolve_checkpoint(args: argparse.Namespace) -> Checkpoint:
+    """The model from --model's files, or from the shape flags; "auto" formats and dtypes resolved."""
+    values = {flag: getattr(args, dest) for flag, dest in {**KV_SHAPE_FLAGS, **SIZE_FLAGS}.items()}
+    given = [flag for flag, value in values.items() if value is not None]
+    given += [flag for flag, dest in SWITCH_FLAGS.items() if getattr(args, dest)]
     if args.model is not None:
         if given:
             raise ValueError(
-                f"give --model or {', '.join(flags)}, not both ({', '.join(given)} with --model)"
+                f"give --model or {', '.join(KV_SHAPE_FLAGS)}, not both ({', '.join(given)} with --model)"
             )
-        checkpoint: Checkpoint = load_checkpoint(args.model, args.dtype, args.state_dtype)
-        return checkpoint.shape, checkpoint.weights_bytes
-    if len(given) != len(flags):
-        missing = [name for name in flags if name not in given]
-        raise ValueError(f"no KV shape: give --model, or {', '.join(flags)} (missing {', '.join(missing)})")
+        return load_checkpoint(args.model, args.kv_dtype, args.state_dtype, args.weight_format)
+    missing = [flag for flag in KV_SHAPE_FLAGS if values[flag] is None]
+    if missing:
+        raise ValueError(
+            f"no KV shape: give --model, or {', '.join(KV_SHAPE_FLAGS)} (missing {', '.join(missing)})"
+        )
+    precision = Precision.resolve(args.weight_format, "float16")
     layers = int(args.layers)
-    shape = KVShape(layers, layers, int(args.kv_heads), int(args.head_dim), args.dtype)
-    return shape, None
+    kv_dtype = precision.kv_dtype(args.kv_dtype)
+    shape = KVShape(layers, layers, int(args.kv_heads), int(args.head_dim), kv_dtype)
+    if all(flag in KV_SHAPE_FLAGS for flag in given):
+        problem = "the flags give the KV shape only; add --hidden-size, --intermediate-size, --vocab-size and --heads"
+        return Checkpoint(shape, precision, None, problem, None)
+    return Checkpoint(shape, precision, _flags_config(args), None, None)
+
+
+def weights_figure(args: argparse.Namespace, checkpoint: Checkpoint) -> WeightsFigure:
+    """The weights' bytes for the budget: --weights, else counted from the config, else the files' size."""
+    precision, files = checkpoint.precision, checkpoint.file_bytes
+    if args.weights is not None:
+        return WeightsFigure(parse_size(args.weights), "--weights", precision, None, files)
+    if checkpoint.config is not None:
+        count = count_weights(checkpoint.config, precision)
+        return WeightsFigure(count.total_bytes, "config", precision, count, files)
+    if args.weight_format == "auto" and files is not None:
+        return WeightsFigure(files, "files", precision, None, files)
+    raise ValueError(
+        f"--vram needs the weights' size, and they cannot be counted here ({checkpoint.config_problem}):"
+        " pass --weights SIZE"
+    )
+
+
+def reserve_for(args: argparse.Namespace, checkpoint: Checkpoint) -> RuntimeReserve | None:
+    """The runtime reserve of the checkpoint's model, None when its dimensions are not known."""
+    if checkpoint.config is None:
+        return None
+    return runtime_reserve(
+        checkpoint.config,
+        element_bytes(checkpoint.precision.dtype),
+        args.max_num_batched_tokens,
+        args.max_num_seqs,
+        parse_size(args.workspace),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    """Compute the table (and the fit, and the measurement), print it."""
+    """Compute the table (and the fit, and the measurements), print it."""
     prefixes = parse_prefixes(args.prefix_tokens)
-    shape, checkpoint_weights = resolve_checkpoint(args)
+    checkpoint = resolve_checkpoint(args)
+    shape = checkpoint.shape
     rows = prefix_rows(shape.kv_bytes_per_token, args.agents, prefixes)
-    budget = None
+    budget, fits, weights, reserve = None, None, None, None
     if args.vram is not None:
-        weights = parse_size(args.weights) if args.weights is not None else checkpoint_weights
-        if weights is None:
-            raise ValueError(
-                "--vram needs the weights' size: pass --weights SIZE (or a --model with its weights)"
-            )
-        budget = VramBudget(parse_size(args.vram), weights, args.context, args.block_size)
-    fits = [fit_agents(shape, budget, p) for p in prefixes] if budget else None
-    measured = (
-        measure_rows(shape, args.agents, prefixes, args.block_size, args.tail_tokens)
-        if args.measure
-        else None
+        weights = weights_figure(args, checkpoint)
+        reserve = reserve_for(args, checkpoint)
+        reserve_bytes = reserve.total_bytes if reserve is not None else 0
+        budget = VramBudget(
+            parse_size(args.vram), weights.num_bytes, args.context, args.block_size, reserve_bytes
+        )
+        fits = [fit_agents(shape, budget, p) for p in prefixes]
+    measured, check = None, None
+    if args.measure:
+        measured = measure_rows(shape, args.agents, prefixes, args.block_size, args.tail_tokens)
+        if checkpoint.config is not None:
+            check = check_weights(checkpoint.config, checkpoint.precision)
+    plan = Plan(
+        shape, args.agents, rows, budget, fits, weights, reserve, measured, check, checkpoint.config_problem
     )
-    result = Plan(shape, args.agents, rows, budget, fits, measured)
-    print(json.dumps(to_json(result)) if args.json else report(result))
-    for problem in result.problems:
+    print(json.dumps(to_json(plan)) if args.json else report(plan))
+    for problem in plan.problems:
         print(f"swarmkv plan: measured and formula disagree: {problem}", file=sys.stderr)
-    return 1 if result.problems else 0
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Everything one `plan` run computed: the table, and the fit and measurement when asked for."""
-
-    shape: KVShape
-    num_agents: int
-    rows: list[PrefixRow]
-    budget: VramBudget | None
-    fits: list[AgentFit] | None
-    measured: list[MeasuredRow] | None
-
-    @property
-    def problems(self) -> list[str]:
-        """Measured figures that fall outside the tolerance of the formula's."""
-        pairs = zip(self.measured, self.rows, strict=True) if self.measured else ()
-        return [f"{m.prefix_tokens} tokens: {d}" for m, row in pairs for d in m.disagreements(row)]
-
-
-def to_json(plan: Plan) -> dict[str, Any]:
-    """The `--json` object: bytes throughout, fit and measurement only when asked for."""
-    shape, num_agents = plan.shape, plan.num_agents
-    out: dict[str, Any] = {"kv_bytes_per_token": shape.kv_bytes_per_token, "num_agents": num_agents}
-    out["shape"] = {"layers": shape.num_kv_layers, "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim}
-    out["shape"]["dtype"] = shape.dtype
-    out["rows"] = [row.to_json() for row in plan.rows]
-    if shape.recurrent is not None:
-        rec = shape.recurrent
-        out["hybrid"] = {
-            "num_layers": shape.num_layers,
-            "num_full_attention_layers": shape.num_kv_layers,
-            "num_linear_attention_layers": rec.num_layers,
-            "conv_elements_per_layer": rec.conv_elements_per_layer,
-            "ssm_elements_per_layer": rec.ssm_elements_per_layer,
-            "state_dtype": rec.dtype,
-            "state_bytes_per_sequence": rec.bytes_per_sequence,
-            "state_bytes_all_agents": num_agents * rec.bytes_per_sequence,
-        }
-    if plan.budget is not None and plan.fits is not None:
-        out["fit"] = plan.budget.to_json()
-        for row, fit in zip(out["rows"], plan.fits, strict=True):
-            row.update({k: v for k, v in fit.to_json().items() if k != "prefix_tokens"})
-    if plan.measured:
-        first, agrees = plan.measured[0], not plan.problems
-        out["measured"] = {"block_size": first.block_size, "tail_tokens": first.tail_tokens, "agrees": agrees}
-        for row, m in zip(out["rows"], plan.measured, strict=True):
-            row["measured"] = m.to_json()
-    return out
-
-
-def _table(headers: Sequence[str], cells: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(h), *(len(line[i]) for line in cells)) for i, h in enumerate(headers)]
-    return ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in [headers, *cells]]
-
-
-def _row_cells(prefix_tokens: int, columns: dict[str, int]) -> list[str]:
-    keys = ("kv_bytes_per_copy", "kv_bytes_all_copies", "kv_bytes_shared", "kv_bytes_reclaimed")
-    return [f"{prefix_tokens:,}", *(format_gib(columns[k]) for k in keys)]
-
-
-def report(plan: Plan) -> str:
-    """The human-readable report: the shape, the table, then the fit and the measurement if asked for."""
-    shape, n = plan.shape, plan.num_agents
-    per_token = shape.kv_bytes_per_token
-    out = [
-        f"KV per token: {per_token:,} bytes ({per_token / 1024:.2f} KiB) = 2 (K, V) x {shape.num_kv_layers} layers"
-        f" x {shape.num_kv_heads} KV heads x head dim {shape.head_dim} x {element_bytes(shape.dtype)} bytes"
-        f" ({shape.dtype})"
-    ]
-    if (rec := shape.recurrent) is not None:
-        out.append(
-            f"Hybrid model: KV counted only for the {shape.num_kv_layers} full-attention layers of {shape.num_layers};"
-            f" the {rec.num_layers} linear-attention layers keep a constant recurrent state instead:"
-            f" {rec.bytes_per_sequence / 2**20:.2f} MiB per sequence ({rec.conv_elements_per_layer:,} conv +"
-            f" {rec.ssm_elements_per_layer:,} SSM elements per layer, {rec.dtype}), never shared, so"
-            f" {n} agents hold {format_gib(n * rec.bytes_per_sequence)} of it either way."
-        )
-    if shape.num_sliding_layers:
-        out.append(
-            f"Note: {shape.num_sliding_layers} sliding-window layers counted as full attention (exact up to the window)."
-        )
-    headers = ["Prefix tokens", "KV per copy", f"{n} copies", "One shared copy", "Reclaimed"]
-    out += ["", f"{n} agents, each opening with the same prefix:"]
-    out += _table(headers, [_row_cells(r.prefix_tokens, r.to_json()) for r in plan.rows])
-    if (budget := plan.budget) is not None and plan.fits is not None:
-        out += [
-            "",
-            f"Fit in {format_gib(budget.vram_bytes)} of VRAM: weights {format_gib(budget.weights_bytes)} leave"
-            f" {format_gib(budget.kv_budget_bytes)}; {budget.context_tokens:,}-token context per agent,"
-            f" {budget.block_size}-token pages (KV and recurrent state only, no activations):",
-        ]
-        cells = [
-            [f"{f.prefix_tokens:,}", str(f.agents_fit_per_slot), str(f.agents_fit_shared)] for f in plan.fits
-        ]
-        out += _table(["Prefix tokens", "Agents without sharing", "Agents with sharing"], cells)
-    if plan.measured:
-        first = plan.measured[0]
-        out += [
-            "",
-            f"Measured: the engine's scheduler over its KV manager, per-slot and shared, {n} agents x"
-            f" (prefix + {first.tail_tokens}-token private tail), pages of {first.page_bytes:,} bytes"
-            + (" (KV pages only: the recurrent state is per sequence either way):" if rec else ":"),
-        ]
-        cells = [
-            [
-                *_row_cells(m.prefix_tokens, m.columns()),
-                f"{m.pages_per_copy}/{m.pages_all_copies}/{m.pages_shared}/{m.pages_reclaimed}",
-            ]
-            for m in plan.measured
-        ]
-        out += _table([*headers, "Pages (copy/all/shared/reclaimed)"], cells)
-        out.append(
-            f"Tolerance: the formula is exact in tokens, pages round up; each measured figure must lie within"
-            f" {n} pages (one per agent) of the formula: {'DISAGREES' if plan.problems else 'agrees'}."
-        )
-    return "\n".join(out)
+    return 1 if plan.problems else 0

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,11 +10,8 @@ import torch
 from swarmkv.config import DTYPES
 from swarmkv.errors import ModelLoadError, UnsupportedModelError
 
-KV_DTYPES: dict[str, torch.dtype] = {
-    **DTYPES,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
+# The engine's kv_cache_dtype names (swarmkv.engine.kv_cache.KV_CACHE_DTYPES, less "auto"): fp8 is one byte.
+KV_DTYPES: dict[str, torch.dtype] = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
 KV_LAYER_KINDS = ("full_attention", "sliding_attention")
 LINEAR_ATTENTION = "linear_attention"
 
@@ -109,14 +104,6 @@ class KVShape:
         return self.recurrent.bytes_per_sequence if self.recurrent else 0
 
 
-@dataclass(frozen=True)
-class Checkpoint:
-    """A model's KV shape and its weights' size in bytes, as read from its files."""
-
-    shape: KVShape
-    weights_bytes: int | None  # None when the checkpoint holds no weights we can size
-
-
 def _int(table: dict[str, Any], key: str, fallback: Any = None) -> int:
     value = table.get(key) if table.get(key) is not None else fallback
     if value is None:
@@ -170,62 +157,3 @@ def shape_from_hf_dict(raw: dict[str, Any], dtype: str, state_dtype: str | None 
         recurrent=recurrent,
         num_sliding_layers=kinds.count("sliding_attention"),
     )
-
-
-def _hf_checkpoint(config_path: Path, dtype: str, state_dtype: str | None) -> Checkpoint:
-    try:
-        raw = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"cannot read {config_path}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ModelLoadError(f"{config_path} does not hold a JSON object")
-    shards = sorted(config_path.parent.glob("*.safetensors"))
-    # Safetensors files are tensor bytes plus a small JSON header: close enough for a VRAM budget.
-    weights_bytes = sum(p.stat().st_size for p in shards) if shards else None
-    return Checkpoint(shape_from_hf_dict(raw, dtype, state_dtype), weights_bytes)
-
-
-def _gguf_checkpoint(path: Path, dtype: str) -> Checkpoint:
-    from swarmkv.models.gguf_file import open_gguf  # the gguf package: only for GGUF files
-
-    gguf_file = open_gguf(path)
-    meta, arch = gguf_file.metadata, gguf_file.architecture
-
-    def get(key: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
-        return value
-
-    heads = get("attention.head_count")
-    kv_heads = get("attention.head_count_kv", heads)
-    hybrid = any(k.startswith((f"{arch}.ssm.", f"{arch}.full_attention_interval")) for k in meta)
-    if hybrid or isinstance(heads, list) or isinstance(kv_heads, list):
-        raise UnsupportedModelError(
-            f"{path}: per-layer or recurrent ({arch}) GGUF layouts are not planned from GGUF; "
-            "pass the model's config.json instead"
-        )
-    key_dim = int(get("attention.key_length", int(get("embedding_length")) // int(heads)))
-    if int(get("attention.value_length", key_dim)) != key_dim:
-        raise UnsupportedModelError(
-            f"{path}: key and value head sizes differ; the planner assumes one head dim"
-        )
-    layers = int(get("block_count"))
-    shape = KVShape(
-        num_layers=layers, num_kv_layers=layers, num_kv_heads=int(kv_heads), head_dim=key_dim, dtype=dtype
-    )
-    return Checkpoint(shape, sum(int(t.n_bytes) for t in gguf_file.reader.tensors))
-
-
-def load_checkpoint(model: str | Path, dtype: str, state_dtype: str | None = None) -> Checkpoint:
-    """Read the shape and weight size of an HF directory, a config.json or a GGUF file."""
-    path = Path(model)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"no config.json in {path}")
-        return _hf_checkpoint(path / "config.json", dtype, state_dtype)
-    if not path.is_file():
-        raise ModelLoadError(f"model not found: {path}")
-    if path.suffix == ".json":
-        return _hf_checkpoint(path, dtype, state_dtype)
-    return _gguf_checkpoint(path, dtype)

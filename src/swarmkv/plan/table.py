@@ -49,12 +49,14 @@ def prefix_rows(kv_bytes_per_token: int, num_agents: int, prefix_tokens: Sequenc
 
 @dataclass(frozen=True)
 class VramBudget:
-    """The card, the weights on it, and what each agent needs: `context_tokens` in pages of `block_size`."""
+    """The card, the weights and the runtime reserve on it, and what each agent needs: `context_tokens`
+    in pages of `block_size`."""
 
     vram_bytes: int
     weights_bytes: int
     context_tokens: int
     block_size: int
+    runtime_reserve_bytes: int = 0  # activations, logits, workspace: 0 when the shape is not known
 
     def __post_init__(self) -> None:
         if self.context_tokens <= 0 or self.block_size <= 0:
@@ -63,16 +65,24 @@ class VramBudget:
             )
         if self.weights_bytes < 0:
             raise ValueError(f"--weights must be >= 0 bytes, got {self.weights_bytes}")
-        if self.weights_bytes >= self.vram_bytes:
+        weights, reserve, vram = self.weights_bytes, self.runtime_reserve_bytes, self.vram_bytes
+        if weights >= vram:
             raise ValueError(
-                f"the weights ({format_gib(self.weights_bytes)}) leave no room in --vram "
-                f"({format_gib(self.vram_bytes)})"
+                f"--vram {format_gib(vram)} is smaller than the weights ({format_gib(weights)}) by"
+                f" {format_gib(weights - vram)} ({weights - vram:,} bytes), before the runtime reserve"
+                f" ({format_gib(reserve)}) and any KV"
+            )
+        if weights + reserve >= vram:
+            raise ValueError(
+                f"--vram {format_gib(vram)} holds the weights ({format_gib(weights)}) but not the runtime"
+                f" reserve ({format_gib(reserve)}) besides: {format_gib(weights + reserve - vram)}"
+                f" ({weights + reserve - vram:,} bytes) short, with nothing left for KV"
             )
 
     @property
     def kv_budget_bytes(self) -> int:
-        """VRAM left for KV pages and recurrent state once the weights are loaded."""
-        return self.vram_bytes - self.weights_bytes
+        """VRAM left for KV pages and recurrent state once the weights and the runtime reserve are counted."""
+        return self.vram_bytes - self.weights_bytes - self.runtime_reserve_bytes
 
     def to_json(self) -> dict[str, Any]:
         """The budget as the `--json` output writes it."""
