@@ -146,9 +146,12 @@ def main() -> None:
     parser.add_argument("--gen", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-transformers", action="store_true")
+    # float by default: transformers runs the same dequantised weights, and earlier figures were taken so
+    parser.add_argument("--weights", choices=("float", "int8", "int4"), default="float")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
-    llm = LLM(kv_cache_memory="64MiB")  # loads the default model once; each run builds its own engine
+    # loads the default model once; each run builds its own engine
+    llm = LLM(weights=args.weights, kv_cache_memory="64MiB")
     loaded = llm.loaded
     prompts = make_prompts(loaded.tokenizer, args.agents, args.prefix, args.tail, args.seed)
     kv_bytes = (

@@ -45,6 +45,9 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2-135M)")
+    parser.add_argument(
+        "--weights", choices=("auto", "float", "int8", "int4"), default="float", help="projection weights"
+    )
     parser.add_argument("--agents", type=int, default=8)
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--prefix-tokens", type=int, default=800, help="size of the shared head, in tokens")
@@ -135,7 +138,7 @@ def _cell(value: Any, suffix: str = "") -> str:
 
 def main() -> None:
     args = parse_args()
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, weights=args.weights)
     workload = build_workload(
         loaded.tokenizer,
         agents=args.agents,
