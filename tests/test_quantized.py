@@ -110,6 +110,11 @@ def test_quantized_weights_take_less_memory(smol_int8: LoadedModel) -> None:
     assert weight_bytes(smol_int8.model) < float_bytes / 2.4
 
 
+def test_int4_needs_whole_groups() -> None:
+    with pytest.raises(ConfigError, match="divisible by 32"):
+        QuantizedLinear(48, 16, "int4", bias=False)
+
+
 def test_a_device_without_kernels_is_refused() -> None:
     layer = QuantizedLinear(64, 32, "int4", bias=False).to("meta")
     with pytest.raises(ConfigError, match="meta"):

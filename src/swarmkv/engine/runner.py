@@ -9,7 +9,7 @@ from swarmkv.engine.cascade import AUTO_MIN_SAVED_TOKENS, CascadeMode, plan_grou
 from swarmkv.engine.kv_cache import KVCache
 from swarmkv.engine.page_table import PageTable
 from swarmkv.engine.paged_attention import PagedAttention, build_layout
-from swarmkv.engine.scheduler import Chunk, StepPlan
+from swarmkv.engine.scheduler import Chunk, StepPlan, sampling_rows
 from swarmkv.engine.stats import EngineCounters
 from swarmkv.models.decoder import DecoderForCausalLM
 
@@ -65,12 +65,8 @@ class ModelRunner:
             return sampling, self.triton.run(prefills, decodes, groups)
         layout, input_ids, positions = build_layout(self.page_table, prefills, decodes, groups, self.dtype)
         hidden = self.model(input_ids, positions, PagedAttention(self.kv_cache, layout))
-        ends, row = [], 0
-        for chunk in prefills + decodes:
-            row += chunk.num_tokens
-            if chunk.samples:
-                ends.append(row - 1)
-        logits = self.model.compute_logits(hidden[torch.tensor(ends, dtype=torch.int64, device=self.device)])
+        rows = torch.tensor(sampling_rows(prefills + decodes), dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
         return sampling, logits
 
     def update_page_table(self, plan: StepPlan) -> None:

@@ -39,6 +39,16 @@ class Chunk:
         return len(self.token_ids)
 
 
+def sampling_rows(chunks: list[Chunk]) -> list[int]:
+    """Rows of a flat batch of `chunks` (in order) whose logits are sampled: each sampling chunk's last."""
+    rows, end = [], 0
+    for chunk in chunks:
+        end += chunk.num_tokens
+        if chunk.samples:
+            rows.append(end - 1)
+    return rows
+
+
 @dataclass
 class StepPlan:
     """One step: the chunks to compute, the pages each request's table gained since the last plan (a new

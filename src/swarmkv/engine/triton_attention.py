@@ -121,8 +121,8 @@ class StepMetadata:
 def pack_metadata(
     shape: TritonShape,
     token_ids: list[int],
-    positions: list[int],
-    slot_mapping: list[int],
+    positions: torch.Tensor | list[int],
+    slot_mapping: torch.Tensor | list[int],
     extend_tiles: list[Tile],
     prefix_tiles: list[Tile],
     decode_tiles: list[Tile],
@@ -133,22 +133,21 @@ def pack_metadata(
     sizes = shape.section_sizes()
     packed = torch.zeros(sum(sizes.values()), dtype=torch.int64)
     offset = 0
-    sections = {
+    sections: dict[str, torch.Tensor | list[int] | list[Tile]] = {
         "input_ids": token_ids,
         "positions": positions,
         "slot_mapping": slot_mapping,
-        "extend_tiles": [x for t in extend_tiles for x in t],
-        "prefix_tiles": [x for t in prefix_tiles for x in t],
-        "decode_tiles": [x for t in decode_tiles for x in t],
+        "extend_tiles": extend_tiles,
+        "prefix_tiles": prefix_tiles,
+        "decode_tiles": decode_tiles,
         "logit_rows": logit_rows,
     }
     for name, size in sizes.items():
-        values = sections[name]
+        values = torch.as_tensor(sections[name], dtype=torch.int64).reshape(-1)  # tiles flatten to fields
         assert len(values) <= size, f"{name}: {len(values)} values for {size} places"
         if name == "slot_mapping":
             packed[offset : offset + size] = -1
-        if values:
-            packed[offset : offset + len(values)] = torch.tensor(values, dtype=torch.int64)
+        packed[offset : offset + len(values)] = values
         offset += size
     return packed
 

@@ -4,17 +4,19 @@ TritonAttention, and decode-only steps replayed from CUDA graphs."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
 from swarmkv.engine.cuda_graphs import DecodeGraphs, Graph
 from swarmkv.engine.kv_cache import KVCache
 from swarmkv.engine.page_table import PageTable
-from swarmkv.engine.scheduler import Chunk
+from swarmkv.engine.scheduler import Chunk, sampling_rows
 from swarmkv.engine.triton_attention import (
     DecodeRow,
     GroupSpan,
     StepMetadata,
+    Tile,
     TritonAttention,
     TritonShape,
     choose_splits,
@@ -77,23 +79,23 @@ class TritonRunner:
     def _run(
         self, prefills: list[Chunk], decodes: list[Chunk], groups: list[tuple[int, int]]
     ) -> torch.Tensor:
+        step = self._describe(prefills, decodes, groups)
         bucket = self.graphs.bucket(len(decodes)) if self.graphs is not None and not prefills else None
         if self.graphs is not None and bucket is not None:
-            shape = self._graph_shape(bucket)
-            packed = self._pack(prefills, decodes, groups, shape, logit_rows=list(range(bucket)))
+            packed = self._pack(step, self._graph_shape(bucket), list(range(bucket)))
             logits = self.graphs.run(bucket, packed, len(decodes))
             if logits is not None:
                 return logits
-        max_len = max((c.start + 1 for c in decodes), default=0)
+        max_len = max((d.position + 1 for d in step.decodes), default=0)
         shape = TritonShape(
-            num_tokens=sum(c.num_tokens for c in prefills) + len(decodes),
-            num_extend_tiles=sum(-(-c.num_tokens // self.extend_tokens) for c in prefills),
-            num_prefix_tiles=len(prefix_tiles(self._group_spans(decodes, groups), 0)),
-            num_decodes=len(decodes),
-            num_logits=sum(c.samples for c in prefills + decodes),
+            num_tokens=len(step.token_ids),
+            num_extend_tiles=len(step.extend_tiles),
+            num_prefix_tiles=len(step.prefix_tiles),
+            num_decodes=len(step.decodes),
+            num_logits=len(step.logit_rows),
             num_splits=choose_splits(len(decodes), self.num_kv_heads, max_len, self.target_programs),
         )
-        packed = self._pack(prefills, decodes, groups, shape, logit_rows=None)
+        packed = self._pack(step, shape, step.logit_rows)
         return self.forward(StepMetadata(packed.to(self.device, non_blocking=True), shape))
 
     def forward(self, meta: StepMetadata) -> torch.Tensor:
@@ -109,63 +111,66 @@ class TritonRunner:
         splits = choose_splits(bucket, self.num_kv_heads, self.max_keys, self.target_programs)
         return TritonShape(bucket, 0, max_prefix_tiles(bucket), bucket, bucket, splits)
 
-    def _group_spans(self, decodes: list[Chunk], groups: list[tuple[int, int]]) -> list[GroupSpan]:
-        spans, first = [], 0
-        for size, num_pages in groups:
-            row = self.page_table.row(decodes[first].request_id)
-            spans.append(GroupSpan(first, size, row, num_pages * self.page_size))
-            first += size
-        return spans
-
-    def _pack(
-        self,
-        prefills: list[Chunk],
-        decodes: list[Chunk],
-        groups: list[tuple[int, int]],
-        shape: TritonShape,
-        logit_rows: list[int] | None,
-    ) -> torch.Tensor:
-        """The step's metadata in one host buffer (pinned on a GPU, so its copy does not wait)."""
+    def _describe(
+        self, prefills: list[Chunk], decodes: list[Chunk], groups: list[tuple[int, int]]
+    ) -> _HostStep:
+        """Everything a step's metadata holds, built once on the host from its chunks and page tables."""
         table, size = self.page_table, self.page_size
         ordered = prefills + decodes
-        token_ids = [t for c in ordered for t in c.token_ids]
-        positions = [p for c in ordered for p in range(c.start, c.start + c.num_tokens)]
         rows = [table.row(c.request_id) for c in ordered]
-        token_rows = torch.tensor(
-            [r for c, r in zip(ordered, rows, strict=True) for _ in range(c.num_tokens)]
-        )
-        pos = torch.tensor(positions, dtype=torch.int64)
-        slots = (table.host[token_rows, pos // size] * size + pos % size).tolist() if positions else []
+        counts = torch.tensor([c.num_tokens for c in ordered])
+        positions = torch.cat([torch.arange(c.start, c.start + c.num_tokens) for c in ordered])
+        token_rows = torch.repeat_interleave(torch.tensor(rows), counts)
+        slots = table.host[token_rows, positions // size] * size + positions % size
         extend, q_start = [], 0
         for chunk, row in zip(prefills, rows, strict=False):
             extend += extend_tiles(q_start, chunk.num_tokens, row, chunk.start, self.extend_tokens)
             q_start += chunk.num_tokens
-        spans = self._group_spans(decodes, groups)
+        spans, first = [], 0
         shared = [0] * len(decodes)
-        for g in spans:
-            shared[g.first : g.first + g.size] = [g.shared_tokens] * g.size
+        for members, num_pages in groups:
+            span = GroupSpan(first, members, rows[q_start + first], num_pages * size)
+            shared[first : first + members] = [span.shared_tokens] * members
+            spans.append(span)
+            first += members
         decode_rows = [
             DecodeRow(c.start, row, s)
             for c, row, s in zip(decodes, rows[len(prefills) :], shared, strict=True)
         ]
-        if logit_rows is None:
-            ends, row_end = [], 0
-            for chunk in ordered:
-                row_end += chunk.num_tokens
-                if chunk.samples:
-                    ends.append(row_end - 1)
-            logit_rows = ends
-        # In a padded (graph) shape the decodes start after the padding of the token sections.
-        decode_row0 = shape.num_tokens - shape.num_decodes
-        assert decode_row0 == q_start or not decodes, "a graph step has no prefill rows"
+        return _HostStep(
+            token_ids=[t for c in ordered for t in c.token_ids],
+            positions=positions,
+            slots=slots,
+            extend_tiles=extend,
+            prefix_tiles=prefix_tiles(spans, q_start),  # decodes follow the prefill rows (none in a graph)
+            decodes=decode_rows,
+            logit_rows=sampling_rows(ordered),
+        )
+
+    def _pack(self, step: _HostStep, shape: TritonShape, logit_rows: list[int]) -> torch.Tensor:
+        """The step's metadata in one host buffer (pinned on a GPU, so its copy does not wait)."""
+        decode_row0 = len(step.token_ids) - len(step.decodes)
         packed = pack_metadata(
             shape,
-            token_ids,
-            positions,
-            slots,
-            extend,
-            prefix_tiles(spans, decode_row0),
-            decode_tiles(decode_rows, decode_row0, shape.decode_column),
+            step.token_ids,
+            step.positions,
+            step.slots,
+            step.extend_tiles,
+            step.prefix_tiles,
+            decode_tiles(step.decodes, decode_row0, shape.decode_column),
             logit_rows,
         )
         return packed.pin_memory() if self.is_cuda else packed
+
+
+@dataclass(frozen=True)
+class _HostStep:
+    """One step's metadata on the host, before it is laid out for an eager or a graph shape."""
+
+    token_ids: list[int]
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64
+    extend_tiles: list[Tile]
+    prefix_tiles: list[Tile]
+    decodes: list[DecodeRow]
+    logit_rows: list[int]

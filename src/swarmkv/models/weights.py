@@ -114,8 +114,7 @@ def _check_shape(name: str, shape: tuple[int, ...], expected: tuple[int, ...], p
 def _load_float(
     dest: torch.Tensor, target: Target, name: str, tensor: CheckpointTensor, config: ModelConfig
 ) -> None:
-    if isinstance(tensor, QuantizedWeight):
-        tensor = tensor.dequantize().to(dest.dtype)
+    assert not isinstance(tensor, QuantizedWeight), "quantized tensors are read only for quantized layers"
     start, rows = _rows(target, config, dest.shape[0])
     dest = dest.narrow(0, start, rows)
     _check_shape(name, tuple(tensor.shape), tuple(dest.shape), target.param)
@@ -127,8 +126,6 @@ def _load_quantized(
 ) -> None:
     start, rows = _rows(target, config, module.out_features)
     _check_shape(name, tuple(tensor.shape), (rows, module.in_features), target.param)
-    if isinstance(tensor, QuantizedWeight) and tensor.format != module.format:
-        tensor = tensor.dequantize()
     if not isinstance(tensor, QuantizedWeight):
         # Quantization is row-local, so a shard quantized alone equals its rows of the fused matrix.
         tensor = quantize(tensor, module.format, module.scales.dtype)
