@@ -23,3 +23,7 @@ class CapacityError(SwarmkvError):
 
 class ConfigError(SwarmkvError, ValueError):
     """An engine option cannot be honoured on this machine (a backend it lacks, a device it cannot use)."""
+
+
+class PinLimitError(InvalidRequestError):
+    """A pin would hold more KV than the configured cap on pinned memory."""

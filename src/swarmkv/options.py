@@ -43,7 +43,7 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type, skip: Iterable[str])
         }
         if typing.get_origin(kind) is typing.Literal:
             options["choices"] = typing.get_args(kind)
-        elif f.name == "kv_cache_memory":
+        elif f.name.endswith("_memory"):  # sizes: kv_cache_memory, offload_memory, max_pinned_memory
             options["type"] = parse_size
         elif _is_int(kind):
             options["type"] = int

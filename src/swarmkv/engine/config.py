@@ -13,6 +13,7 @@ from typing import Any
 from swarmkv.engine.backend import ATTENTION_BACKENDS, AttentionBackendName
 from swarmkv.engine.cascade import CASCADE_MODES, CascadeMode
 from swarmkv.engine.kv_cache import KV_CACHE_DTYPES, KVCacheDtype
+from swarmkv.kv.retention import RETENTION_POLICIES, RetentionPolicy
 from swarmkv.models.quantized import WeightsOption
 from swarmkv.units import parse_size
 
@@ -44,6 +45,17 @@ class EngineConfig:
         "KV page dtype: auto (the model's), float16, bfloat16, float32 or fp8_e4m3 (a scale per layer)",
     )
     prefix_caching: bool = _opt(True, "share KV pages of identical prefixes between requests")
+    retention: RetentionPolicy = _opt(
+        "session",
+        "which cached pages go first under pressure: session (released sessions, superseded branches,"
+        " then LRU, paused agents' tails, the shared head last) or lru",
+    )
+    offload_memory: int | str = _opt(
+        0, "host memory that evicted KV pages move to instead of being dropped, e.g. 8GiB (0: none)"
+    )
+    max_pinned_memory: int | str | None = _opt(
+        None, "cap on KV bytes that pins may hold, e.g. 256MiB (default: half the KV pool)"
+    )
     max_num_seqs: int = _opt(64, "requests running at once")
     max_num_batched_tokens: int = _opt(2048, "tokens computed per step (prefill chunks plus decodes)")
     max_model_len: int | None = _opt(None, "context length (default: the model's)")
@@ -72,6 +84,10 @@ class EngineConfig:
             )
         if self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+        if self.retention not in RETENTION_POLICIES:
+            raise ValueError(f"retention must be one of {RETENTION_POLICIES}, got {self.retention!r}")
+        if self.offload_bytes < 0 or self.max_pinned_bytes < 0:
+            raise ValueError("offload_memory and max_pinned_memory cannot be negative")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -83,6 +99,18 @@ class EngineConfig:
     def kv_cache_bytes(self) -> int:
         """The KV pool's size in bytes."""
         return parse_size(self.kv_cache_memory)
+
+    @property
+    def offload_bytes(self) -> int:
+        """The host tier's size in bytes (0: no host tier)."""
+        return parse_size(self.offload_memory)
+
+    @property
+    def max_pinned_bytes(self) -> int:
+        """The most KV bytes pins may hold."""
+        if self.max_pinned_memory is None:
+            return self.kv_cache_bytes // 2
+        return parse_size(self.max_pinned_memory)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

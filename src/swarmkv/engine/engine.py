@@ -1,31 +1,35 @@
 """LLMEngine: the incremental interface (add_request, step, abort) over scheduler, KV manager and runner.
 
 `step()` schedules, runs the model, samples and commits: it computes tokens. The output processor turns
-them into text deltas. A step whose forward or sampler raises fails only that step's requests: their pages
+them into text deltas. Requests may belong to sessions (an agent's turns); sessions steer which cached pages
+are evicted first, and `release_session` ends one. Pins hold a prefix's pages for a while. A step whose forward or sampler raises fails only that step's requests: their pages
 go back (their earlier KV stays cached), the runner forgets their rows, and the next step runs as usual.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
 
 from swarmkv.engine.backend import resolve_attention_backend
 from swarmkv.engine.config import EngineConfig
+from swarmkv.engine.host_kv import HostKV
 from swarmkv.engine.kv_cache import KVCache, kv_storage_dtype
 from swarmkv.engine.kv_calibration import calibrate_kv_scales
 from swarmkv.engine.output_processor import OutputProcessor, RequestDelta
 from swarmkv.engine.page_table import PageTable
+from swarmkv.engine.pins import PinInfo, Pins
 from swarmkv.engine.runner import ModelRunner
 from swarmkv.engine.sampler import sample
 from swarmkv.engine.sampling_params import SamplingParams
-from swarmkv.engine.scheduler import Chunk, Scheduler, SchedulerLimits, StepPlan
+from swarmkv.engine.scheduler import Chunk, PreemptionCost, Scheduler, SchedulerLimits, StepPlan
 from swarmkv.engine.sequence import FinishReason, Sequence
 from swarmkv.engine.stats import EngineCounters
 from swarmkv.errors import CapacityError, InvalidRequestError
-from swarmkv.kv import KVCacheManager, pages_for
+from swarmkv.kv import KVCacheManager, Retention, pages_for
 from swarmkv.models.loader import LoadedModel
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestDelta"]
@@ -62,12 +66,24 @@ class LLMEngine:
         )
         if kv_tensors.is_fp8:
             calibrate_kv_scales(loaded.model, kv_tensors, loaded.tokenizer)
+        num_host_pages = config.offload_bytes // page_bytes if config.prefix_caching else 0
+        self.host_kv = HostKV(kv_tensors, num_host_pages) if num_host_pages else None
         self.kv = KVCacheManager(
-            num_pages, config.block_size, prefix_caching=config.prefix_caching, copy_page=kv_tensors.copy_page
+            num_pages,
+            config.block_size,
+            prefix_caching=config.prefix_caching,
+            copy_page=kv_tensors.copy_page,
+            retention=Retention(config.retention),
+            num_host_pages=num_host_pages,
+            mover=self.host_kv,
         )
         self.counters = EngineCounters()
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens)
-        self.scheduler = Scheduler(self.kv, limits, self.counters)
+        # Starting guesses, refined from timed steps: PCIe-class copies on a GPU, memcpy on the CPU.
+        gpu = loaded.device.type == "cuda"
+        self.preemption_cost = PreemptionCost(page_bytes, 12e9 if gpu else 4e9, 1e-4 if gpu else 3e-3)
+        self.scheduler = Scheduler(self.kv, limits, self.counters, self.preemption_cost)
+        self.pins = Pins(self.kv, page_bytes, config.max_pinned_bytes)
         max_pages = pages_for(self.max_model_len, config.block_size)  # a request that fills the context
         page_table = PageTable(config.max_num_seqs, max_pages, config.block_size, loaded.device)
         self.attention_backend = resolve_attention_backend(config.attention_backend, loaded.device)
@@ -84,6 +100,7 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._requests: dict[str, Sequence] = {}
+        self._last_turn: dict[str, Sequence] = {}  # each open session's newest request
         self._generators: dict[str, torch.Generator] = {}
         self._generator = torch.Generator().manual_seed(config.seed)
         self._arrivals = 0
@@ -110,18 +127,78 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        session_id: str | None = None,
     ) -> None:
-        """Queue a request; InvalidRequestError (and nothing queued) if it cannot ever run."""
-        if request_id in self._requests:
+        """Queue a request, as the newest turn of `session_id` if given; InvalidRequestError (and nothing
+        queued) if it cannot ever run."""
+        if request_id in self._requests or request_id in self.pins:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self._validate_prompt(prompt_token_ids)
+        if session_id is not None and (not isinstance(session_id, str) or not 0 < len(session_id) <= 256):
+            raise InvalidRequestError("a session id is a non-empty string of at most 256 characters")
         self._arrivals += 1
-        seq = Sequence(request_id, list(prompt_token_ids), params, cache_salt, arrival=self._arrivals)
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            cache_salt,
+            arrival=self._arrivals,
+            session_id=session_id,
+        )
+        if session_id is not None:
+            self._open_turn(seq, session_id)
         if params.seed is not None:
             self._generators[request_id] = torch.Generator().manual_seed(params.seed)
         self.outputs.add(request_id, seq.prompt_token_ids, params)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def _open_turn(self, seq: Sequence, session_id: str) -> None:
+        """Make `seq` its session's newest turn. The positions the previous turn processed and this one
+        repeats count as the session's own: computing them again is recomputation, not new prompt."""
+        previous = self._last_turn.get(session_id)
+        if previous is not None:
+            common = 0
+            for a, b in zip(previous.token_ids, seq.prompt_token_ids, strict=False):
+                if a != b:
+                    break
+                common += 1
+            seq.num_processed_tokens = min(
+                common, previous.num_processed_tokens, len(seq.prompt_token_ids) - 1
+            )
+        self._last_turn[session_id] = seq
+        self.kv.retention.open(seq.request_id, session_id)
+
+    def release_session(self, session_id: str) -> bool:
+        """End a session: its private pages become the first to be evicted. False if it is not open."""
+        self._last_turn.pop(session_id, None)
+        return self.kv.retention.release(session_id)
+
+    def add_pin(
+        self, pin_id: str, prompt_token_ids: list[int], ttl_s: float | None, cache_salt: str | None = None
+    ) -> None:
+        """Pin a prefix: queue a one-token prefill of it under `pin_id` (its delta arrives like any request's);
+        when it finishes, the prefix's full pages are held until `ttl_s` runs out or `unpin`.
+        InvalidRequestError (PinLimitError past the cap), and nothing queued, if it cannot be pinned."""
+        if pin_id in self._requests:
+            raise InvalidRequestError(f"pin id {pin_id!r} is already in use")
+        self.pins.check(pin_id, prompt_token_ids, ttl_s)
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        self.add_request(pin_id, prompt_token_ids, params, cache_salt)
+        self.pins.add(pin_id, prompt_token_ids, ttl_s, cache_salt)
+
+    def get_pin(self, pin_id: str) -> PinInfo | None:
+        """A pin's tokens, bytes and time left, or None."""
+        self.pins.expire()
+        return self.pins.info(pin_id)
+
+    def unpin(self, pin_id: str) -> bool:
+        """Let a pin's pages go (they stay cached until evicted); False if there is no such pin."""
+        if pin_id not in self.pins:
+            return False
+        if not self.abort(pin_id):  # aborting a pin still computing its prefix removes it too
+            self.pins.remove(pin_id)
+        return True
 
     def _validate_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -145,6 +222,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestDelta]:
         """Run one batch; return what each request produced (finished requests are forgotten here)."""
+        self.pins.expire()
         plan = self.scheduler.schedule()
         # Every plan reaches the resident page table, one without chunks too: it may only free rows.
         self.runner.update_page_table(plan)
@@ -158,9 +236,18 @@ class LLMEngine:
             if delta.finished:
                 self._forget(delta.request_id)
                 self.counters.requests_finished += delta.error is None
+                if delta.request_id in self.pins:
+                    self._settle_pin(delta)
         return deltas
 
+    def _settle_pin(self, delta: RequestDelta) -> None:
+        if delta.error is None and delta.finish_reason != "abort":
+            self.pins.hold(delta.request_id)
+        else:
+            self.pins.remove(delta.request_id)
+
     def _run(self, plan: StepPlan) -> list[RequestDelta]:
+        start = time.perf_counter()
         try:
             if self.config.check_writes:
                 for chunk in plan.chunks:
@@ -171,11 +258,19 @@ class LLMEngine:
         except Exception as exc:
             return self._fail_step(plan, exc)
         self.last_step_error = None
+        self._time_prefill(plan, time.perf_counter() - start)
         self.scheduler.commit(plan.chunks)
         deltas = [self._append_token(chunk, token) for chunk, token in zip(sampling, tokens, strict=True)]
         self.counters.steps += 1
         self._track_peaks()
         return deltas
+
+    def _time_prefill(self, plan: StepPlan, elapsed_s: float) -> None:
+        """Refine the per-token prefill cost that swap-or-recompute decisions weigh, from a prefill step."""
+        num_tokens = sum(c.num_tokens for c in plan.chunks)
+        if num_tokens >= 16 and any(c.kind == "prefill" for c in plan.chunks):
+            cost = self.preemption_cost
+            cost.prefill_s_per_token = 0.8 * cost.prefill_s_per_token + 0.2 * elapsed_s / num_tokens
 
     def _fail_step(self, plan: StepPlan, exc: Exception) -> list[RequestDelta]:
         """Fail the step's requests and only those: their KV computed in earlier steps stays cached."""
@@ -222,6 +317,8 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
         self.outputs.drop(request_id)
         self._forget(request_id)
+        if request_id in self.pins:
+            self.pins.remove(request_id)
         return True
 
     def get_sequence(self, request_id: str) -> Sequence | None:
@@ -269,7 +366,19 @@ class LLMEngine:
             "recomputed_tokens": c.recomputed_tokens,
             "generated_tokens": c.generated_tokens,
             "preemptions": c.preemptions,
+            "swap_preemptions": c.swap_preemptions,
+            "recompute_preemptions": c.recompute_preemptions,
             "evictions": kv.num_evictions,
+            "offload_bytes_total": kv.host.num_pages * self.page_bytes,
+            "offloaded_bytes": kv.num_offloaded * self.page_bytes,
+            "offload_stores": kv.host.counters.stores,
+            "offload_loads": kv.host.counters.loads,
+            "offload_load_bytes": kv.host.counters.loads * self.page_bytes,
+            "offload_drops": kv.host.counters.drops,
+            "pins": len(self.pins),
+            "pinned_bytes": self.pins.held_bytes,
+            "sessions_open": kv.retention.num_open,
+            "sessions_paused": kv.retention.num_paused,
             "cascade_decode_rows": c.cascade_decode_rows,
             "cascade_shared_tokens": c.cascade_shared_tokens,
             "requests_running": len(self.scheduler.running),

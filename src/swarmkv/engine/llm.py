@@ -11,6 +11,7 @@ import torch
 
 from swarmkv.engine.config import EngineConfig, ModelOptions
 from swarmkv.engine.engine import LLMEngine
+from swarmkv.engine.pins import PinInfo
 from swarmkv.engine.sampling_params import SamplingParams
 from swarmkv.engine.sequence import FinishReason
 from swarmkv.errors import InvalidRequestError, SwarmkvError
@@ -61,12 +62,18 @@ class LLM:
         self.engine = LLMEngine(self.loaded, config)
         self._ids = itertools.count()
 
-    def encode_prompt(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_prompt(
+        self, prompt: Prompt, tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
+    ) -> list[int]:
         """Token ids of a prompt: raw text, chat messages (templated) or ids as given."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         if prompt and all(isinstance(m, dict) for m in prompt):
-            text = self.tokenizer.apply_chat_template(list(prompt), tools=tools)  # type: ignore[arg-type]
+            text = self.tokenizer.apply_chat_template(
+                list(prompt),  # type: ignore[arg-type]
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+            )
             return self.tokenizer.encode(text, add_special_tokens=False)
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)  # type: ignore[arg-type]
@@ -77,20 +84,23 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | Sequence[str | None] | None = None,
+        session_id: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order. A `session_id` makes each
+        prompt its session's newest turn (see `release_session`)."""
         batch = _as_batch(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), len(batch), SamplingParams)
         salts = _per_prompt(cache_salt, len(batch), str)
+        sessions = _per_prompt(session_id, len(batch), str)
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         prompt_ids: dict[str, list[int]] = {}
-        for prompt, p, salt in zip(batch, params, salts, strict=True):
+        for prompt, p, salt, session in zip(batch, params, salts, sessions, strict=True):
             rid = f"gen-{next(self._ids)}"
             order.append(rid)
             try:
                 prompt_ids[rid] = self.encode_prompt(prompt)
-                self.engine.add_request(rid, prompt_ids[rid], p, cache_salt=salt)
+                self.engine.add_request(rid, prompt_ids[rid], p, cache_salt=salt, session_id=session)
             except SwarmkvError as exc:
                 results[rid] = RequestOutput(rid, prompt_ids.get(rid, []), [], "", None, 0, error=str(exc))
         texts: dict[str, list[str]] = {rid: [] for rid in order}
@@ -125,6 +135,33 @@ class LLM:
                     seq.num_cached_tokens,
                 )
         return [results[rid] for rid in order]
+
+    def release_session(self, session_id: str) -> bool:
+        """End a session: its private pages become the first to be evicted. False if it is not open."""
+        return self.engine.release_session(session_id)
+
+    def pin(
+        self,
+        prompt: Prompt,
+        ttl_s: float | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        cache_salt: str | None = None,
+    ) -> PinInfo:
+        """Compute a prefix (text, chat messages with `tools`, or ids) and hold its pages until `ttl_s`
+        runs out or `unpin`; PinLimitError past max_pinned_memory."""
+        pin_id = f"pin-{next(self._ids)}"
+        ids = self.encode_prompt(prompt, tools, add_generation_prompt=False)  # a head, not a turn
+        self.engine.add_pin(pin_id, ids, ttl_s, cache_salt)
+        while self.engine.get_sequence(pin_id) is not None:
+            self.engine.step()
+        info = self.engine.get_pin(pin_id)
+        if info is None:
+            raise SwarmkvError(f"the prefill of pin {pin_id} failed; the pin was not made")
+        return info
+
+    def unpin(self, pin_id: str) -> bool:
+        """Let a pin's pages go; False if there is no such pin."""
+        return self.engine.unpin(pin_id)
 
     def stats(self) -> dict[str, Any]:
         """The engine's KV and work counters."""

@@ -3,10 +3,16 @@
 The scheduler owns the queues and the budgets and nothing else: every page decision is a question to the
 `KVCacheManager` (`lookup`, `can_allocate`/`allocate`, `commit`, `free`). Its output, a `StepPlan`, tells the
 runner what to compute and which pages each request's table gained, so the runner never reads a `Sequence`.
+
+A step's budget goes to decodes first, then to prefills shortest remaining first, running or waiting alike:
+an agent returning with a tool result of a few hundred tokens runs before another agent's long cold prompt,
+which takes what is left of the budget in chunks. A preempted request's private pages go to the host tier
+when copying them there and back costs less than computing them again.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
@@ -67,13 +73,33 @@ class SchedulerLimits:
     max_num_batched_tokens: int
 
 
+@dataclass
+class PreemptionCost:
+    """Swap or recompute: bytes to copy to the host and back against tokens to compute again."""
+
+    page_bytes: int
+    copy_bytes_per_s: float  # host <-> device copy bandwidth
+    prefill_s_per_token: float  # updated by the engine from the steps it times
+
+    def prefers_swap(self, num_pages: int, num_tokens: int) -> bool:
+        """Whether copying `num_pages` out and back is cheaper than prefilling `num_tokens` again."""
+        return 2 * num_pages * self.page_bytes / self.copy_bytes_per_s < num_tokens * self.prefill_s_per_token
+
+
 class Scheduler:
     """Owns the waiting queue and the running list; the one admission path of the engine and its tools."""
 
-    def __init__(self, kv: KVCacheManager, limits: SchedulerLimits, counters: EngineCounters) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        limits: SchedulerLimits,
+        counters: EngineCounters,
+        cost: PreemptionCost | None = None,
+    ) -> None:
         self.kv = kv
         self.limits = limits
         self.counters = counters
+        self.cost = cost or PreemptionCost(page_bytes=1, copy_bytes_per_s=1e9, prefill_s_per_token=1e-3)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.gave_up: list[
@@ -95,26 +121,54 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
-        """Pick this step's chunks: running requests first (oldest first), then admissions from the queue."""
+        """Pick this step's chunks: decodes first (oldest first), then prefills, shortest remaining first,
+        of running requests and of admissions from the queue alike."""
         plan = StepPlan()
         budget = self.limits.max_num_batched_tokens
         scheduled: set[int] = set()  # ids of sequences with a chunk in this plan: never preempted for another
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            if not self._reserve(seq, num_tokens, plan, scheduled):
-                continue
-            scheduled.add(id(seq))
-            # A lone prompt token left over from a chunked prefill is still prefill; decode means generated tokens.
-            decoding = seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= len(seq.prompt_token_ids)
-            plan.chunks.append(self._chunk(seq, num_tokens, "decode" if decoding else "prefill"))
-            budget -= num_tokens
-        self._admit(budget, plan)
+            if seq.status is Status.RUNNING and _is_decoding(seq) and self._reserve(seq, 1, plan, scheduled):
+                scheduled.add(id(seq))
+                plan.chunks.append(self._chunk(seq, 1, "decode"))
+                budget -= 1
+        admitting = True
+        for _, _, seq in self._prefills(scheduled):
+            if budget == 0:
+                break
+            if seq.status is Status.RUNNING:
+                if id(seq) in scheduled:
+                    continue
+                num_tokens = min(seq.num_uncomputed_tokens, budget)
+                if self._reserve(seq, num_tokens, plan, scheduled):
+                    scheduled.add(id(seq))
+                    plan.chunks.append(self._chunk(seq, num_tokens, "prefill"))
+                    budget -= num_tokens
+            elif admitting and seq.status is Status.WAITING and len(self.running) < self.limits.max_num_seqs:
+                admitted = self._admit(seq, budget, plan)
+                if admitted is None:
+                    admitting = False  # the shortest waiting prompt does not fit: keep the queue's order
+                elif admitted:
+                    scheduled.add(id(seq))
+                    budget -= admitted
         plan.freed, self._freed = self._freed, []
         return plan
+
+    def _prefills(self, scheduled: set[int]) -> list[tuple[int, int, Sequence]]:
+        """Running prefills and waiting requests, by tokens left to compute (after a waiting request's
+        cached prefix), then running before waiting and in queue order (a preempted request is at its front)."""
+        items = [
+            (seq.num_uncomputed_tokens, -1, seq)
+            for seq in self.running
+            if id(seq) not in scheduled and not _is_decoding(seq)
+        ]
+        if len(self.running) < self.limits.max_num_seqs:
+            for position, seq in enumerate(itertools.islice(self.waiting, _MAX_WAITING_CONSIDERED)):
+                hit = self.kv.lookup(_uncached_head(seq), seq.cache_salt)
+                items.append((seq.num_tokens - hit.num_tokens, position, seq))
+        items.sort(key=lambda item: item[:2])
+        return items
 
     def _chunk(self, seq: Sequence, num_tokens: int, kind: ChunkKind) -> Chunk:
         start = seq.num_computed_tokens
@@ -138,30 +192,27 @@ class Scheduler:
             plan.new_pages.setdefault(seq.request_id, []).extend(pages)
         return True
 
-    def _admit(self, budget: int, plan: StepPlan) -> None:
-        for seq in list(self.waiting):
-            if budget == 0 or len(self.running) >= self.limits.max_num_seqs:
-                break
-            tokens = seq.token_ids
-            # Keep one token uncached so that the step has something to compute and sample from.
-            hit = self.kv.lookup(tokens[: len(tokens) - 1], seq.cache_salt)
-            if hit.partial is None and self._prefix_in_flight(seq, hit):
-                continue
-            num_tokens = min(len(tokens) - hit.num_tokens, budget)
-            pages = self.kv.allocate(seq, hit, num_tokens)
-            if pages is None:
-                if not self.running and not plan.chunks:
-                    self._give_up(seq)  # larger than the whole pool even when it is empty
-                    continue
-                break
-            self.waiting.remove(seq)
-            plan.new_pages[seq.request_id] = pages
-            self._count_hit(seq, hit)
-            seq.num_computed_tokens = hit.num_tokens
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            plan.chunks.append(self._chunk(seq, num_tokens, "prefill"))
-            budget -= num_tokens
+    def _admit(self, seq: Sequence, budget: int, plan: StepPlan) -> int | None:
+        """Start a waiting request with its first chunk: the tokens it takes; 0 if it waits for a prefix
+        another request is computing; None if its pages do not fit."""
+        # Looked up again: admissions earlier in this step may have evicted or computed pages.
+        hit = self.kv.lookup(_uncached_head(seq), seq.cache_salt)
+        if hit.partial is None and self._prefix_in_flight(seq, hit):
+            return 0
+        num_tokens = min(seq.num_tokens - hit.num_tokens, budget)
+        pages = self.kv.allocate(seq, hit, num_tokens)
+        if pages is None:
+            if not self.running and not plan.chunks:
+                self._give_up(seq)  # larger than the whole pool even when it is empty
+            return None
+        self.waiting.remove(seq)
+        plan.new_pages[seq.request_id] = pages
+        self._count_hit(seq, hit)
+        seq.num_computed_tokens = hit.num_tokens
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        plan.chunks.append(self._chunk(seq, num_tokens, "prefill"))
+        return num_tokens
 
     def _count_hit(self, seq: Sequence, hit: Hit) -> None:
         """Prompt positions this request never processed before and now finds cached are prefix hits (all
@@ -213,9 +264,22 @@ class Scheduler:
         seq.num_processed_tokens = max(done, end)
 
     def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: free the request's pages (its computed KV stays cached) and requeue it."""
+        """Free the request's pages and requeue it. Its computed KV stays cached; its private pages go to
+        the host tier at once when there is room and copying beats recomputing (swap), else they stay on
+        the device, evictable, to be hit or recomputed on readmission."""
         self.running.remove(seq)
+        private = self.kv.private_pages(seq.request_id)
+        num_tokens = seq.num_computed_tokens
         self._free(seq)
+        swapped = 0
+        if (
+            private
+            and self.kv.host.num_free >= len(private)
+            and self.cost.prefers_swap(len(private), min(num_tokens, len(private) * self.kv.page_size))
+        ):
+            swapped = self.kv.swap_out(private)
+        self.counters.swap_preemptions += swapped > 0
+        self.counters.recompute_preemptions += swapped == 0
         seq.num_preemptions += 1
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -228,6 +292,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._free(seq)
+        self.kv.retention.close(seq.request_id)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
@@ -249,3 +314,19 @@ class Scheduler:
         for seq in self.waiting:
             assert not self.kv.holds_pages(seq.request_id), f"waiting {seq.request_id} holds pages"
         self.kv.check_integrity()
+
+
+# Waiting requests looked up each step to find the shortest prefill; a queue longer than this is served by
+# its first entries (in order, a preempted request first) until it shrinks.
+_MAX_WAITING_CONSIDERED = 256
+
+
+def _uncached_head(seq: Sequence) -> list[int]:
+    """The tokens a prefix hit may cover: all but the last, which the step computes to sample from."""
+    return seq.token_ids[: seq.num_tokens - 1]
+
+
+def _is_decoding(seq: Sequence) -> bool:
+    """One uncomputed token past the prompt: a generated token to decode. A lone prompt token left over
+    from a chunked prefill is still prefill."""
+    return seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= len(seq.prompt_token_ids)

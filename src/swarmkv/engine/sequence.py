@@ -29,6 +29,7 @@ class Sequence:
     params: SamplingParams
     cache_salt: str | None = None
     arrival: int = 0
+    session_id: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission

@@ -13,6 +13,10 @@ class EngineCounters:
     (`prefix_hit_tokens`) or computed (`prefill_tokens_computed`); positions computed again after a
     preemption or an eviction count in `recomputed_tokens` and in `prefill_tokens_computed`. Hence,
     always: prefill_tokens_computed == prompt_tokens - prefix_hit_tokens + recomputed_tokens.
+
+    A session is counted as one long sequence: a new turn's positions that the session's previous turn had
+    already processed count again neither as prompt tokens nor as hits, and computing them again (their
+    pages were evicted) counts as recomputed.
     """
 
     prompt_tokens: int = 0  # prompt positions processed (hit or computed for the first time)
@@ -21,6 +25,10 @@ class EngineCounters:
     recomputed_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
+    swap_preemptions: int = 0  # preemptions whose private pages went to the host tier
+    recompute_preemptions: int = (
+        0  # preemptions that leave the pages to be recomputed (or hit if still cached)
+    )
     requests_finished: int = 0
     requests_failed: int = 0
     failed_steps: int = 0

@@ -12,6 +12,11 @@ agent's next turn. A page two requests computed in a cold
 race (or recomputed because a prompt ends on a page boundary) stays in the later one's table, private, and
 is freed when that request ends; that request also holds the indexed copy, under which its later pages are
 indexed. Without prefix caching (the per-slot layout) the same manager keeps no index at all.
+
+Eviction follows a `Retention` policy (plain LRU, or session-aware ranks). With a host tier, an evicted page
+is copied to a host page instead of being dropped and its tree node stays; a hit on host pages loads them
+back inside `allocate`, before the request runs, so every request sharing them waits on that one load.
+A pin holds a prefix's pages like a request would, so eviction never takes them.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from swarmkv.kv.host_tier import HostTier, PageMover
 from swarmkv.kv.page_pool import PagePool, pages_for
-from swarmkv.kv.radix_index import PartialHit, RadixIndex, Salt
+from swarmkv.kv.radix_index import Eviction, Node, PartialHit, RadixIndex, Salt
+from swarmkv.kv.retention import Retention
 
 
 class KVRequest(Protocol):
@@ -40,14 +47,24 @@ class KVRequest(Protocol):
     @property
     def num_computed_tokens(self) -> int: ...
 
+    @property
+    def session_id(self) -> str | None: ...
+
 
 @dataclass(frozen=True)
 class Hit:
-    """A cached prefix: full pages, and possibly a partial page to continue in. Holds no references."""
+    """A cached prefix: full device pages, then full host pages to load, and possibly a partial page to
+    continue in. Holds no references."""
 
     pages: tuple[int, ...] = ()
     partial: PartialHit | None = None
     num_tokens: int = 0
+    host_pages: tuple[int, ...] = ()
+
+    @property
+    def num_loads(self) -> int:
+        """Host pages `allocate` copies back to the device for this hit."""
+        return len(self.host_pages) + (self.partial is not None and self.partial.on_host)
 
 
 NO_HIT = Hit()
@@ -73,16 +90,25 @@ class KVCacheManager:
         page_size: int,
         prefix_caching: bool = True,
         copy_page: Callable[[int, int], None] | None = None,
+        retention: Retention | None = None,
+        num_host_pages: int = 0,
+        mover: PageMover | None = None,
     ) -> None:
-        """`copy_page(src, dst)` copies a page's KV; without it (bookkeeping only) copies are not made."""
+        """`copy_page(src, dst)` copies a page's KV and `mover` copies between the tiers; without them
+        (bookkeeping only) copies are not made. `num_host_pages` sizes the host tier (0: none)."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.pool = PagePool(num_pages)
         self.page_size = page_size
         self.prefix_caching = prefix_caching
         self.index = RadixIndex(self.pool, page_size)
+        self.retention = retention or Retention("lru")
+        self.host = HostTier(num_host_pages if prefix_caching else 0)
         self._copy_page = copy_page
+        self._mover = mover
         self._tables: dict[str, _Table] = {}
+        self._pins: dict[str, list[int]] = {}
+        self._keep_host: frozenset[int] = frozenset()  # host pages a load in progress must not lose
         self.num_evictions = 0
 
     # Reading.
@@ -107,6 +133,16 @@ class KVCacheManager:
         """Indexed pages no request holds: kept for future hits, reclaimed on demand."""
         return self.pool.num_pages - self.pool.num_free - self.pool.num_held
 
+    @property
+    def num_offloaded(self) -> int:
+        """Host pages holding evicted KV."""
+        return self.index.num_host_pages
+
+    @property
+    def num_pinned(self) -> int:
+        """Device pages some pin holds."""
+        return len({p for pages in self._pins.values() for p in pages})
+
     def page_table(self, request_id: str) -> Sequence[int]:
         """The request's pages, in token order (empty if it holds none). Read-only."""
         table = self._tables.get(request_id)
@@ -120,17 +156,19 @@ class KVCacheManager:
         """The longest cached prefix of `tokens` under `salt`; no references taken, nothing changed."""
         if not self.prefix_caching:
             return NO_HIT
-        pages, partial = self.index.lookup(tokens, salt)
+        pages, host_pages, partial = self.index.lookup(tokens, salt)
         if partial is not None and not partial.whole and partial.num_tokens < self.page_size // 2:
             partial = None  # a copy must spare at least half a page of compute to be worth a page copy
-        num_tokens = len(pages) * self.page_size + (partial.num_tokens if partial else 0)
-        return Hit(tuple(pages), partial, num_tokens)
+        num_full = len(pages) + len(host_pages)
+        num_tokens = num_full * self.page_size + (partial.num_tokens if partial else 0)
+        return Hit(tuple(pages), partial, num_tokens, tuple(host_pages))
 
     def num_new_pages(self, request: KVRequest, hit: Hit, num_new_tokens: int) -> int:
         """Pages `allocate` would take from the pool (or from eviction) for this call."""
         table = self._tables.get(request.request_id)
         if table is None:
-            have, base = len(hit.pages) + (hit.partial is not None and hit.partial.whole), hit.num_tokens
+            whole = hit.partial is not None and hit.partial.whole
+            have, base = len(hit.pages) + len(hit.host_pages) + whole, hit.num_tokens
         else:
             have, base = len(table.pages), request.num_computed_tokens
         return max(0, pages_for(base + num_new_tokens, self.page_size) - have)
@@ -138,10 +176,12 @@ class KVCacheManager:
     def can_allocate(self, request: KVRequest, hit: Hit, num_new_tokens: int) -> bool:
         """Whether `allocate` with these arguments would succeed."""
         # Hit pages nobody holds are evictable now, but taking them removes them from the evictable set;
-        # a partial page is always unheld, and is claimed out of it or held there until copied.
-        taken = sum(1 for p in hit.pages if self.pool.refcounts[p] == 0) + (hit.partial is not None)
+        # a partial page on the device is always unheld, and is claimed out of it or held there until
+        # copied. Each host page to load needs a device page of its own.
+        on_device = hit.partial is not None and not hit.partial.on_host
+        taken = sum(1 for p in hit.pages if self.pool.refcounts[p] == 0) + on_device
         available = self.pool.num_free + self.num_cached - taken
-        return self.num_new_pages(request, hit, num_new_tokens) <= available
+        return self.num_new_pages(request, hit, num_new_tokens) + hit.num_loads <= available
 
     # Changing.
 
@@ -156,18 +196,27 @@ class KVCacheManager:
         needed = self.num_new_pages(request, hit, num_new_tokens)
         table = self._tables.get(rid)
         appended: list[int] = []
-        copy_from = hit.partial.page if hit.partial is not None and not hit.partial.whole else None
+        partial = hit.partial
+        copy_from: int | None = None
         if table is None:
             table = self._tables[rid] = _Table(request.cache_salt)
-            appended += hit.pages
             self.pool.retain(list(hit.pages))
             self.index.touch(hit.pages)
-            table.path = list(hit.pages)
-            if hit.partial is not None and hit.partial.whole:
-                self.index.detach(hit.partial.page)
-                self.pool.retain([hit.partial.page])
-                appended.append(hit.partial.page)
-            elif copy_from is not None:
+            loaded = self._load([*hit.host_pages, *([partial.page] if partial and partial.on_host else [])])
+            if partial is not None:
+                page = loaded.pop() if partial.on_host else partial.page
+                if partial.on_host:
+                    self.pool.release([page])  # unheld again, like any cached partial page
+                partial = PartialHit(page, partial.num_tokens, partial.whole)
+            table.path = [*hit.pages, *loaded]
+            appended += table.path
+            self.retention.tag(self._nodes(table.path), request.session_id)
+            if partial is not None and partial.whole:
+                self.index.detach(partial.page)
+                self.pool.retain([partial.page])
+                appended.append(partial.page)
+            elif partial is not None:
+                copy_from = partial.page
                 self.pool.retain([copy_from])  # not evictable until copied below
         shortfall = needed - self.pool.num_free
         if shortfall > 0:
@@ -179,17 +228,98 @@ class KVCacheManager:
                 self._copy_page(copy_from, new_pages[0])
             self.pool.release([copy_from])
             self.index.touch([copy_from])
-            self.index.offer(copy_from)
         appended += new_pages
         table.pages += appended
         return appended
 
+    def _load(self, host_pages: list[int]) -> list[int]:
+        """Copy host pages back into device pages (evicting others if need be): each is then held once by
+        the caller and indexed where its host page was."""
+        if not host_pages:
+            return []
+        self._keep_host = frozenset(host_pages)
+        try:
+            shortfall = len(host_pages) - self.pool.num_free
+            if shortfall > 0:
+                evicted = self.evict(shortfall)
+                assert evicted == shortfall, "the index could not evict what it counted as evictable"
+        finally:
+            self._keep_host = frozenset()
+        pages = self.pool.allocate(len(host_pages))
+        moves = list(zip(host_pages, pages, strict=True))
+        if self._mover is not None:
+            self._mover.load(moves)
+        for host, page in moves:
+            self.index.load(host, page)
+        self.host.free(host_pages)
+        self.host.counters.loads += len(host_pages)
+        return pages
+
     def evict(self, num_pages: int) -> int:
-        """Return up to `num_pages` unheld cached pages to the free list, least recently used leaves first."""
-        evicted = self.index.evict(num_pages)
-        self.pool.free(evicted)
-        self.num_evictions += len(evicted)
-        return len(evicted)
+        """Return up to `num_pages` unheld cached pages to the free list, leaves first in the retention
+        policy's order; with a host tier each one's KV moves there instead of being dropped."""
+        host_page = self._host_page if self.host.num_pages else None
+        eviction = self.index.evict(num_pages, self.retention.key, host_page)
+        self._finish_eviction(eviction)
+        return len(eviction.device_pages)
+
+    def _finish_eviction(self, eviction: Eviction) -> None:
+        if eviction.moved and self._mover is not None:
+            self._mover.offload(eviction.moved)  # before the device pages are handed out again
+        self.host.counters.stores += len(eviction.moved)
+        self.host.free(eviction.dropped_host)
+        self.host.counters.drops += len(eviction.dropped_host)
+        self.pool.free(eviction.device_pages)
+        self.num_evictions += len(eviction.device_pages)
+
+    def _host_page(self) -> int | None:
+        """A free host page, dropping the least recently used host leaf if there is none."""
+        page = self.host.allocate()
+        if page is None:
+            dropped = self.index.drop_host(1, self._keep_host)
+            self.host.free(dropped)
+            self.host.counters.drops += len(dropped)
+            page = self.host.allocate()
+        return page
+
+    def swap_out(self, pages: Sequence[int]) -> int:
+        """Move these unheld device pages (a stopped request's private tail, in token order) to free host
+        pages now, dropping nothing there; returns how many moved."""
+        moved = self.index.offload(pages, self.host.allocate)
+        if moved and self._mover is not None:
+            self._mover.offload(moved)
+        self.host.counters.stores += len(moved)
+        self.pool.free([page for page, _ in moved])
+        return len(moved)
+
+    def private_pages(self, request_id: str) -> list[int]:
+        """The request's pages no other request or pin holds, in token order."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return []
+        return [p for p in table.pages if self.pool.refcounts[p] == 1 and p not in table.shadow]
+
+    def pin(self, pin_id: str, tokens: Sequence[int], salt: Salt) -> int:
+        """Hold the device pages of the cached full-page prefix of `tokens` under `pin_id`, so eviction
+        cannot take them; returns the tokens pinned."""
+        assert pin_id not in self._pins, f"pin {pin_id} exists"
+        pages, _, _ = self.index.lookup(tokens, salt) if self.prefix_caching else ([], [], None)
+        self.pool.retain(pages)
+        self.index.touch(pages)
+        self._pins[pin_id] = pages
+        return len(pages) * self.page_size
+
+    def unpin(self, pin_id: str) -> bool:
+        """Let go of a pin's pages (they stay cached); False if there is no such pin."""
+        pages = self._pins.pop(pin_id, None)
+        if pages is None:
+            return False
+        self.pool.release(pages)
+        return True
+
+    def pinned_pages(self, pin_id: str) -> list[int]:
+        """The pages a pin holds."""
+        return list(self._pins.get(pin_id, ()))
 
     def commit(self, request: KVRequest, num_computed_tokens: int) -> None:
         """The request's first `num_computed_tokens` tokens now have KV: index the pages that became full."""
@@ -207,6 +337,8 @@ class KVCacheManager:
                 self.pool.retain([indexed])
                 table.shadow.append(indexed)
             table.path.append(indexed)
+            self.retention.tag([self.index.node(indexed)], request.session_id)
+        self.host.free(self.index.take_superseded_host())
 
     def free(self, request: KVRequest, keep_partial: bool = True) -> None:
         """Release the request's pages. With `keep_partial` (a request that stopped running), its computed
@@ -228,15 +360,19 @@ class KVCacheManager:
             key = tuple(request.token_ids[full * self.page_size : computed])
             parent = table.path[full - 1] if full else None
             # If an identical partial page is cached already, ours is not indexed and is freed below.
-            self.index.insert(table.salt, parent, key, table.pages[full])
+            partial = self.index.insert(table.salt, parent, key, table.pages[full])
+            self.host.free(self.index.take_superseded_host())
+            path = [*table.path, partial]
+        else:
+            path = table.path
+        if self.prefix_caching:
+            self.retention.mark_path(rid, self._nodes(path))
         del self._tables[rid]
-        uncached = []
-        for page in self.pool.release(table.pages + table.shadow):
-            if self.index.is_cached(page):
-                self.index.offer(page)
-            else:
-                uncached.append(page)
-        self.pool.free(uncached)
+        unheld = self.pool.release(table.pages + table.shadow)
+        self.pool.free([page for page in unheld if not self.index.is_cached(page)])
+
+    def _nodes(self, pages: Sequence[int]) -> list[Node]:
+        return [self.index.node(page) for page in pages]
 
     # Checking.
 
@@ -246,6 +382,7 @@ class KVCacheManager:
         indexed page; a partial leaf in the index is unheld; no page is both free and indexed."""
         pool = self.pool
         holders = Counter(p for table in self._tables.values() for p in table.pages + table.shadow)
+        holders.update(p for pages in self._pins.values() for p in pages)
         for page in range(pool.num_pages):
             refs = pool.refcounts[page]
             assert refs == holders.get(page, 0), f"page {page}: refcount {refs} but {holders[page]} holders"
@@ -267,6 +404,11 @@ class KVCacheManager:
                 parent = page
         if not self.prefix_caching:
             assert self.index.num_pages == 0, "the per-slot layout indexes nothing"
+        host_free, host_used = self.host.free_pages(), self.index.host_pages()
+        assert not host_free & host_used, f"host pages both free and indexed: {sorted(host_free & host_used)}"
+        assert len(host_free) + len(host_used) == self.host.num_pages, "host pages leaked"
+        for pin_id, pages in self._pins.items():
+            assert all(self.index.is_full(p) for p in pages), f"pin {pin_id} holds a page not indexed full"
         self.index.check()
 
     def check_writable(self, request_id: str, start: int, end: int) -> None:

@@ -4,15 +4,21 @@ One node per page; a node's key is the tokens its page holds, so a path from a s
 Inner nodes are full pages. A leaf may be a partial page (fewer than `page_size` tokens): the unfinished last
 page of a request that stopped running (a paused agent turn, a preempted request), which the next request
 continuing those tokens can claim. The index reads the pool's refcounts to know which leaves are unheld,
-and hands the pages it drops back to its caller, the KV cache manager, which owns the free list.
+and hands the pages it drops back to its caller, the KV cache manager, which owns both free lists.
+
+A node's KV is on the device (`page`) or, once evicted to the host tier, in a host page (`host`): the node
+stays in the tree and a later hit loads it back. Device nodes form the top of every path (a node goes to
+the host only when none of its children is on the device, and comes back only under a device parent), so
+a hit is some device pages followed by some host pages.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from swarmkv.kv.page_pool import PagePool
 
@@ -23,35 +29,65 @@ PageKey = tuple[int, ...]
 @dataclass(frozen=True)
 class PartialHit:
     """A cached, partly filled page whose first `num_tokens` slots hold KV a request can continue from;
-    `whole` when those are all of its tokens, so the request may take the page itself."""
+    `whole` when those are all of its tokens, so the request may take the page itself. `page` is a host
+    page when `on_host`."""
 
     page: int
     num_tokens: int
     whole: bool = True
+    on_host: bool = False
 
 
 @dataclass(eq=False)
-class _Node:
+class Node:
+    """One cached page of the tree; callers hold nodes only as opaque handles (retention keys)."""
+
     key: PageKey
-    page: int | None  # None only for a salt's root
-    parent: _Node | None
+    page: int | None  # the device page; None for a salt's root and for a node on the host
+    parent: Node | None
     salt: Salt = None
-    children: dict[PageKey, _Node] = field(default_factory=dict)
+    host: int | None = None  # the host page while the KV is offloaded
+    children: dict[PageKey, Node] = field(default_factory=dict)
     last_access: int = 0
+    owners: set[str] = field(default_factory=set)  # sessions whose requests computed or reused this page
+    anonymous: bool = False  # a request without a session computed or reused it
+    reach: dict[str, int] = field(default_factory=dict)  # session -> its requests whose path runs here
+
+    @property
+    def is_live(self) -> bool:
+        """Whether the node is still in the tree (on either tier)."""
+        return self.page is not None or self.host is not None
+
+
+EvictionKey = Callable[[Node], tuple[Any, ...]]
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """What one `evict` did: device pages it took back (each either moved to `host` or dropped), and host
+    pages dropped along with dropped device nodes."""
+
+    moved: list[tuple[int, int]] = field(default_factory=list)  # (device page, host page)
+    dropped: list[int] = field(default_factory=list)  # device pages whose KV is gone
+    dropped_host: list[int] = field(default_factory=list)
+
+    @property
+    def device_pages(self) -> list[int]:
+        """Every device page this eviction returned."""
+        return [page for page, _ in self.moved] + self.dropped
 
 
 class RadixIndex:
-    """Per-salt trees of pages; LRU eviction of unheld leaves, so a head many requests share goes last."""
+    """Per-salt trees of pages; eviction of unheld leaves in a caller's order (LRU by default)."""
 
     def __init__(self, pool: PagePool, page_size: int) -> None:
         self.pool = pool
         self.page_size = page_size
-        self._roots: dict[Salt, _Node] = {}
-        self._node_of_page: dict[int, _Node] = {}
+        self._roots: dict[Salt, Node] = {}
+        self._node_of_page: dict[int, Node] = {}
+        self._node_of_host: dict[int, Node] = {}
         self._clock = itertools.count(1)
-        # Eviction candidates, oldest first. Entries go stale (node held again, touched, gone) and are skipped
-        # when popped; every unheld leaf has one entry carrying its current last_access.
-        self._heap: list[tuple[int, int, _Node]] = []
+        self._superseded_hosts: list[int] = []  # host copies a fresh device page replaced (see insert)
 
     @property
     def num_roots(self) -> int:
@@ -60,27 +96,43 @@ class RadixIndex:
 
     @property
     def num_pages(self) -> int:
-        """Pages the index holds, held by a request or not."""
+        """Device pages the index holds, held by a request or not."""
         return len(self._node_of_page)
 
-    def lookup(self, tokens: Sequence[int], salt: Salt) -> tuple[list[int], PartialHit | None]:
-        """Full pages of the longest cached prefix of `tokens`, and the partial page continuing it furthest.
-        Changes nothing."""
-        node = self._roots.get(salt)
-        if node is None:
-            return [], None
-        size = self.page_size
+    @property
+    def num_host_pages(self) -> int:
+        """Host pages the index holds."""
+        return len(self._node_of_host)
+
+    def lookup(self, tokens: Sequence[int], salt: Salt) -> tuple[list[int], list[int], PartialHit | None]:
+        """Device pages, then host pages, of the longest cached prefix of `tokens`, and the partial page
+        continuing it furthest. Changes nothing."""
         pages: list[int] = []
+        host_pages: list[int] = []
+        root = self._roots.get(salt)
+        if root is None:
+            return pages, host_pages, None
+        node = root
+        for node in self._walk(root, tokens):  # node ends as the deepest match
+            if node.page is not None:
+                assert not host_pages, "a device page under a host page"
+                pages.append(node.page)
+            else:
+                assert node.host is not None
+                host_pages.append(node.host)
+        done = (len(pages) + len(host_pages)) * self.page_size
+        return pages, host_pages, self._best_partial(node, tokens[done:])
+
+    def _walk(self, node: Node, tokens: Sequence[int]) -> Iterator[Node]:
+        size = self.page_size
         for start in range(0, len(tokens) - size + 1, size):
             child = node.children.get(tuple(tokens[start : start + size]))
             if child is None:
-                break
-            assert child.page is not None
-            pages.append(child.page)
+                return
+            yield child
             node = child
-        return pages, self._best_partial(node, tokens[len(pages) * size :])
 
-    def _best_partial(self, node: _Node, rest: Sequence[int]) -> PartialHit | None:
+    def _best_partial(self, node: Node, rest: Sequence[int]) -> PartialHit | None:
         """The child sharing the most leading tokens with `rest` (shorter than a page, or diverging from
         every full child); on a tie, a partial child `rest` continues whole, which can be taken rather
         than copied. A full child is only ever copied: its last slots are someone else's tokens."""
@@ -93,9 +145,15 @@ class RadixIndex:
                 common += 1
             whole = common == len(key) < self.page_size
             if common and (best is None or (common, whole) > (best.num_tokens, best.whole)):
-                assert child.page is not None
-                best = PartialHit(child.page, common, whole)
+                on_host = child.page is None
+                page = child.host if on_host else child.page
+                assert page is not None
+                best = PartialHit(page, common, whole, on_host)
         return best
+
+    def node(self, page: int) -> Node:
+        """The node of an indexed device page."""
+        return self._node_of_page[page]
 
     def touch(self, pages: Iterable[int]) -> None:
         """Mark cached pages as just used (a request took them)."""
@@ -105,72 +163,159 @@ class RadixIndex:
 
     def insert(self, salt: Salt, parent_page: int | None, key: PageKey, page: int) -> int:
         """Index `page` holding `key` under `parent_page` (None: the salt's root). Returns the page the tree
-        maps that prefix to: `page`, or the page that held it already (then `page` is not indexed)."""
+        maps that prefix to: `page`, or the device page that held it already (then `page` is not indexed).
+        A host copy of the same prefix is superseded: `page` takes its place and its host page is
+        returned by `take_superseded_host`."""
         parent = self._roots.get(salt) if parent_page is None else self._node_of_page[parent_page]
         if parent is None:
-            parent = self._roots[salt] = _Node(key=(), page=None, parent=None, salt=salt)
+            parent = self._roots[salt] = Node(key=(), page=None, parent=None, salt=salt)
         child = parent.children.get(key)
-        if child is not None:
-            assert child.page is not None
+        if child is not None and child.page is not None:
             return child.page
         assert page not in self._node_of_page, f"page {page} is indexed under another prefix"
-        child = _Node(key=key, page=page, parent=parent, last_access=next(self._clock))
-        parent.children[key] = child
+        if child is not None:  # the same tokens wait on the host: the fresh device copy replaces them
+            assert child.host is not None
+            del self._node_of_host[child.host]
+            self._superseded_hosts.append(child.host)
+            child.host = None
+            child.page = page
+            child.last_access = next(self._clock)
+        else:
+            child = Node(key=key, page=page, parent=parent, last_access=next(self._clock))
+            parent.children[key] = child
         self._node_of_page[page] = child
         return page
 
-    def detach(self, page: int) -> None:
+    def take_superseded_host(self) -> list[int]:
+        """Host pages whose tokens a fresh device page replaced since the last call: the caller frees them."""
+        hosts, self._superseded_hosts = self._superseded_hosts, []
+        return hosts
+
+    def detach(self, page: int) -> Node:
         """Take a partial leaf out of the tree: its claimer will write past its tokens."""
         node = self._node_of_page.pop(page)
         assert node.parent is not None and len(node.key) < self.page_size and not node.children
+        node.page = None
         self._unlink(node)
+        return node
 
-    def offer(self, page: int) -> None:
-        """`page` just became unheld: queue it for eviction if it is a leaf."""
-        self._offer(self._node_of_page[page])
+    def evict(
+        self,
+        num_pages: int,
+        order: EvictionKey | None = None,
+        host_page: Callable[[], int | None] | None = None,
+    ) -> Eviction:
+        """Take back up to `num_pages` unheld device leaves (no child on the device), first by `order` (an
+        extra key before last use), then least recently used; a parent becomes a candidate once it is such
+        a leaf. Each goes to the host page `host_page()` gives, or is dropped with its host subtree."""
+        key = order or (lambda node: ())
+        heap = [(key(n), n.last_access, id(n), n) for n in self._node_of_page.values() if self._evictable(n)]
+        heapq.heapify(heap)
+        result = Eviction()
+        while heap and len(result.moved) + len(result.dropped) < num_pages:
+            *_, node = heapq.heappop(heap)
+            page = node.page
+            assert page is not None
+            del self._node_of_page[page]
+            host = host_page() if host_page is not None else None
+            if host is not None:
+                node.page, node.host = None, host
+                self._node_of_host[host] = node
+                result.moved.append((page, host))
+            else:
+                node.page = None
+                result.dropped.append(page)
+                result.dropped_host.extend(self._drop_subtree(node))
+                self._unlink(node)
+            parent = node.parent
+            if parent is not None and self._evictable(parent):
+                heapq.heappush(heap, (key(parent), parent.last_access, id(parent), parent))
+        return result
 
-    def evict(self, num_pages: int) -> list[int]:
-        """Drop up to `num_pages` unheld leaves, oldest first; a parent becomes a candidate once it is a leaf.
-        Returns the dropped pages, which are now the caller's to free."""
+    def drop_host(self, num_pages: int, keep: frozenset[int] = frozenset()) -> list[int]:
+        """Drop up to `num_pages` host leaves, least recently used first, never one in `keep`. Returns the
+        host pages, now the caller's to free."""
+        heap = [
+            (n.last_access, id(n), n)
+            for h, n in self._node_of_host.items()
+            if not n.children and h not in keep
+        ]
+        heapq.heapify(heap)
         dropped: list[int] = []
-        while self._heap and len(dropped) < num_pages:
-            last_access, _, node = heapq.heappop(self._heap)
-            if not self._is_candidate(node, last_access):
-                continue
-            assert node.page is not None
-            del self._node_of_page[node.page]
-            dropped.append(node.page)
+        while heap and len(dropped) < num_pages:
+            *_, node = heapq.heappop(heap)
+            assert node.host is not None
+            dropped.append(node.host)
+            del self._node_of_host[node.host]
+            node.host = None
+            parent = node.parent
             self._unlink(node)
+            if (
+                parent is not None
+                and parent.host is not None
+                and not parent.children
+                and parent.host not in keep
+            ):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return dropped
 
-    def _unlink(self, node: _Node) -> None:
+    def load(self, host: int, page: int) -> None:
+        """The KV of host page `host` now lives in device page `page` (the caller copied it)."""
+        node = self._node_of_host.pop(host)
+        assert node.parent is not None and (node.parent.page is not None or node.parent.parent is None), (
+            "loading a host page under a parent that is not on the device"
+        )
+        node.host, node.page = None, page
+        node.last_access = next(self._clock)
+        self._node_of_page[page] = node
+
+    def offload(self, pages: Sequence[int], host_page: Callable[[], int | None]) -> list[tuple[int, int]]:
+        """Move these unheld device pages to host pages, leaves first (a request's tail, given in token
+        order), while `host_page()` gives one. Returns the (device page, host page) moves."""
+        moved: list[tuple[int, int]] = []
+        for page in reversed(pages):
+            node = self._node_of_page.get(page)
+            if node is None or not self._evictable(node):
+                break
+            host = host_page()
+            if host is None:
+                break
+            del self._node_of_page[page]
+            node.page, node.host = None, host
+            self._node_of_host[host] = node
+            moved.append((page, host))
+        return moved
+
+    def _drop_subtree(self, node: Node) -> list[int]:
+        """Forget every host node under `node` (they hang from a node being dropped)."""
+        hosts: list[int] = []
+        stack = list(node.children.values())
+        while stack:
+            child = stack.pop()
+            assert child.page is None and child.host is not None, "a device page under an evicted one"
+            hosts.append(child.host)
+            del self._node_of_host[child.host]
+            child.host = None
+            stack.extend(child.children.values())
+        node.children.clear()
+        return hosts
+
+    def _unlink(self, node: Node) -> None:
         parent = node.parent
         assert parent is not None
         del parent.children[node.key]
-        if parent.page is not None:
-            self._offer(parent)
-        elif not parent.children:
+        if parent.page is None and parent.host is None and not parent.children:
             del self._roots[parent.salt]
 
-    def _offer(self, node: _Node) -> None:
-        if not self._is_evictable(node):
-            return
-        heapq.heappush(self._heap, (node.last_access, id(node), node))
-        if len(self._heap) > 2 * len(self._node_of_page) + 64:  # mostly stale: rebuild from the live set
-            self._heap = [
-                (n.last_access, id(n), n) for n in self._node_of_page.values() if self._is_evictable(n)
-            ]
-            heapq.heapify(self._heap)
-
-    def _is_candidate(self, node: _Node, last_access: int) -> bool:
-        live = node.page is not None and self._node_of_page.get(node.page) is node
-        return live and node.last_access == last_access and self._is_evictable(node)
-
-    def _is_evictable(self, node: _Node) -> bool:
-        return not node.children and node.page is not None and self.pool.refcounts[node.page] == 0
+    def _evictable(self, node: Node) -> bool:
+        return (
+            node.page is not None
+            and self.pool.refcounts[node.page] == 0
+            and all(child.page is None for child in node.children.values())
+        )
 
     def is_cached(self, page: int) -> bool:
-        """Whether a node of the tree owns this page."""
+        """Whether a node of the tree owns this device page."""
         return page in self._node_of_page
 
     def is_full(self, page: int) -> bool:
@@ -184,9 +329,14 @@ class RadixIndex:
         assert parent is not None
         return parent.page
 
+    def host_pages(self) -> set[int]:
+        """Host pages the tree holds."""
+        return set(self._node_of_host)
+
     def check(self) -> None:
-        """Raise AssertionError unless the tree, the page map, the pool and the eviction queue agree."""
+        """Raise AssertionError unless the tree, the page maps and the pool agree."""
         seen: set[int] = set()
+        seen_host: set[int] = set()
         for salt, root in self._roots.items():
             assert root.children, f"the root of salt {salt!r} is empty but kept"
         stack = list(self._roots.values())
@@ -196,7 +346,17 @@ class RadixIndex:
                 assert child.parent is node and child.key == key, "child/parent links disagree"
                 full = len(key) == self.page_size
                 assert full or (0 < len(key) < self.page_size and not child.children), f"bad node key {key}"
-                assert child.page is not None and child.page not in seen, f"page {child.page} indexed twice"
+                if child.page is None:
+                    assert child.host is not None and child.host not in seen_host, "host page lost or twice"
+                    assert self._node_of_host.get(child.host) is child, f"host page {child.host} map is stale"
+                    seen_host.add(child.host)
+                    stack.append(child)
+                    continue
+                assert child.host is None, f"page {child.page} is on both tiers"
+                assert node.parent is None or node.page is not None, (
+                    f"device page {child.page} under a host page"
+                )
+                assert child.page not in seen, f"page {child.page} indexed twice"
                 assert self._node_of_page.get(child.page) is child, f"page {child.page} map is stale"
                 assert not self.pool.is_free(child.page), f"cached page {child.page} is on the free list"
                 refs = self.pool.refcounts[child.page]
@@ -208,7 +368,4 @@ class RadixIndex:
                 seen.add(child.page)
                 stack.append(child)
         assert seen == set(self._node_of_page), "nodes unreachable from any root"
-        queued = {(last, key) for last, key, node in self._heap if self._is_candidate(node, last)}
-        for node in self._node_of_page.values():
-            if self._is_evictable(node):
-                assert (node.last_access, id(node)) in queued, f"unheld leaf page {node.page} is not queued"
+        assert seen_host == set(self._node_of_host), "host nodes unreachable from any root"

@@ -1,0 +1,124 @@
+"""Pins: prefixes whose KV pages eviction may not take, until a TTL runs out or the pin is deleted.
+
+A pin is made in two moves. `add` validates it and the caller queues a one-token prefill of the prefix
+under the pin's id (so a cold prefix is computed like any prompt, batched with the rest); when that request
+finishes, `hold` has the KV manager hold the prefix's cached full pages. The cap is checked on the prefix's
+size before anything runs, and pins never hold more than `max_bytes` between them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from swarmkv.errors import InvalidRequestError, PinLimitError
+from swarmkv.kv import KVCacheManager
+
+
+@dataclass(frozen=True)
+class PinInfo:
+    """A pin as callers see it: the tokens and KV bytes it holds, and the seconds left (None: no TTL)."""
+
+    pin_id: str
+    num_tokens: int
+    kv_bytes: int
+    expires_in_s: float | None
+    ready: bool  # False while its prefix is still being computed
+
+
+@dataclass
+class _Pin:
+    token_ids: list[int]
+    cache_salt: str | None
+    ttl_s: float | None
+    expires_at: float | None = None  # monotonic seconds, set once held
+    num_tokens: int = 0
+    ready: bool = False
+
+
+class Pins:
+    """The engine's pins, over its KV manager."""
+
+    def __init__(
+        self, kv: KVCacheManager, page_bytes: int, max_bytes: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.kv = kv
+        self.page_bytes = page_bytes
+        self.max_bytes = max_bytes
+        self._clock = clock
+        self._pins: dict[str, _Pin] = {}
+
+    def __contains__(self, pin_id: str) -> bool:
+        return pin_id in self._pins
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    @property
+    def held_bytes(self) -> int:
+        """KV bytes the held pins keep (a page two pins share counts once)."""
+        return self.kv.num_pinned * self.page_bytes
+
+    def check(self, pin_id: str, token_ids: list[int], ttl_s: float | None) -> None:
+        """Raise InvalidRequestError (PinLimitError past the cap) unless this pin can be added."""
+        if pin_id in self._pins:
+            raise InvalidRequestError(f"pin id {pin_id!r} is already in use")
+        if ttl_s is not None and (
+            isinstance(ttl_s, bool)
+            or not isinstance(ttl_s, int | float)
+            or not math.isfinite(ttl_s)
+            or ttl_s <= 0
+        ):
+            raise InvalidRequestError(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
+        pending = sum(len(p.token_ids) // self.kv.page_size for p in self._pins.values() if not p.ready)
+        wanted = (len(token_ids) // self.kv.page_size + pending) * self.page_bytes
+        if self.held_bytes + wanted > self.max_bytes:
+            raise PinLimitError(
+                f"pinning {len(token_ids)} tokens ({wanted:,} bytes with pins in progress) would hold more "
+                f"than max_pinned_memory allows: {self.held_bytes:,} of {self.max_bytes:,} bytes are pinned"
+            )
+
+    def add(self, pin_id: str, token_ids: list[int], ttl_s: float | None, cache_salt: str | None) -> None:
+        """Record a checked pin whose prefix is being computed."""
+        self._pins[pin_id] = _Pin(list(token_ids), cache_salt, ttl_s)
+
+    def hold(self, pin_id: str) -> None:
+        """The pin's prefill finished: hold its cached pages, within the cap (a pin past it holds fewer)."""
+        pin = self._pins[pin_id]
+        pin.num_tokens = self.kv.pin(pin_id, pin.token_ids, pin.cache_salt)
+        while self.held_bytes > self.max_bytes and pin.num_tokens:  # pages evicted and recomputed meanwhile
+            self.kv.unpin(pin_id)
+            pin.token_ids = pin.token_ids[: pin.num_tokens - self.kv.page_size]
+            pin.num_tokens = self.kv.pin(pin_id, pin.token_ids, pin.cache_salt)
+        pin.ready = True
+        pin.expires_at = None if pin.ttl_s is None else self._clock() + pin.ttl_s
+
+    def remove(self, pin_id: str) -> bool:
+        """Drop a pin (its pages stay cached); False if unknown."""
+        pin = self._pins.pop(pin_id, None)
+        if pin is None:
+            return False
+        if pin.ready:
+            self.kv.unpin(pin_id)
+        return True
+
+    def expire(self) -> list[str]:
+        """Drop the pins whose TTL ran out; returns their ids."""
+        now = self._clock()
+        gone = [i for i, p in self._pins.items() if p.expires_at is not None and p.expires_at <= now]
+        for pin_id in gone:
+            self.remove(pin_id)
+        return gone
+
+    def info(self, pin_id: str) -> PinInfo | None:
+        """The pin as callers see it, or None."""
+        pin = self._pins.get(pin_id)
+        if pin is None:
+            return None
+        left = None if pin.expires_at is None else max(0.0, pin.expires_at - self._clock())
+        if not pin.ready and pin.ttl_s is not None:
+            left = pin.ttl_s
+        kv_bytes = len(self.kv.pinned_pages(pin_id)) * self.page_bytes
+        return PinInfo(pin_id, pin.num_tokens, kv_bytes, left, pin.ready)

@@ -1,0 +1,170 @@
+"""Retention: which unheld cached pages leave the device first, judged by what agent sessions still need.
+
+A request may belong to a session (one agent's conversation). A session's newest turn supersedes its older
+branches, a finished turn leaves the session paused (its agent waits on a tool and will come back), and a
+release ends it. With the `session` policy, eviction takes unheld leaves in this order:
+
+1. RELEASED: pages that only released sessions ever used: nobody will ask for them again.
+2. SUPERSEDED: pages sessions used that no live or paused request of any session can reach again (an older
+   branch the newest turn replaced, a retried turn's abandoned reply).
+3. ACTIVE: pages of sessions with a request running or queued, and pages of requests without a session:
+   least recently used first, as plain LRU would.
+4. PAUSED: a paused session's tail, least recently active session first: its agent is about to return, and
+   evicting its tail then costs the whole tail's prefill.
+5. SHARED: pages two or more sessions reach (the shared head), last while any session references them.
+
+Within a rank the least recently used page goes first, and only leaves go, so a path is evicted tail first.
+The ranks are read at eviction time, so a session's priority changes after the fact: a new turn demotes the
+old branch the moment it arrives. The `lru` policy gives every page the same rank: plain LRU.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from swarmkv.kv.radix_index import Node
+
+RetentionPolicy = Literal["lru", "session"]
+RETENTION_POLICIES: tuple[RetentionPolicy, ...] = ("lru", "session")
+
+
+class Rank(enum.IntEnum):
+    """Eviction rank: lower goes first."""
+
+    RELEASED = 1
+    SUPERSEDED = 2
+    ACTIVE = 3
+    PAUSED = 4
+    SHARED = 5
+
+
+@dataclass
+class _Session:
+    newest: str  # the request id of its newest turn
+    live: set[str] = field(default_factory=set)  # its requests waiting or running
+    last_active: int = 0
+
+
+class Retention:
+    """Session states and the eviction order they imply; told about requests by the KV manager's caller."""
+
+    def __init__(self, policy: RetentionPolicy = "session") -> None:
+        if policy not in RETENTION_POLICIES:
+            raise ValueError(f"retention must be one of {RETENTION_POLICIES}, got {policy!r}")
+        self.policy = policy
+        self._sessions: dict[str, _Session] = {}
+        self._session_of: dict[str, str] = {}  # request id -> session, while the request reaches pages
+        self._paths: dict[str, list[Node]] = {}  # request id -> the nodes it marked as reached
+        self._clock = itertools.count(1)
+
+    # Reading.
+
+    def session_of(self, request_id: str) -> str | None:
+        """The session a live or newest request belongs to."""
+        return self._session_of.get(request_id)
+
+    def is_open(self, session_id: str) -> bool:
+        """Whether the session is known and not released."""
+        return session_id in self._sessions
+
+    @property
+    def num_open(self) -> int:
+        """Sessions not released."""
+        return len(self._sessions)
+
+    @property
+    def num_paused(self) -> int:
+        """Open sessions with no request waiting or running."""
+        return sum(1 for s in self._sessions.values() if not s.live)
+
+    def key(self, node: Node) -> tuple[Any, ...]:
+        """The eviction order of an unheld leaf before its last use: (rank, tie-break)."""
+        if self.policy == "lru":
+            return ()
+        reach = node.reach
+        if not reach:
+            if node.anonymous or not node.owners:
+                return (Rank.ACTIVE, 0)
+            if any(owner in self._sessions for owner in node.owners):
+                return (Rank.SUPERSEDED, 0)
+            return (Rank.RELEASED, 0)
+        if len(reach) > 1:
+            return (Rank.SHARED, 0)
+        session = self._sessions[next(iter(reach))]
+        if session.live:
+            return (Rank.ACTIVE, 0)
+        return (Rank.PAUSED, session.last_active)
+
+    # Changing.
+
+    def open(self, request_id: str, session_id: str) -> None:
+        """A new turn of `session_id` arrives: it becomes the newest, superseding a finished older turn."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            session = self._sessions[session_id] = _Session(request_id)
+        else:
+            previous = session.newest
+            session.newest = request_id
+            if previous not in session.live:
+                self._forget(previous)
+        session.live.add(request_id)
+        session.last_active = next(self._clock)
+        self._session_of[request_id] = session_id
+
+    def close(self, request_id: str) -> None:
+        """A request finished for good: unless it is its session's newest turn, it reaches nothing now."""
+        session_id = self._session_of.get(request_id)
+        if session_id is None:
+            return
+        session = self._sessions[session_id]
+        session.live.discard(request_id)
+        session.last_active = next(self._clock)
+        if session.newest != request_id:
+            self._forget(request_id)
+
+    def release(self, session_id: str) -> bool:
+        """End a session: its pages reach nothing and are first to go. False if it is not open."""
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return False
+        for request_id in [session.newest, *session.live]:
+            self._forget(request_id)
+        return True
+
+    def mark_path(self, request_id: str, nodes: Iterable[Node]) -> None:
+        """The request's KV now sits at `nodes` (it stopped running): they stay reachable while it is live
+        or its session's newest turn."""
+        session_id = self._session_of.get(request_id)
+        if session_id is None:
+            return
+        self._unmark(request_id)
+        path = list(nodes)
+        for node in path:
+            node.reach[session_id] = node.reach.get(session_id, 0) + 1
+        self._paths[request_id] = path
+
+    def tag(self, nodes: Iterable[Node], session_id: str | None) -> None:
+        """These pages were computed or reused by a request of `session_id` (None: of no session)."""
+        for node in nodes:
+            if session_id is None:
+                node.anonymous = True
+            else:
+                node.owners.add(session_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._unmark(request_id)
+        self._session_of.pop(request_id, None)
+
+    def _unmark(self, request_id: str) -> None:
+        session_id = self._session_of.get(request_id)
+        for node in self._paths.pop(request_id, ()):
+            assert session_id is not None
+            count = node.reach.get(session_id, 0) - 1
+            if count > 0:
+                node.reach[session_id] = count
+            else:
+                node.reach.pop(session_id, None)
