@@ -167,7 +167,7 @@ class LLMEngine:
                 common, previous.num_processed_tokens, len(seq.prompt_token_ids) - 1
             )
         self._last_turn[session_id] = seq
-        self.kv.retention.open(seq.request_id, session_id)
+        self.kv.open_turn(seq)
 
     def release_session(self, session_id: str) -> bool:
         """End a session: its private pages become the first to be evicted. False if it is not open."""

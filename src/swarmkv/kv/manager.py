@@ -200,6 +200,7 @@ class KVCacheManager:
         copy_from: int | None = None
         if table is None:
             table = self._tables[rid] = _Table(request.cache_salt)
+            self.retention.run(rid, running=True)
             self.pool.retain(list(hit.pages))
             self.index.touch(hit.pages)
             loaded = self._load([*hit.host_pages, *([partial.page] if partial and partial.on_host else [])])
@@ -367,9 +368,21 @@ class KVCacheManager:
             path = table.path
         if self.prefix_caching:
             self.retention.mark_path(rid, self._nodes(path))
+        self.retention.run(rid, running=False)
         del self._tables[rid]
         unheld = self.pool.release(table.pages + table.shadow)
         self.pool.free([page for page in unheld if not self.index.is_cached(page)])
+
+    def open_turn(self, request: KVRequest) -> None:
+        """The request is its session's newest turn: the cached pages its prompt continues stay reachable
+        (and the session's older branch does not) from now, before it is admitted."""
+        assert request.session_id is not None
+        self.retention.open(request.request_id, request.session_id)
+        if self.prefix_caching:
+            tokens = request.token_ids
+            self.retention.mark_path(
+                request.request_id, self.index.path(tokens[: len(tokens) - 1], request.cache_salt)
+            )
 
     def _nodes(self, pages: Sequence[int]) -> list[Node]:
         return [self.index.node(page) for page in pages]

@@ -123,6 +123,20 @@ class RadixIndex:
         done = (len(pages) + len(host_pages)) * self.page_size
         return pages, host_pages, self._best_partial(node, tokens[done:])
 
+    def path(self, tokens: Sequence[int], salt: Salt) -> list[Node]:
+        """The nodes (either tier) of the longest cached prefix of `tokens`, with the partial page that
+        continues it furthest. Changes nothing."""
+        root = self._roots.get(salt)
+        if root is None:
+            return []
+        nodes = list(self._walk(root, tokens))
+        partial = self._best_partial(nodes[-1] if nodes else root, tokens[len(nodes) * self.page_size :])
+        if partial is not None:
+            nodes.append(
+                self._node_of_host[partial.page] if partial.on_host else self._node_of_page[partial.page]
+            )
+        return nodes
+
     def _walk(self, node: Node, tokens: Sequence[int]) -> Iterator[Node]:
         size = self.page_size
         for start in range(0, len(tokens) - size + 1, size):

@@ -7,10 +7,11 @@ release ends it. With the `session` policy, eviction takes unheld leaves in this
 1. RELEASED: pages that only released sessions ever used: nobody will ask for them again.
 2. SUPERSEDED: pages sessions used that no live or paused request of any session can reach again (an older
    branch the newest turn replaced, a retried turn's abandoned reply).
-3. ACTIVE: pages of sessions with a request running or queued, and pages of requests without a session:
+3. ACTIVE: unheld pages of sessions with a request running, and pages of requests without a session:
    least recently used first, as plain LRU would.
-4. PAUSED: a paused session's tail, least recently active session first: its agent is about to return, and
-   evicting its tail then costs the whole tail's prefill.
+4. PAUSED: the tail of a session with no request running (its agent waits on a tool, or its next turn is
+   queued), least recently active session first: its agent is about to return, and evicting its tail then
+   costs the whole tail's prefill.
 5. SHARED: pages two or more sessions reach (the shared head), last while any session references them.
 
 Within a rank the least recently used page goes first, and only leaves go, so a path is evicted tail first.
@@ -46,6 +47,7 @@ class Rank(enum.IntEnum):
 class _Session:
     newest: str  # the request id of its newest turn
     live: set[str] = field(default_factory=set)  # its requests waiting or running
+    running: set[str] = field(default_factory=set)  # those holding pages
     last_active: int = 0
 
 
@@ -78,8 +80,8 @@ class Retention:
 
     @property
     def num_paused(self) -> int:
-        """Open sessions with no request waiting or running."""
-        return sum(1 for s in self._sessions.values() if not s.live)
+        """Open sessions with no request running."""
+        return sum(1 for s in self._sessions.values() if not s.running)
 
     def key(self, node: Node) -> tuple[Any, ...]:
         """The eviction order of an unheld leaf before its last use: (rank, tie-break)."""
@@ -95,7 +97,7 @@ class Retention:
         if len(reach) > 1:
             return (Rank.SHARED, 0)
         session = self._sessions[next(iter(reach))]
-        if session.live:
+        if session.running:
             return (Rank.ACTIVE, 0)
         return (Rank.PAUSED, session.last_active)
 
@@ -115,6 +117,18 @@ class Retention:
         session.last_active = next(self._clock)
         self._session_of[request_id] = session_id
 
+    def run(self, request_id: str, running: bool) -> None:
+        """The request was admitted (holds pages) or stopped running (preempted or finished)."""
+        session_id = self._session_of.get(request_id)
+        if session_id is None:
+            return
+        session = self._sessions[session_id]
+        if running:
+            session.running.add(request_id)
+        else:
+            session.running.discard(request_id)
+            session.last_active = next(self._clock)
+
     def close(self, request_id: str) -> None:
         """A request finished for good: unless it is its session's newest turn, it reaches nothing now."""
         session_id = self._session_of.get(request_id)
@@ -122,6 +136,7 @@ class Retention:
             return
         session = self._sessions[session_id]
         session.live.discard(request_id)
+        session.running.discard(request_id)
         session.last_active = next(self._clock)
         if session.newest != request_id:
             self._forget(request_id)
