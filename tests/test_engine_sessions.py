@@ -180,3 +180,15 @@ def test_bad_session_ids_are_refused() -> None:
             llm.engine.add_request("r", [1, 2], GREEDY, session_id=bad)  # type: ignore[arg-type]
     assert not llm.engine.has_unfinished()
     assert not llm.release_session("never-seen")
+
+
+def test_past_the_open_session_cap_the_longest_idle_session_is_released(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("swarmkv.engine.engine.MAX_OPEN_SESSIONS", 2)
+    llm = tiny_llm(block_size=4)
+    for session in ("a", "b", "a", "c"):
+        llm.generate([[1, 2, 3, 4, 5]], GREEDY, session_id=session)
+    assert llm.stats()["sessions_open"] == 2
+    assert not llm.release_session("b"), "b idled longest and was released"
+    assert llm.release_session("a") and llm.release_session("c")

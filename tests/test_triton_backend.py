@@ -81,7 +81,7 @@ def test_triton_generates_the_torch_backends_greedy_tokens(
 def test_graph_replays_equal_eager_steps(
     tiny: Path, torch_reference: tuple[list[list[int]], dict[str, int]]
 ) -> None:
-    """Decode steps padded to their bucket (4 requests, then 3 as one finishes early) and replayed."""
+    """Decode-only steps padded to their bucket (3 requests run as 4) and replayed."""
     llm = _llm(tiny, "triton")
     runner = llm.engine.runner.triton
     assert runner is not None
@@ -89,7 +89,7 @@ def test_graph_replays_equal_eager_steps(
     runner.graphs = graphs
     tokens, _ = _two_turns(llm)
     assert graphs.replays > 0
-    assert sorted(graphs._captured) == [4]
+    assert 4 in graphs._captured and set(graphs._captured) <= set(batch_buckets(4))
     assert tokens == torch_reference[0]
 
 

@@ -36,6 +36,9 @@ __all__ = ["EngineConfig", "LLMEngine", "RequestDelta"]
 
 log = logging.getLogger(__name__)
 
+# Open sessions kept at most; past it, the one idle longest is released as if its client had released it.
+MAX_OPEN_SESSIONS = 4096
+
 
 class LLMEngine:
     """Steps every live request forward together; each step computes one batch of chunks."""
@@ -166,8 +169,15 @@ class LLMEngine:
             seq.num_processed_tokens = min(
                 common, previous.num_processed_tokens, len(seq.prompt_token_ids) - 1
             )
-        self._last_turn[session_id] = seq
+        self._last_turn.pop(session_id, None)
+        self._last_turn[session_id] = seq  # the dict stays in order of last turn
         self.kv.open_turn(seq)
+        if len(self._last_turn) > MAX_OPEN_SESSIONS:  # clients that never release: end the longest idle
+            idle = next(
+                (sid for sid, last in self._last_turn.items() if last.request_id not in self._requests), None
+            )
+            if idle is not None:
+                self.release_session(idle)
 
     def release_session(self, session_id: str) -> bool:
         """End a session: its private pages become the first to be evicted. False if it is not open."""
