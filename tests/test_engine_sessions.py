@@ -192,3 +192,10 @@ def test_past_the_open_session_cap_the_longest_idle_session_is_released(
     assert llm.stats()["sessions_open"] == 2
     assert not llm.release_session("b"), "b idled longest and was released"
     assert llm.release_session("a") and llm.release_session("c")
+
+
+def test_a_pin_shorter_than_a_page_is_refused() -> None:
+    llm = tiny_llm(block_size=4)
+    with pytest.raises(InvalidRequestError, match="whole pages"):
+        llm.engine.add_pin("p", [1, 2, 3], 60)
+    assert not llm.engine.has_unfinished()

@@ -180,7 +180,8 @@ class LLMEngine:
                 self.release_session(idle)
 
     def release_session(self, session_id: str) -> bool:
-        """End a session: its private pages become the first to be evicted. False if it is not open."""
+        """End a session: its private pages become the first to be evicted. False if it is not open. A request
+        of the session still running finishes normally; its pages then rank as released too."""
         self._last_turn.pop(session_id, None)
         return self.kv.retention.release(session_id)
 
@@ -355,6 +356,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """KV and work counters, in pages, bytes and tokens."""
+        self.pins.expire()  # an idle engine does not step, but its expired pins are gone all the same
         kv, c = self.kv, self.counters
         logical_pages = sum(len(kv.page_table(s.request_id)) for s in self.scheduler.running)
         return {
@@ -379,7 +381,7 @@ class LLMEngine:
             "swap_preemptions": c.swap_preemptions,
             "recompute_preemptions": c.recompute_preemptions,
             "evictions": kv.num_evictions,
-            "offload_bytes_total": kv.host.num_pages * self.page_bytes,
+            "offload_capacity_bytes": kv.host.num_pages * self.page_bytes,
             "offloaded_bytes": kv.num_offloaded * self.page_bytes,
             "offload_stores": kv.host.counters.stores,
             "offload_loads": kv.host.counters.loads,

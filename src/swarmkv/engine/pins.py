@@ -72,6 +72,10 @@ class Pins:
             or ttl_s <= 0
         ):
             raise InvalidRequestError(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
+        if len(token_ids) < self.kv.page_size:
+            raise InvalidRequestError(
+                f"a pin holds whole pages of {self.kv.page_size} tokens; this prefix has {len(token_ids)}"
+            )
         pending = sum(len(p.token_ids) // self.kv.page_size for p in self._pins.values() if not p.ready)
         wanted = (len(token_ids) // self.kv.page_size + pending) * self.page_bytes
         if self.held_bytes + wanted > self.max_bytes:

@@ -13,22 +13,23 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from swarmkv.engine.llm import LLM
 from swarmkv.server.async_engine import AsyncEngine
-from swarmkv.server.completions import ServerContext, chat_completions, completions
+from swarmkv.server.completions import chat_completions, completions
+from swarmkv.server.context import ServerContext
+from swarmkv.server.disconnect import STATUS_CLIENT_GONE
 from swarmkv.server.metrics import ServerMetrics
+from swarmkv.server.pins import create_pin, delete_pin, get_pin
 from swarmkv.server.protocol import APIError
 from swarmkv.server.request_stream import EngineUnavailableError
+from swarmkv.server.sessions import release_session
 
 log = logging.getLogger(__name__)
-
-# The /metrics label of every path the app routes; anything else counts as "other", bounding cardinality.
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
 def default_model_name(llm: LLM) -> str:
@@ -61,17 +62,23 @@ def create_app(llm: LLM, api_key: str | None = None, model_name: str | None = No
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        # `path`: a session id may hold "/" (sent percent-encoded).
+        Route("/v1/sessions/{session_id:path}/release", release_session, methods=["POST"]),
+        Route("/v1/cache/pin", create_pin, methods=["POST"]),
+        Route("/v1/cache/pin/{pin_id}", get_pin, methods=["GET"]),
+        Route("/v1/cache/pin/{pin_id}", delete_pin, methods=["DELETE"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
-        middleware=[Middleware(_Gate, api_key=api_key, metrics=metrics)],
+        middleware=[Middleware(_Gate, api_key=api_key, metrics=metrics, routes=routes)],
         exception_handlers={
             APIError: _api_error,
             HTTPException: _http_error,
             EngineUnavailableError: _engine_unavailable,
+            ClientDisconnect: _client_gone,
             Exception: _server_error,
         },
     )
@@ -133,6 +140,11 @@ async def _engine_unavailable(request: Request, exc: Exception) -> Response:
     return _error_response(APIError(exc.status, str(exc), error_type="server_error"))
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    # The client left while its body was still arriving: not a server error, and nobody reads the answer.
+    return Response(status_code=STATUS_CLIENT_GONE)
+
+
 async def _server_error(request: Request, exc: Exception) -> Response:
     log.error("unhandled error on %s", request.url.path, exc_info=exc)
     return _error_response(APIError(500, "the server failed on this request", error_type="server_error"))
@@ -141,10 +153,17 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 class _Gate:
     """Counts every answer by route and status, and requires `Authorization: Bearer KEY` on /v1/ routes."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics, routes: list[Route]
+    ) -> None:
         self.app = app
         self.api_key = api_key
         self.metrics = metrics
+        self.routes = routes
+
+    def _route_label(self, path: str) -> str:
+        """The matching route's template (ids never become labels, bounding cardinality), else "other"."""
+        return next((r.path for r in self.routes if r.path_regex.match(path)), "other")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -170,8 +189,7 @@ class _Gate:
             else:
                 await self.app(scope, receive, counting_send)
         finally:
-            route = path if path in _ROUTES else "other"
-            self.metrics.http_requests.labels(route=route, status=str(status)).inc()
+            self.metrics.http_requests.labels(route=self._route_label(path), status=str(status)).inc()
 
     def _authorized(self, scope: Scope) -> bool:
         if self.api_key is None:

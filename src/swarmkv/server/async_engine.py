@@ -1,4 +1,4 @@
-"""AsyncEngine: one background thread owns the LLMEngine; asyncio code submits, streams and aborts through it.
+"""AsyncEngine: one background thread owns the LLMEngine; asyncio code submits, streams, pins and aborts.
 
 The engine is not thread-safe, so every call into it (add, step, abort, stats, integrity checks) runs on
 the loop thread. Other threads only put commands on a queue; the loop thread applies them between steps
@@ -19,39 +19,15 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from swarmkv.engine.engine import LLMEngine, RequestDelta
+from swarmkv.engine.pins import PinInfo
 from swarmkv.engine.sampling_params import SamplingParams
 from swarmkv.engine.sequence import Sequence
+from swarmkv.server.engine_commands import Abort, Add, AddPin, Call, Command, DropPin, Stop
+from swarmkv.server.pending_pins import PendingPins
 from swarmkv.server.request_stream import EngineStepError, EngineUnavailableError, RequestStream, StepOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass
-class _Add:
-    stream: RequestStream
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None
-    accepted: concurrent.futures.Future[None]
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _Call:
-    fn: Callable[[LLMEngine], Any]
-    result: concurrent.futures.Future[Any]
-
-
-class _Stop:
-    pass
-
-
-_Command = _Add | _Abort | _Call | _Stop
 
 
 @dataclass
@@ -65,8 +41,9 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
+        self._pins = PendingPins()
         self._thread: threading.Thread | None = None
         self._stats: dict[str, Any] = {**engine.stats(), "requests_aborted": 0}
         self._num_aborted = 0
@@ -85,11 +62,11 @@ class AsyncEngine:
         if self._thread is None:
             return
         with contextlib.suppress(EngineUnavailableError):  # the loop may have closed already
-            self._put(_Stop())
+            self._put(Stop())
         self._thread.join(timeout_s)
         self._thread = None
 
-    def _put(self, command: _Command) -> None:
+    def _put(self, command: Command) -> None:
         with self._lock:
             if self._closed or self._thread is None:
                 raise EngineUnavailableError("the engine is not running")
@@ -107,11 +84,12 @@ class AsyncEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         arrival_s: float | None = None,
+        session_id: str | None = None,
     ) -> RequestStream:
         """Queue a request; returns once the engine accepted it, or raises its InvalidRequestError."""
         stream = RequestStream(request_id, time.perf_counter() if arrival_s is None else arrival_s)
         accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._put(_Add(stream, prompt_token_ids, params, cache_salt, accepted))
+        self._put(Add(stream, prompt_token_ids, params, cache_salt, session_id, accepted))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -119,16 +97,38 @@ class AsyncEngine:
             raise
         return stream
 
+    async def pin(
+        self, pin_id: str, prompt_token_ids: list[int], ttl_s: float | None, cache_salt: str | None = None
+    ) -> PinInfo | None:
+        """Pin a prefix: returns once its prefill finished and the engine holds it (None: already gone).
+
+        Raises the engine's InvalidRequestError (PinLimitError over the cap) when it refuses the pin, and
+        EngineStepError when the step computing it fails. If the caller is cancelled, the pin is dropped.
+        """
+        ready: concurrent.futures.Future[PinInfo | None] = concurrent.futures.Future()
+        self._put(AddPin(pin_id, prompt_token_ids, ttl_s, cache_salt, ready))
+        try:
+            return await asyncio.wrap_future(ready)
+        except asyncio.CancelledError:
+            # Its client left: nobody will learn the pin's id to unpin it.
+            with contextlib.suppress(EngineUnavailableError):  # a stopped engine holds no pins
+                self._put(DropPin(pin_id))
+            raise
+
+    async def unpin(self, pin_id: str) -> bool:
+        """Unpin (a pin still being computed is stopped, and its creator told so); False if unknown."""
+        return await asyncio.wrap_future(self.call(lambda engine: self._pins.unpin(engine, pin_id)))
+
     def abort(self, request_id: str) -> None:
         """Stop a request and release its pages; a no-op once it has finished."""
         with contextlib.suppress(EngineUnavailableError):  # a stopped engine holds no requests
-            self._put(_Abort(request_id))
+            self._put(Abort(request_id))
 
     def call(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
         """Run `fn(engine)` on the loop thread between steps (stats, integrity checks)."""
         result: concurrent.futures.Future[T] = concurrent.futures.Future()
         try:
-            self._put(_Call(fn, result))
+            self._put(Call(fn, result))
         except EngineUnavailableError as exc:
             result.set_exception(exc)
         return result
@@ -163,7 +163,7 @@ class AsyncEngine:
         """Apply queued commands, then run one step if there is work; False once told to stop."""
         commands = self._next_commands(block=not self.engine.has_unfinished())
         for i, command in enumerate(commands):
-            if isinstance(command, _Stop):
+            if isinstance(command, Stop):
                 self._close(EngineUnavailableError("the server is shutting down"), commands[i + 1 :])
                 return False
             self._apply(command)
@@ -175,21 +175,27 @@ class AsyncEngine:
         self._stats = {**self.engine.stats(), "requests_aborted": self._num_aborted}
         return True
 
-    def _next_commands(self, block: bool) -> list[_Command]:
-        commands: list[_Command] = [self._commands.get()] if block else []
+    def _next_commands(self, block: bool) -> list[Command]:
+        commands: list[Command] = [self._commands.get()] if block else []
         while True:
             try:
                 commands.append(self._commands.get_nowait())
             except queue.Empty:
                 return commands
 
-    def _apply(self, command: _Command) -> None:
-        if isinstance(command, _Add):
+    def _apply(self, command: Command) -> None:
+        if isinstance(command, Add):
             rid = command.stream.request_id
             if not command.accepted.set_running_or_notify_cancel():
                 return  # the submitter was cancelled before the engine saw the request
             try:
-                self.engine.add_request(rid, command.prompt_token_ids, command.params, command.cache_salt)
+                self.engine.add_request(
+                    rid,
+                    command.prompt_token_ids,
+                    command.params,
+                    command.cache_salt,
+                    session_id=command.session_id,
+                )
             except Exception as exc:
                 command.accepted.set_exception(exc)
                 return
@@ -197,16 +203,23 @@ class AsyncEngine:
             assert seq is not None
             self._live[rid] = _Live(command.stream, seq)
             command.accepted.set_result(None)
-        elif isinstance(command, _Abort):
+        elif isinstance(command, AddPin):
+            self._pins.add(self.engine, command)
+        elif isinstance(command, DropPin):
+            self._pins.unpin(self.engine, command.pin_id)
+        elif isinstance(command, Abort):
             if self._live.pop(command.request_id, None) is not None and self.engine.abort(command.request_id):
                 self._num_aborted += 1
-        elif isinstance(command, _Call) and command.result.set_running_or_notify_cancel():
+        elif isinstance(command, Call) and command.result.set_running_or_notify_cancel():
             try:
                 command.result.set_result(command.fn(self.engine))
             except Exception as exc:
                 command.result.set_exception(exc)
 
     def _dispatch(self, delta: RequestDelta, now: float) -> None:
+        if delta.request_id in self._pins:
+            self._pins.settle(self.engine, delta)
+            return
         live = self._live.get(delta.request_id)
         if live is None:
             return
@@ -236,6 +249,7 @@ class AsyncEngine:
                 self.engine.abort(delta.request_id)
 
     def _fail_all(self, error: Exception) -> None:
+        self._pins.fail_all(self.engine, error)
         for rid, live in list(self._live.items()):
             try:
                 self.engine.abort(rid)
@@ -245,13 +259,15 @@ class AsyncEngine:
                 live.stream.put(error)
         self._live.clear()
 
-    def _close(self, error: Exception, pending: list[_Command]) -> None:
+    def _close(self, error: Exception, pending: list[Command]) -> None:
         with self._lock:
             self._closed = True
         self._fail_all(error)
         # Commands taken from the queue but not applied, and those still queued, would wait forever.
         for command in pending + self._next_commands(block=False):
-            if isinstance(command, _Add) and command.accepted.set_running_or_notify_cancel():
+            if isinstance(command, Add) and command.accepted.set_running_or_notify_cancel():
                 command.accepted.set_exception(error)
-            elif isinstance(command, _Call) and command.result.set_running_or_notify_cancel():
+            elif isinstance(command, Call) and command.result.set_running_or_notify_cancel():
                 command.result.set_exception(error)
+            elif isinstance(command, AddPin) and command.ready.set_running_or_notify_cancel():
+                command.ready.set_exception(error)

@@ -58,12 +58,17 @@ class ChatRequest:
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     """Validate a chat completions body."""
     options = parse_options(body)
-    raw_messages = body.get("messages")
-    if not isinstance(raw_messages, list) or not raw_messages:
-        raise bad_request("'messages' must be a non-empty array of message objects", param="messages")
-    messages = [_message(i, m) for i, m in enumerate(raw_messages)]
-    tools = _tools(body.get("tools"))
+    messages = parse_messages(body.get("messages"))
+    tools = parse_tools(body.get("tools"))
     return ChatRequest(options, messages, tools, _tool_choice(body.get("tool_choice"), tools))
+
+
+def parse_messages(raw_messages: Any, allow_empty: bool = False) -> list[Message]:
+    """Validate `messages` and normalise each for the chat template (a pin's head may have none)."""
+    if not isinstance(raw_messages, list) or not (raw_messages or allow_empty):
+        kind = "an array" if allow_empty else "a non-empty array"
+        raise bad_request(f"'messages' must be {kind} of message objects", param="messages")
+    return [_message(i, m) for i, m in enumerate(raw_messages)]
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -130,7 +135,8 @@ def _history_call(where: str, call: Any) -> dict[str, Any]:
     return out
 
 
-def _tools(tools: Any) -> list[dict[str, Any]] | None:
+def parse_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """Validate `tools`: function definitions, each with a name and a JSON-schema `parameters` object."""
     if tools is None:
         return None
     if not isinstance(tools, list):

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -14,38 +12,22 @@ from starlette.types import Receive, Scope, Send
 
 from swarmkv.engine.sampling_params import SamplingParams
 from swarmkv.errors import InvalidRequestError
-from swarmkv.server.async_engine import AsyncEngine
 from swarmkv.server.chat_request import ChatRequest, parse_chat_request
+from swarmkv.server.context import ServerContext
+from swarmkv.server.disconnect import STATUS_CLIENT_GONE, ClientDisconnected, unless_disconnected
 from swarmkv.server.metrics import ServerMetrics
-from swarmkv.server.protocol import APIError, Options, bad_request, parse_completion_request, parse_json_body
+from swarmkv.server.protocol import (
+    SESSION_HEADER,
+    APIError,
+    Options,
+    bad_request,
+    parse_completion_request,
+    parse_json_body,
+    resolve_session_id,
+)
 from swarmkv.server.request_stream import EngineUnavailableError, RequestStream, StepOutput
 from swarmkv.server.responses import Envelope, sse, tool_call_delta, usage
 from swarmkv.server.tool_parser import ParsedDelta, StreamingToolParser, ToolCall, parse_tool_calls
-from swarmkv.tokenizer import Tokenizer
-
-# nginx's "client closed request": logged and counted, never seen by the client.
-STATUS_CLIENT_GONE = 499
-
-
-@dataclass(frozen=True)
-class ServerContext:
-    """What the routes of one app share."""
-
-    engine: AsyncEngine
-    tokenizer: Tokenizer
-    model_name: str
-    max_model_len: int
-    metrics: ServerMetrics
-
-    def check_model(self, model: str | None) -> None:
-        """A 404 unless `model` is the one this server serves (or omitted)."""
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
 
 
 class _Latency:
@@ -79,6 +61,7 @@ def _finish_reason(out: StepOutput | None, num_calls: int) -> str | None:
 
 async def _submit(
     ctx: ServerContext,
+    request: Request,
     prefix: str,
     prompt_ids: list[int],
     params: SamplingParams,
@@ -86,8 +69,11 @@ async def _submit(
     arrival_s: float,
 ) -> RequestStream:
     request_id = f"{prefix}-{uuid.uuid4().hex}"
+    session_id = resolve_session_id(options.session_id, request.headers.get(SESSION_HEADER))
     try:
-        return await ctx.engine.submit(request_id, prompt_ids, params, options.cache_salt, arrival_s)
+        return await ctx.engine.submit(
+            request_id, prompt_ids, params, options.cache_salt, arrival_s, session_id=session_id
+        )
     except InvalidRequestError as exc:
         raise bad_request(str(exc)) from exc
 
@@ -105,7 +91,7 @@ async def chat_completions(request: Request) -> Response:
         raise bad_request(str(exc), param="messages") from exc
     prompt_ids = ctx.tokenizer.encode(text + req.forced_prefix(), add_special_tokens=False)
     params = req.options.sampling_params(len(prompt_ids), ctx.max_model_len, "messages", req.forced_stop())
-    stream = await _submit(ctx, "chatcmpl", prompt_ids, params, req.options, arrival_s)
+    stream = await _submit(ctx, request, "chatcmpl", prompt_ids, params, req.options, arrival_s)
     env = Envelope(stream.request_id, int(time.time()), ctx.model_name)
     latency = _Latency(ctx.metrics, arrival_s)
     if req.options.stream:
@@ -170,7 +156,7 @@ async def completions(request: Request) -> Response:
     else:
         prompt_ids = req.prompt
     params = req.options.sampling_params(len(prompt_ids), ctx.max_model_len, "prompt")
-    stream = await _submit(ctx, "cmpl", prompt_ids, params, req.options, arrival_s)
+    stream = await _submit(ctx, request, "cmpl", prompt_ids, params, req.options, arrival_s)
     env = Envelope(stream.request_id, int(time.time()), ctx.model_name)
     latency = _Latency(ctx.metrics, arrival_s)
     if req.options.stream:
@@ -216,21 +202,11 @@ async def _collect_unless_disconnected(
             outputs.append(out)
         return outputs
 
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    collecting = asyncio.ensure_future(collect())
-    watching = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watching.cancel()
-        gone = not collecting.done()
-        if gone:
-            collecting.cancel()
-            ctx.engine.abort(stream.request_id)
-    return None if gone else collecting.result()
+        return await unless_disconnected(request, collect())
+    except ClientDisconnected:
+        ctx.engine.abort(stream.request_id)
+        return None
 
 
 class _EventStream(StreamingResponse):

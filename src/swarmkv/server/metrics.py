@@ -24,6 +24,15 @@ _GAUGES = (
     ("kv_bytes_logical", "kv_bytes_logical", "Bytes the running requests' KV would take without sharing."),
     ("requests_running", "requests_running", "Requests admitted to the engine."),
     ("requests_waiting", "requests_waiting", "Requests queued for admission (new or preempted)."),
+    ("offloaded_bytes", "offloaded_bytes", "Bytes of KV pages kept in the host-memory tier."),
+    ("pinned_bytes", "pinned_bytes", "Bytes of KV pages held by pins."),
+    ("pins", "pins", "Pins the engine holds."),
+    ("sessions_open", "sessions_open", "Sessions a request named that are not yet released."),
+    (
+        "sessions_paused",
+        "sessions_paused",
+        "Open sessions with no request waiting or running (their agent is away, e.g. on a tool call).",
+    ),
 )
 # Monotonic since the engine started; exposed with the `_total` suffix.
 _COUNTERS = (
@@ -47,6 +56,16 @@ _COUNTERS = (
     ("cascade_decode_rows", "cascade_decode_rows", "Decode rows that read a shared prefix once per group."),
     ("generation_tokens", "generated_tokens", "Tokens generated."),
     ("preemptions", "preemptions", "Requests preempted (pages dropped, recomputed later)."),
+    ("swap_preemptions", "swap_preemptions", "Preemptions whose private pages went to the host tier."),
+    (
+        "recompute_preemptions",
+        "recompute_preemptions",
+        "Preemptions that dropped the request's KV, to be recomputed.",
+    ),
+    ("offload_stores", "offload_stores", "KV pages copied from the device to the host tier."),
+    ("offload_loads", "offload_loads", "KV pages copied back from the host tier to the device."),
+    ("offload_load_bytes", "offload_load_bytes", "Bytes copied back from the host tier to the device."),
+    ("offload_drops", "offload_drops", "Host-tier pages whose KV was dropped because the tier was full."),
     ("evictions", "evictions", "Cached KV pages evicted to make room."),
     ("requests_finished", "requests_finished", "Requests that finished (stop or length)."),
     ("requests_aborted", "requests_aborted", "Requests aborted because their client went away."),

@@ -96,6 +96,7 @@ class Options:
     stop: tuple[str, ...]
     ignore_eos: bool
     cache_salt: str | None
+    session_id: str | None  # the body's; see resolve_session_id for the header
 
     def sampling_params(
         self, num_prompt_tokens: int, max_model_len: int, prompt_param: str, extra_stop: tuple[str, ...] = ()
@@ -170,7 +171,36 @@ def parse_options(body: dict[str, Any]) -> Options:
         stop=stop,
         ignore_eos=get_field(body, "ignore_eos", bool, "a boolean", False),
         cache_salt=cache_salt,
+        session_id=check_session_id(body.get("session_id"), "'session_id'"),
     )
+
+
+# The header a client (or a proxy in front of a swarm) may name a session with instead of the body field.
+SESSION_HEADER = "x-session-id"
+MAX_SESSION_ID_CHARS = 256
+
+
+def check_session_id(value: Any, where: str) -> str | None:
+    """A session id: None when absent, else a non-empty string of at most 256 characters, or a 400."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_SESSION_ID_CHARS:
+        got = f"{len(value)} characters" if isinstance(value, str) else type_name(value)
+        raise bad_request(
+            f"{where} must be a non-empty string of at most {MAX_SESSION_ID_CHARS} characters, got {got}",
+            param="session_id",
+        )
+    return value
+
+
+def resolve_session_id(body_value: str | None, header_value: str | None) -> str | None:
+    """The request's session: the body's `session_id` wins over the `X-Session-Id` header; both are checked.
+
+    The body names the request itself, while a header may be set for a whole connection by a proxy or
+    client default, so the more specific one wins.
+    """
+    header = check_session_id(header_value, "the X-Session-Id header")
+    return body_value if body_value is not None else header
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:

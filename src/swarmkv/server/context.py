@@ -1,0 +1,31 @@
+"""ServerContext: what every route of one app shares (the engine loop, tokenizer, model name, metrics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swarmkv.server.async_engine import AsyncEngine
+from swarmkv.server.metrics import ServerMetrics
+from swarmkv.server.protocol import APIError
+from swarmkv.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    """What the routes of one app share."""
+
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    metrics: ServerMetrics
+
+    def check_model(self, model: str | None) -> None:
+        """A 404 unless `model` is the one this server serves (or omitted)."""
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
