@@ -1,4 +1,5 @@
-"""`swarmkv swarm`: run the agent swarm shared and per-slot, report the KV it reclaims."""
+"""`swarmkv swarm`: run the agent swarm shared and per-slot and report the KV it reclaims (`--scenario
+short`), or run a long-horizon swarm under each KV retention policy (`--scenario long`, in long_cli.py)."""
 
 from __future__ import annotations
 
@@ -16,28 +17,51 @@ from swarmkv.models.default import default_model_path
 from swarmkv.models.loader import load_model
 from swarmkv.options import add_engine_arguments, add_model_arguments, engine_kwargs
 from swarmkv.swarm.http_driver import run_swarm_over_http
+from swarmkv.swarm.long_cli import LONG_TURNS, run_long
+from swarmkv.swarm.long_run import POLICIES
 from swarmkv.swarm.report import json_key, mode_record, print_table, ratios, save_plot
 from swarmkv.swarm.run import MODES, Mode, ModeResult, pool_bytes_for, run_swarm, warm_up
 from swarmkv.swarm.workload import Workload, build_workload, prefix_token_count
 from swarmkv.tokenizer import Tokenizer
 from swarmkv.units import parse_size
 
+SHORT_TURNS = 3
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `swarm` subcommand."""
     parser = subparsers.add_parser("swarm", help="run an agent swarm with and without prefix sharing")
     add_model_arguments(parser)
-    # The swarm runs one request per agent and picks the prefix index's salts by mode; its pool is
-    # sized from the workload unless --kv-cache-memory says otherwise.
-    add_engine_arguments(parser, skip=("max_num_seqs", "prefix_caching", "kv_cache_memory"))
+    # The swarm runs one request per agent and picks the prefix index's salts by mode; its pool and host
+    # tier are sized from the workload unless --kv-cache-memory and --offload-memory say otherwise.
+    add_engine_arguments(parser, skip=("max_num_seqs", "prefix_caching", "kv_cache_memory", "offload_memory"))
+    parser.add_argument(
+        "--scenario",
+        choices=("short", "long"),
+        default="short",
+        help="short: a few turns, shared vs per-slot KV; long: many turns with tool pauses, each --policies",
+    )
     parser.add_argument(
         "--kv-cache-memory",
         type=parse_size,
         default=None,
-        help="KV pool size, e.g. 512MiB, 2GiB (default: sized to hold every agent's context privately)",
+        help="KV pool size, e.g. 512MiB, 2GiB (default: short holds every agent's context privately; long "
+        "holds 40%% of it)",
+    )
+    parser.add_argument(
+        "--offload-memory",
+        type=parse_size,
+        default=None,
+        help="host KV tier, e.g. 4GiB (default: short none; long gives session+offload every agent's whole"
+        " context)",
     )
     parser.add_argument("--agents", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument(
+        "--turns",
+        type=int,
+        default=None,
+        help=f"turns per agent (default: short {SHORT_TURNS}, long {LONG_TURNS})",
+    )
     parser.add_argument("--prefix-tokens", type=int, default=2000, help="size of the shared head, in tokens")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens generated per turn")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload (tasks, tool outputs)")
@@ -48,8 +72,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the KV layouts to run (default both); naive is a deprecated alias of per-slot, removed in the"
         " next release",
     )
+    parser.add_argument(
+        "--policies",
+        default=None,
+        help=f"long: comma-separated KV retention policies to compare (default {','.join(POLICIES)})",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="long: multiplier of the agents' tool pauses (0.2-5 s each); 0 runs them back to back",
+    )
     parser.add_argument("--json", metavar="FILE", help="write the measurements as JSON")
-    parser.add_argument("--plot", metavar="FILE.png", help="write a plot of KV over time and per agent")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="write a plot of KV over time (short: and per agent; long: and on the host)",
+    )
     parser.add_argument(
         "--server", metavar="URL", help="drive an OpenAI-compatible server instead (--model names it)"
     )
@@ -66,6 +105,12 @@ def selected_modes(mode: str) -> list[Mode]:
 
 def run(args: argparse.Namespace) -> int:
     """Build the workload, run each mode on the same loaded model, print and save the report."""
+    if args.scenario == "long":
+        return run_long(args)
+    if args.policies is not None:
+        raise ValueError("--policies is for --scenario long")
+    if args.turns is None:
+        args.turns = SHORT_TURNS
     if args.agents <= 0 or args.turns <= 0 or args.prefix_tokens <= 0 or args.max_tokens <= 0:
         raise ValueError("--agents, --turns, --prefix-tokens and --max-tokens must be positive")
     console = Console()
@@ -80,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     kv_per_token = loaded.config.kv_bytes_per_token(loaded.dtype)
     first_prompt = shared_prefix + max(len(tokenizer.encode(a.task)) for a in workload.agents) + 16
     options = engine_kwargs(args)
+    if options.get("offload_memory", 0) is None:
+        del options["offload_memory"]  # the engine's default: no host tier
     if options["kv_cache_memory"] is None:
         options["kv_cache_memory"] = pool_bytes_for(
             workload, first_prompt + 256 * workload.turns, kv_per_token

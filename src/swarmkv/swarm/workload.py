@@ -143,28 +143,35 @@ def build_workload(
     system_prompt, tools = build_system_prompt(tokenizer, prefix_tokens)
     scripts = []
     for i in range(agents):
-        module = _MODULES[i % len(_MODULES)] + ("" if i < len(_MODULES) else f"{i // len(_MODULES)}")
+        module = agent_module(i)
         task = rng.choice(_TASKS).format(module=module) + f" (agent {i}, ticket #{rng.randrange(1000, 9999)})"
         results = tuple(_tool_result(rng, module, tool_result_tokens) for _ in range(turns - 1))
         scripts.append(AgentScript(agent_id=f"agent-{i}", task=task, tool_results=results))
     return Workload(system_prompt, tools, tuple(scripts), turns, max_tokens)
 
 
+def agent_module(index: int) -> str:
+    """The module agent `index` works on: named in its task and in its tools' output."""
+    return _MODULES[index % len(_MODULES)] + ("" if index < len(_MODULES) else f"{index // len(_MODULES)}")
+
+
+def tool_output_line(rng: random.Random, kind: str, module: str, n: int) -> str:
+    """Line `n` (0-based) of a `read_file`, `run_tests` or `search_code` result about `module`."""
+    if kind == "read_file":
+        return f"{n + 1:4d}  {rng.choice(_CODE_LINES).format(m=module, n=rng.randrange(100))}"
+    if kind == "run_tests":
+        status = "PASSED" if rng.random() > 0.15 else "FAILED"
+        return f"tests/test_{module}.py::test_case_{rng.randrange(1000)} {status}"
+    return (
+        f"src/{module}/{rng.choice(('core', 'api', 'util'))}.py:{rng.randrange(1, 500)}: "
+        f"{rng.choice(_CODE_LINES).format(m=module, n=rng.randrange(100)).strip()}"
+    )
+
+
 def _tool_result(rng: random.Random, module: str, approx_tokens: int) -> tuple[str, str]:
     kind = rng.choice(("read_file", "run_tests", "search_code"))
-    lines: list[str] = []
     # About 12 tokens per line for these shapes of output.
-    for n in range(max(1, approx_tokens // 12)):
-        if kind == "read_file":
-            lines.append(f"{n + 1:4d}  {rng.choice(_CODE_LINES).format(m=module, n=rng.randrange(100))}")
-        elif kind == "run_tests":
-            status = "PASSED" if rng.random() > 0.15 else "FAILED"
-            lines.append(f"tests/test_{module}.py::test_case_{rng.randrange(1000)} {status}")
-        else:
-            lines.append(
-                f"src/{module}/{rng.choice(('core', 'api', 'util'))}.py:{rng.randrange(1, 500)}: "
-                f"{rng.choice(_CODE_LINES).format(m=module, n=rng.randrange(100)).strip()}"
-            )
+    lines = [tool_output_line(rng, kind, module, n) for n in range(max(1, approx_tokens // 12))]
     return kind, "\n".join(lines)
 
 

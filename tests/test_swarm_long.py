@@ -1,0 +1,183 @@
+"""`swarmkv swarm --scenario long`: the long workload, the per-policy report, and the run end to end."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from conftest_tokenizer_helpers import smol_tokenizer
+from swarmkv.cli import main
+from swarmkv.swarm.long_cli import parse_policies
+from swarmkv.swarm.long_report import long_record, percentile, print_long_table, save_long_plot
+from swarmkv.swarm.long_run import POLICIES, KVSample, PolicyResult
+from swarmkv.swarm.long_workload import TOOL_PAUSE_MAX_S, TOOL_PAUSE_MIN_S, build_long_workload
+
+_SMALL = {"agents": 3, "turns": 12, "prefix_tokens": 300, "max_tokens": 16}
+
+
+def test_long_workload_is_deterministic_with_varied_tools_and_pauses() -> None:
+    tok = smol_tokenizer()
+    a = build_long_workload(tok, seed=3, max_context_tokens=100_000, **_SMALL)
+    assert a == build_long_workload(tok, seed=3, max_context_tokens=100_000, **_SMALL)
+    assert build_long_workload(tok, seed=4, max_context_tokens=100_000, **_SMALL) != a
+    assert a.swarm.turns == 12 and len(a.swarm.agents) == 3
+    pauses = [p for agent in a.pauses_s for p in agent]
+    assert len(pauses) == 3 * 11 and all(TOOL_PAUSE_MIN_S <= p <= TOOL_PAUSE_MAX_S for p in pauses)
+    assert max(pauses) / min(pauses) > 5  # log-uniform: quick calls and slow ones
+    sizes = [len(tok.encode(out)) for agent in a.swarm.agents for _, out in agent.tool_results]
+    kinds = {name for agent in a.swarm.agents for name, _ in agent.tool_results}
+    assert len(sizes) == 3 * 11 and min(sizes) <= 150 and max(sizes) >= 1000
+    assert {"run_tests", "read_file"} <= kinds
+    # The context grows by every tool result: the final context counts each of them.
+    for agent, context in zip(a.swarm.agents, a.context_tokens, strict=True):
+        assert context > 300 + sum(len(tok.encode(out)) for _, out in agent.tool_results)
+    assert a.total_context_tokens == sum(a.context_tokens)
+
+
+def test_long_workload_shrinks_tool_results_to_fit_the_context() -> None:
+    tok = smol_tokenizer()
+    full = build_long_workload(tok, seed=3, max_context_tokens=100_000, **_SMALL)
+    fitted = build_long_workload(tok, seed=3, max_context_tokens=2048, **_SMALL)
+    assert max(full.context_tokens) > 2048 >= max(fitted.context_tokens)
+    assert fitted.pauses_s == full.pauses_s
+    for big, small in zip(full.swarm.agents, fitted.swarm.agents, strict=True):
+        for (kind, out), (small_kind, small_out) in zip(big.tool_results, small.tool_results, strict=True):
+            assert kind == small_kind and out.startswith(small_out)  # trimmed, not regenerated
+    with pytest.raises(ValueError, match="lower --turns"):
+        build_long_workload(tok, seed=3, max_context_tokens=400, **_SMALL)
+
+
+def test_policies_parse_in_order_and_refuse_unknown_names() -> None:
+    assert parse_policies(None) == list(POLICIES) == ["lru", "session", "session+offload"]
+    assert parse_policies("session+offload, lru,lru") == ["session+offload", "lru"]
+    with pytest.raises(ValueError, match="unknown policy 'fifo'"):
+        parse_policies("lru,fifo")
+    with pytest.raises(ValueError, match="unknown policy"):
+        parse_policies(",")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--policies", "lru,fifo"], "unknown policy 'fifo'"),
+        (["--turns", "0"], "must be positive"),
+        (["--time-scale", "-0.5"], "--time-scale must be >= 0"),
+        (["--mode", "shared"], "--mode is for --scenario short"),
+    ],
+)
+def test_long_scenario_rejects_bad_arguments(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["swarm", "--scenario", "long", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_short_scenario_refuses_policies(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["swarm", "--policies", "lru"]) == 2
+    assert "--policies is for --scenario long" in capsys.readouterr().err
+
+
+def _fake(policy: str, recomputed: int, later_ttft_s: float, tokens: list[int]) -> PolicyResult:
+    r = PolicyResult(policy, recomputed_tokens=recomputed, pool_bytes=2**20)  # type: ignore[arg-type]
+    r.ttft_s = [[0.5, later_ttft_s, later_ttft_s], [0.4, later_ttft_s]]
+    r.token_ids = [[tokens, [1]], [[2], [3]]]
+    r.timeline = [KVSample(0.1, 1000, 0, 0), KVSample(0.2, 2000, 500, recomputed)]
+    return r
+
+
+_CONFIG = {"agents": 2, "turns": 3, "kv_cache_memory": 2**20, "per_slot_context_bytes": 5 * 2**20}
+
+
+def test_report_ratios_targets_and_transcripts(tmp_path: Path) -> None:
+    results = {
+        "lru": _fake("lru", 1000, 2.0, [7, 8]),
+        "session": _fake("session", 400, 1.5, [7, 8]),
+        "session+offload": _fake("session+offload", 50, 0.5, [7, 8]),
+    }
+    record = long_record(_CONFIG, results)
+    assert set(record) == {"config", "modes", "ratios", "transcripts_identical"}
+    assert record["transcripts_identical"] is True
+    lru = record["modes"]["lru"]
+    assert lru["ttft_p95_later_s"] == 2.0 and lru["ttft_p50_s"] == 2.0 and lru["ttft_p95_s"] == 2.0
+    assert record["modes"]["session"]["ttft_p50_s"] == 1.5
+    assert record["ratios"] == {
+        "session": {"recomputed_tokens": 0.4, "ttft_p95_later_s": 0.75},
+        "session+offload": {"recomputed_tokens": 0.05, "ttft_p95_later_s": 0.25},
+    }
+    assert len({m["transcript_sha256"] for m in record["modes"].values()}) == 1
+    json.dumps(record)  # plain JSON throughout
+    console = Console(record=True, width=200)
+    print_long_table(console, record)
+    text = console.export_text()
+    assert "0.050x (<= 0.1x)" in text and "0.400x (<= 0.5x)" in text and "0.250x (<= 0.5x)" in text
+    assert "WARNING" not in text
+    plot = tmp_path / "long.png"
+    save_long_plot(str(plot), results)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_flags_different_transcripts_and_missing_lru() -> None:
+    results = {"lru": _fake("lru", 0, 1.0, [7, 8]), "session": _fake("session", 0, 1.0, [7, 9])}
+    record = long_record(_CONFIG, results)
+    assert record["transcripts_identical"] is False
+    assert record["ratios"]["session"]["recomputed_tokens"] is None  # lru recomputed nothing: no ratio
+    console = Console(record=True, width=200)
+    print_long_table(console, record)
+    assert "WARNING: the policies generated different tokens" in console.export_text()
+    assert long_record(_CONFIG, {"session": results["session"]})["ratios"] == {}
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([], 95) is None
+    assert percentile([3.0], 95) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert percentile([0.0, 10.0], 95) == pytest.approx(9.5)
+
+
+def test_long_swarm_end_to_end(tmp_path: Path) -> None:
+    out, plot = tmp_path / "long.json", tmp_path / "long.png"
+    # Sized for a CPU: each agent's context grows to at most 640 tokens (29 MiB of KV), three of them
+    # share a 32 MiB pool, and a decode step of the default model costs a few hundred milliseconds.
+    args = ["swarm", "--scenario", "long", "--agents", "3", "--turns", "6", "--prefix-tokens", "200"]
+    args += ["--max-tokens", "4", "--max-model-len", "640", "--kv-cache-memory", "32MiB"]
+    args += ["--offload-memory", "1GiB", "--time-scale", "0.01", "--weights", "float"]
+    start = time.perf_counter()
+    assert main([*args, "--json", str(out), "--plot", str(plot)]) == 0
+    print(f"long swarm end to end: {time.perf_counter() - start:.1f} s")
+    record = json.loads(out.read_text())
+    assert set(record["modes"]) == {"lru", "session", "session+offload"}
+    assert record["transcripts_identical"] is True
+    assert record["config"]["turns"] == 6 and max(record["config"]["context_tokens"]) <= 640
+    for mode in record["modes"].values():
+        for key in (
+            "prefill_tokens_computed",
+            "recomputed_tokens",
+            "prefix_hit_tokens",
+            "evictions",
+            "offload_loads",
+            "offload_load_bytes",
+            "ttft_p50_s",
+            "ttft_p95_s",
+            "ttft_p95_later_s",
+            "wall_s",
+            "transcript_sha256",
+            "swap_preemptions",
+            "recompute_preemptions",
+            "preemptions",
+            "peak_kv_bytes",
+            "pool_bytes",
+        ):
+            assert key in mode
+        assert len(mode["ttft_s"]) == 3 and all(len(turns) == 6 for turns in mode["ttft_s"])
+        assert mode["pool_bytes"] <= 32 * 2**20
+    lru, offload = record["modes"]["lru"], record["modes"]["session+offload"]
+    # The pool is too small for every context: lru evicts pages that later turns compute again.
+    assert lru["evictions"] > 0 and lru["recomputed_tokens"] > 0
+    assert offload["recomputed_tokens"] <= lru["recomputed_tokens"]
+    assert set(record["ratios"]) == {"session", "session+offload"}
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
