@@ -199,3 +199,12 @@ def test_a_pin_shorter_than_a_page_is_refused() -> None:
     with pytest.raises(InvalidRequestError, match="whole pages"):
         llm.engine.add_pin("p", [1, 2, 3], 60)
     assert not llm.engine.has_unfinished()
+
+
+def test_pinned_pages_count_against_the_prompts_the_pool_accepts() -> None:
+    llm = tiny_llm(block_size=4, kv_cache_memory="64KiB")  # 16 pages of 4 tokens
+    llm.pin(list(range(1, 29)), ttl_s=60)  # 7 pages
+    with pytest.raises(InvalidRequestError, match="besides pinned pages"):
+        llm.engine.add_request("big", list(range(40)), GREEDY)
+    with pytest.raises(ValueError, match="max_pinned_memory"):
+        tiny_llm(kv_cache_memory="64KiB", max_pinned_memory="64KiB")

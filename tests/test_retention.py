@@ -157,3 +157,16 @@ def test_release_of_an_unknown_session_is_false() -> None:
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="retention"):
         Retention("fifo")  # type: ignore[arg-type]
+
+
+def test_a_request_id_reused_in_another_session_keeps_both_books() -> None:
+    books = Books("session")
+    first = Sequence("same", [*HEAD, 5, 6, 7], PARAMS, session_id="s")
+    books.kv.open_turn(first)
+    books.run(first)  # s's newest turn, finished: its path stays reached by s
+    again = Sequence("same", [*HEAD, 8, 9, 10], PARAMS, session_id="t")
+    books.kv.open_turn(again)
+    books.run(again)
+    assert books.kv.retention.release("s")
+    assert evicted_in_order(books), "eviction must not trip over the released session's books"
+    assert books.kv.retention.release("t")

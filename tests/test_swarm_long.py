@@ -14,7 +14,8 @@ from swarmkv.cli import main
 from swarmkv.swarm.long_cli import parse_policies
 from swarmkv.swarm.long_report import long_record, percentile, print_long_table, save_long_plot
 from swarmkv.swarm.long_run import POLICIES, KVSample, PolicyResult
-from swarmkv.swarm.long_workload import TOOL_PAUSE_MAX_S, TOOL_PAUSE_MIN_S, build_long_workload
+from swarmkv.swarm.long_workload import TOOL_PAUSE_MAX_S, TOOL_PAUSE_MIN_S, build_long_workload, compacted
+from swarmkv.swarm.workload import initial_messages, tool_result_message
 
 _SMALL = {"agents": 3, "turns": 12, "prefix_tokens": 300, "max_tokens": 16}
 
@@ -36,6 +37,48 @@ def test_long_workload_is_deterministic_with_varied_tools_and_pauses() -> None:
     for agent, context in zip(a.swarm.agents, a.context_tokens, strict=True):
         assert context > 300 + sum(len(tok.encode(out)) for _, out in agent.tool_results)
     assert a.total_context_tokens == sum(a.context_tokens)
+
+
+def test_subagents_spawn_by_share_and_fit_the_context() -> None:
+    tok = smol_tokenizer()
+    every = build_long_workload(tok, seed=3, max_context_tokens=1024, subagent_share=1.0, **_SMALL)
+    assert (
+        len(every.spawned) == 3
+        and len(
+            build_long_workload(tok, seed=3, max_context_tokens=1024, subagent_share=0.0, **_SMALL).spawned
+        )
+        == 0
+    )
+    for i, plan in enumerate(every.subagents):
+        assert plan is not None and 0 <= plan.after_turn < 11 and plan.script.agent_id == f"agent-{i}/sub"
+        assert len(plan.pauses_s) == len(plan.script.tool_results) in (1, 2)
+        messages = initial_messages(every.swarm, plan.script)
+        for name, output in plan.script.tool_results:
+            messages += [
+                {"role": "assistant", "content": "x" * 16},
+                {"role": "tool", "name": name, "content": output},
+            ]
+        assert len(tok.encode(tok.apply_chat_template(messages, tools=list(every.swarm.tools)))) <= 1024
+    assert every.compact_tokens == 512
+
+
+def test_compaction_keeps_the_head_and_drops_the_history() -> None:
+    tok = smol_tokenizer()
+    long = build_long_workload(tok, seed=3, max_context_tokens=100_000, **_SMALL)
+    agent = long.swarm.agents[0]
+    messages = initial_messages(long.swarm, agent)
+    for turn in range(4):
+        messages += [{"role": "assistant", "content": f"reply {turn}"}, tool_result_message(agent, turn)]
+    short = compacted(messages)
+    assert short[0] == messages[0] and len(short) == 2 and short[1]["role"] == "user"
+    assert (
+        agent.task in short[1]["content"]
+        and "reply 3" in short[1]["content"]
+        and "reply 0" not in short[1]["content"]
+    )
+    assert messages[-1]["content"] in short[1]["content"]
+    render = lambda m: tok.encode(tok.apply_chat_template(m, tools=list(long.swarm.tools)))  # noqa: E731
+    assert len(render(short)) < len(render(messages))
 
 
 def test_long_workload_shrinks_tool_results_to_fit_the_context() -> None:
@@ -173,7 +216,10 @@ def test_long_swarm_end_to_end(tmp_path: Path) -> None:
             "pool_bytes",
         ):
             assert key in mode
-        assert len(mode["ttft_s"]) == 3 and all(len(turns) == 6 for turns in mode["ttft_s"])
+        # Agents first (six turns each), then the subagents they spawned (two or three turns each).
+        rows = mode["ttft_s"]
+        assert len(rows) == 3 + record["config"]["subagents"] == 3 + mode["subagents"]
+        assert all(len(turns) == 6 for turns in rows[:3]) and all(len(t) in (2, 3) for t in rows[3:])
         assert mode["pool_bytes"] <= 32 * 2**20
     lru, offload = record["modes"]["lru"], record["modes"]["session+offload"]
     # The pool is too small for every context: lru evicts pages that later turns compute again.

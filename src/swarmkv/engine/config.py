@@ -88,6 +88,8 @@ class EngineConfig:
             raise ValueError(f"retention must be one of {RETENTION_POLICIES}, got {self.retention!r}")
         if self.offload_bytes < 0 or self.max_pinned_bytes < 0:
             raise ValueError("offload_memory and max_pinned_memory cannot be negative")
+        if self.max_pinned_bytes >= self.kv_cache_bytes:
+            raise ValueError("max_pinned_memory must be less than kv_cache_memory: requests need pages too")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

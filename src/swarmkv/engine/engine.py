@@ -174,7 +174,12 @@ class LLMEngine:
         self.kv.open_turn(seq)
         if len(self._last_turn) > MAX_OPEN_SESSIONS:  # clients that never release: end the longest idle
             idle = next(
-                (sid for sid, last in self._last_turn.items() if last.request_id not in self._requests), None
+                (
+                    sid
+                    for sid, last in self._last_turn.items()
+                    if sid != session_id and last.request_id not in self._requests
+                ),
+                None,
             )
             if idle is not None:
                 self.release_session(idle)
@@ -221,10 +226,10 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens; the context holds {self.max_model_len} including the reply"
             )
-        pool_tokens = self.kv.num_pages * self.config.block_size
+        pool_tokens = (self.kv.num_pages - self.kv.num_pinned) * self.config.block_size
         if len(ids) >= pool_tokens:
             raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens; the whole KV pool holds {pool_tokens}"
+                f"the prompt has {len(ids)} tokens; the KV pool holds {pool_tokens} besides pinned pages"
             )
 
     def has_unfinished(self) -> bool:

@@ -134,7 +134,7 @@ class Scheduler:
                 plan.chunks.append(self._chunk(seq, 1, "decode"))
                 budget -= 1
         admitting = True
-        for _, _, seq in self._prefills(scheduled):
+        for _, position, seq in self._prefills(scheduled):
             if budget == 0:
                 break
             if seq.status is Status.RUNNING:
@@ -145,7 +145,12 @@ class Scheduler:
                     scheduled.add(id(seq))
                     plan.chunks.append(self._chunk(seq, num_tokens, "prefill"))
                     budget -= num_tokens
-            elif admitting and seq.status is Status.WAITING and len(self.running) < self.limits.max_num_seqs:
+            elif (
+                admitting
+                and position >= 0  # not one preempted earlier in this loop
+                and seq.status is Status.WAITING
+                and len(self.running) < self.limits.max_num_seqs
+            ):
                 admitted = self._admit(seq, budget, plan)
                 if admitted is None:
                     admitting = False  # the shortest waiting prompt does not fit: keep the queue's order

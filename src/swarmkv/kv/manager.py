@@ -178,7 +178,8 @@ class KVCacheManager:
         # Hit pages nobody holds are evictable now, but taking them removes them from the evictable set;
         # a partial page on the device is always unheld, and is claimed out of it or held there until
         # copied. Each host page to load needs a device page of its own.
-        on_device = hit.partial is not None and not hit.partial.on_host
+        partial = hit.partial
+        on_device = partial is not None and not partial.on_host and self.pool.refcounts[partial.page] == 0
         taken = sum(1 for p in hit.pages if self.pool.refcounts[p] == 0) + on_device
         available = self.pool.num_free + self.num_cached - taken
         return self.num_new_pages(request, hit, num_new_tokens) + hit.num_loads <= available
@@ -200,7 +201,6 @@ class KVCacheManager:
         copy_from: int | None = None
         if table is None:
             table = self._tables[rid] = _Table(request.cache_salt)
-            self.retention.run(rid, running=True)
             self.pool.retain(list(hit.pages))
             self.index.touch(hit.pages)
             loaded = self._load([*hit.host_pages, *([partial.page] if partial and partial.on_host else [])])
@@ -209,6 +209,7 @@ class KVCacheManager:
                 if partial.on_host:
                     self.pool.release([page])  # unheld again, like any cached partial page
                 partial = PartialHit(page, partial.num_tokens, partial.whole)
+            self.retention.run(rid, running=True)  # after its loads: their evictions rank it as paused
             table.path = [*hit.pages, *loaded]
             appended += table.path
             self.retention.tag(self._nodes(table.path), request.session_id)

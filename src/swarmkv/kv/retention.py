@@ -105,6 +105,10 @@ class Retention:
 
     def open(self, request_id: str, session_id: str) -> None:
         """A new turn of `session_id` arrives: it becomes the newest, superseding a finished older turn."""
+        if (
+            request_id in self._session_of
+        ):  # a finished turn's id, reused: keep the old turn under another key
+            self._rekey(request_id)
         session = self._sessions.get(session_id)
         if session is None:
             session = self._sessions[session_id] = _Session(request_id)
@@ -169,6 +173,18 @@ class Retention:
                 node.anonymous = True
             else:
                 node.owners.add(session_id)
+
+    def _rekey(self, request_id: str) -> None:
+        old_key = f"{request_id}#{next(self._clock)}"
+        session_id = self._session_of.pop(request_id)
+        self._session_of[old_key] = session_id
+        if request_id in self._paths:
+            self._paths[old_key] = self._paths.pop(request_id)
+        session = self._sessions[session_id]
+        if session.newest == request_id:
+            session.newest = old_key
+        session.live.discard(request_id)
+        session.running.discard(request_id)
 
     def _forget(self, request_id: str) -> None:
         self._unmark(request_id)

@@ -83,6 +83,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=1.0,
         help="long: multiplier of the agents' tool pauses (0.2-5 s each); 0 runs them back to back",
     )
+    parser.add_argument(
+        "--subagent-share",
+        type=float,
+        default=0.44,
+        help="long: share of agents that delegate one tool call to a subagent session (default 0.44)",
+    )
+    parser.add_argument(
+        "--compact-share",
+        type=float,
+        default=0.5,
+        help="long: the harness compacts a prompt longer than this share of the context (0: never; default 0.5)",
+    )
     parser.add_argument("--json", metavar="FILE", help="write the measurements as JSON")
     parser.add_argument(
         "--plot",

@@ -47,6 +47,8 @@ def check_long_args(args: argparse.Namespace) -> list[Policy]:
         raise ValueError("--agents, --turns, --prefix-tokens and --max-tokens must be positive")
     if args.time_scale < 0:
         raise ValueError(f"--time-scale must be >= 0, got {args.time_scale}")
+    if not 0 <= args.subagent_share <= 1 or not 0 <= args.compact_share <= 1:
+        raise ValueError("--subagent-share and --compact-share must lie in [0, 1]")
     if args.server:
         raise ValueError("--scenario long runs the engine in process; --server is for --scenario short")
     if args.mode != "both":
@@ -74,6 +76,8 @@ def run_long(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=args.max_tokens,
         max_context_tokens=max_context,
+        subagent_share=args.subagent_share,
+        compact_share=args.compact_share or None,
     )
     per_slot_bytes = long.total_context_tokens * kv_per_token
     pool_bytes = args.kv_cache_memory
@@ -130,6 +134,9 @@ def _config_record(
         "kv_cache_memory": base.kv_cache_bytes,
         "context_tokens": list(long.context_tokens),
         "per_slot_context_tokens": long.total_context_tokens,
+        "subagent_share": args.subagent_share,
+        "subagents": len(long.spawned),
+        "compact_tokens": long.compact_tokens,
     }
 
 
@@ -143,7 +150,9 @@ def _run_policies(
     time_scale: float,
 ) -> dict[str, PolicyResult]:
     results: dict[str, PolicyResult] = {}
-    total = len(long.swarm.agents) * long.swarm.turns
+    total = len(long.swarm.agents) * long.swarm.turns + sum(
+        len(p.script.tool_results) + 1 for p in long.spawned
+    )
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),

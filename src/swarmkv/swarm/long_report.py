@@ -61,6 +61,8 @@ def policy_record(r: PolicyResult) -> dict[str, Any]:
         "peak_kv_bytes": r.peak_kv_bytes,
         "peak_offloaded_bytes": r.peak_offloaded_bytes,
         "pool_bytes": r.pool_bytes,
+        "subagents": r.subagents,
+        "compactions": r.compactions,
         "wall_s": round(r.wall_s, 3),
         "ttft_s": [[round(t, 4) for t in turns] for turns in r.ttft_s],
         **ttft_summary(r),

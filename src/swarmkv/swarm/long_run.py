@@ -15,9 +15,11 @@ from swarmkv.engine.config import EngineConfig
 from swarmkv.engine.engine import LLMEngine
 from swarmkv.engine.sampling_params import SamplingParams
 from swarmkv.models.loader import LoadedModel
-from swarmkv.swarm.long_workload import LongWorkload
-from swarmkv.swarm.workload import Message, initial_messages, tool_result_message
+from swarmkv.swarm.long_workload import TOOL_PAUSE_MIN_S, LongWorkload, compacted
+from swarmkv.swarm.workload import AgentScript, Message, initial_messages, tool_result_message
 
+# A harness compacts a history at most this often: a compacted history has room to grow again.
+COMPACT_EVERY_TURNS = 4
 Policy = Literal["lru", "session", "session+offload"]
 POLICIES: tuple[Policy, ...] = ("lru", "session", "session+offload")
 
@@ -66,6 +68,8 @@ class PolicyResult:
     ttft_s: list[list[float]] = field(default_factory=list)  # [agent][turn], from the turn being due
     token_ids: list[list[list[int]]] = field(default_factory=list)  # [agent][turn]: the generated ids
     timeline: list[KVSample] = field(default_factory=list)
+    subagents: int = 0  # subagent sessions spawned
+    compactions: int = 0  # histories the harness compacted
 
     @property
     def transcript_sha256(self) -> str:
@@ -74,6 +78,41 @@ class PolicyResult:
 
 
 ProgressFn = Callable[[int, int, PolicyResult], None]
+
+
+@dataclass
+class _Worker:
+    """An agent or a subagent: one session running its script's turns."""
+
+    session_id: str
+    script: AgentScript
+    pauses_s: tuple[float, ...]
+    messages: list[Message] = field(default_factory=list)
+    turn: int = 0
+    parent: int | None = None  # a subagent's parent, by worker index
+    subagent: int | None = None  # the subagent an agent spawns after turn `spawn_after`
+    spawn_after: int | None = None
+    compacted_at: int = 0  # the turn of its latest compaction (0: none yet)
+
+    @property
+    def num_turns(self) -> int:
+        """Turns in its script: one per tool result, plus the last."""
+        return len(self.script.tool_results) + 1
+
+
+def _workers(long: LongWorkload) -> list[_Worker]:
+    """Agents first, then their subagents in the agents' order (rows of the results, in that order)."""
+    workload = long.swarm
+    workers = [
+        _Worker(a.agent_id, a, long.pauses_s[i], initial_messages(workload, a))
+        for i, a in enumerate(workload.agents)
+    ]
+    for i, plan in enumerate(long.subagents):
+        if plan is not None:
+            workers[i].subagent, workers[i].spawn_after = len(workers), plan.after_turn
+            messages = initial_messages(workload, plan.script)
+            workers.append(_Worker(plan.script.agent_id, plan.script, plan.pauses_s, messages, parent=i))
+    return workers
 
 
 def run_long_swarm(
@@ -85,38 +124,57 @@ def run_long_swarm(
     progress: ProgressFn | None = None,
 ) -> PolicyResult:
     """Agents run their turns one session each; between turns an agent waits out its tool's scaled pause, so
-    the agents drift apart; after its last turn it releases its session."""
+    the agents drift apart. An agent with a subagent spawns it after one turn and waits for its report; a
+    prompt past the compaction threshold is compacted first. A finished session is released."""
     workload = long.swarm
-    agents = workload.agents
     engine = LLMEngine(loaded, config)
     tokenizer = loaded.tokenizer
+    workers = _workers(long)
     result = PolicyResult(
         policy,
-        ttft_s=[[] for _ in agents],
-        token_ids=[[] for _ in agents],
+        ttft_s=[[] for _ in workers],
+        token_ids=[[] for _ in workers],
         pool_bytes=engine.kv.num_pages * engine.page_bytes,
     )
     params = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0)
-    messages: list[list[Message]] = [initial_messages(workload, a) for a in agents]
-    index_of = {a.agent_id: i for i, a in enumerate(agents)}
-    turn_of = [0] * len(agents)
+    index_of = {w.session_id: i for i, w in enumerate(workers)}
     due_at: dict[str, float] = {}  # request id -> when its agent was ready to send it
     replies: dict[str, list[str]] = {}
-    pending: list[tuple[float, int]] = []  # (due time, agent): turns waiting out a tool pause
-    total_turns = len(agents) * workload.turns
+    pending: list[tuple[float, int]] = []  # (due time, worker): turns waiting out a tool pause
+    total_turns = sum(w.num_turns for w in workers)
     done_turns = 0
 
+    def render(w: _Worker) -> list[int]:
+        return tokenizer.encode(tokenizer.apply_chat_template(w.messages, tools=list(workload.tools)))
+
     def submit(i: int, due: float) -> None:
-        ids = tokenizer.encode(tokenizer.apply_chat_template(messages[i], tools=list(workload.tools)))
-        rid = f"{agents[i].agent_id}/turn-{turn_of[i]}"
-        engine.add_request(rid, ids, params, session_id=agents[i].agent_id)
+        w = workers[i]
+        ids = render(w)
+        if (
+            long.compact_tokens is not None
+            and w.parent is None
+            and len(ids) > long.compact_tokens
+            and w.turn - w.compacted_at >= COMPACT_EVERY_TURNS
+        ):
+            w.compacted_at = w.turn
+            w.messages = compacted(w.messages)
+            ids = render(w)
+            result.compactions += 1
+        while len(ids) > engine.max_model_len - workload.max_tokens:  # a harness truncates what cannot fit
+            last = w.messages[-1]
+            content = str(last["content"])
+            w.messages[-1] = {**last, "content": content[: len(content) // 2] + "\n[output truncated]"}
+            ids = render(w)
+        rid = f"{w.session_id}/turn-{w.turn}"
+        engine.add_request(rid, ids, params, session_id=w.session_id)
         due_at[rid] = due
         replies[rid] = []
         result.token_ids[i].append([])
 
     start = time.perf_counter()
-    for i in range(len(agents)):
-        submit(i, start)
+    for i, w in enumerate(workers):
+        if w.parent is None:
+            submit(i, start)
     while engine.has_unfinished() or pending:
         now = time.perf_counter()
         while pending and pending[0][0] <= now:
@@ -137,7 +195,7 @@ def run_long_swarm(
         for delta in deltas:
             if delta.error is not None:
                 raise RuntimeError(f"{delta.request_id} failed: {delta.error}")
-            i = index_of[delta.request_id.split("/")[0]]
+            i = index_of[delta.request_id.rsplit("/turn-", 1)[0]]
             if not replies[delta.request_id] and delta.new_token_ids:
                 result.ttft_s[i].append(now - due_at[delta.request_id])
             replies[delta.request_id].append(delta.new_text)
@@ -145,19 +203,51 @@ def run_long_swarm(
             if not delta.finished:
                 continue
             done_turns += 1
-            messages[i].append({"role": "assistant", "content": "".join(replies.pop(delta.request_id))})
-            if turn_of[i] + 1 < workload.turns:
-                messages[i].append(tool_result_message(agents[i], turn_of[i]))
-                heapq.heappush(pending, (now + long.pauses_s[i][turn_of[i]] * time_scale, i))
-                turn_of[i] += 1
-            else:
-                engine.release_session(agents[i].agent_id)
+            reply = "".join(replies.pop(delta.request_id))
+            _next_turn(engine, workers, i, reply, now, time_scale, pending, submit, result)
             if progress is not None:
                 progress(done_turns, total_turns, result)
     result.wall_s = time.perf_counter() - start
     _read_counters(engine, result)
     engine.check_integrity()
     return result
+
+
+def _next_turn(
+    engine: LLMEngine,
+    workers: list[_Worker],
+    i: int,
+    reply: str,
+    now: float,
+    time_scale: float,
+    pending: list[tuple[float, int]],
+    submit: Callable[[int, float], None],
+    result: PolicyResult,
+) -> None:
+    """After worker `i` finished a turn: its tool runs (or its subagent starts), or its session ends and a
+    subagent's report goes to its parent."""
+    w = workers[i]
+    w.messages.append({"role": "assistant", "content": reply})
+    if w.turn + 1 < w.num_turns:
+        if w.subagent is not None and w.turn == w.spawn_after:
+            result.subagents += 1
+            submit(w.subagent, now)  # the parent's tool call is its subagent: it waits for the report
+        else:
+            w.messages.append(tool_result_message(w.script, w.turn))
+            heapq.heappush(pending, (now + w.pauses_s[w.turn] * time_scale, i))
+        w.turn += 1
+        return
+    engine.release_session(w.session_id)
+    if w.parent is not None:
+        parent = workers[w.parent]
+        report = {
+            "role": "tool",
+            "tool_call_id": f"call_{parent.session_id}_{parent.turn - 1}",
+            "name": "delegate_task",
+            "content": f"Subagent report:\n{reply}",
+        }
+        parent.messages.append(report)
+        heapq.heappush(pending, (now + TOOL_PAUSE_MIN_S * time_scale, w.parent))
 
 
 def _read_counters(engine: LLMEngine, result: PolicyResult) -> None:

@@ -1,4 +1,11 @@
-"""The long-horizon swarm's workload: many turns per agent, tool results of varied sizes, seeded tool pauses."""
+"""The long-horizon swarm's workload: many turns per agent, tool results of varied sizes, seeded tool pauses,
+subagents and history compaction.
+
+Two habits of real agent harnesses shape what a KV cache should keep. About 44% of agent sessions spawn a
+subagent (vLLM's published agent traces): a short session of its own, over the same head, whose report becomes
+its parent's tool result and which is released when done. And a harness compacts a history that has grown too
+long: the next prompt restarts after the task with a summary, and the old history is never read again.
+"""
 
 from __future__ import annotations
 
@@ -46,6 +53,26 @@ TOOL_MIX: tuple[ToolKind, ...] = (
 )
 
 
+# Share of agents that delegate one tool call to a subagent, and the subagent's turns.
+SUBAGENT_SHARE = 0.44
+SUBAGENT_TURNS = (2, 3)
+_SUBTASKS = (
+    "Find every caller of the functions in `{module}/core.py` and report each as file:line with one line of context.",
+    "Run the `{module}` test suite, collect the failing tests and report each failure's first error line.",
+    "Read `{module}/api.py` and list its public functions with their signatures and what they return.",
+)
+
+
+@dataclass(frozen=True)
+class SubagentPlan:
+    """A subagent its parent spawns after `after_turn`: a session of its own whose last reply becomes the
+    parent's tool result."""
+
+    after_turn: int
+    script: AgentScript
+    pauses_s: tuple[float, ...]  # after each of its turns but the last, unscaled
+
+
 @dataclass(frozen=True)
 class LongWorkload:
     """The swarm (shared head, tasks, tool results) plus each agent's tool pauses and final context size."""
@@ -53,11 +80,18 @@ class LongWorkload:
     swarm: Workload
     pauses_s: tuple[tuple[float, ...], ...]  # [agent][turn]: the tool's run time after that turn, unscaled
     context_tokens: tuple[int, ...]  # each agent's final context, its replies counted at max_tokens
+    subagents: tuple[SubagentPlan | None, ...] = ()  # per agent
+    compact_tokens: int | None = None  # a prompt past this many tokens is compacted first
 
     @property
     def total_context_tokens(self) -> int:
         """The per-slot context: every agent's final context, summed (a shared head counted per agent)."""
         return sum(self.context_tokens)
+
+    @property
+    def spawned(self) -> list[SubagentPlan]:
+        """The subagents, in their parents' order."""
+        return [plan for plan in self.subagents if plan is not None]
 
 
 def tool_pause_s(rng: random.Random) -> float:
@@ -74,9 +108,12 @@ def build_long_workload(
     seed: int,
     max_tokens: int,
     max_context_tokens: int,
+    subagent_share: float = SUBAGENT_SHARE,
+    compact_share: float | None = 0.5,
 ) -> LongWorkload:
     """A deterministic long swarm for `seed`; an agent whose tool results would outgrow `max_context_tokens`
-    gets all of them shrunk by one factor, as a harness trims output when the context fills."""
+    gets all of them shrunk by one factor, as a harness trims output when the context fills. A share of the
+    agents spawn a subagent; a prompt longer than `compact_share` of the context is compacted (None: never)."""
     base = build_workload(
         tokenizer, agents=agents, turns=1, prefix_tokens=prefix_tokens, seed=seed, max_tokens=max_tokens
     )
@@ -113,7 +150,50 @@ def build_long_workload(
         scripts.append(dataclasses.replace(agent, tool_results=tuple(results)))
         contexts.append(context)
     swarm = dataclasses.replace(base, agents=tuple(scripts), turns=turns)
-    return LongWorkload(swarm, tuple(pauses), tuple(contexts))
+    sub_rng = random.Random(seed + 1)  # its own stream: the agents' scripts do not change with the share
+    subagents = tuple(
+        _subagent(sub_rng, tokenizer, base, i, turns, max_context_tokens)
+        if turns > 1 and sub_rng.random() < subagent_share
+        else None
+        for i in range(agents)
+    )
+    compact = None if compact_share is None else int(compact_share * max_context_tokens)
+    return LongWorkload(swarm, tuple(pauses), tuple(contexts), subagents, compact)
+
+
+def _subagent(
+    rng: random.Random, tokenizer: Tokenizer, base: Workload, parent: int, turns: int, max_context_tokens: int
+) -> SubagentPlan:
+    """A subagent of agent `parent`, spawned after one of its turns but the last, with small tool results
+    that fit its context."""
+    module = agent_module(parent)
+    task = rng.choice(_SUBTASKS).format(module=module) + f" (delegated by agent {parent})"
+    num_turns = rng.choice(SUBAGENT_TURNS)
+    kinds = rng.choices(TOOL_MIX[:2], k=num_turns - 1)
+    script = AgentScript(agent_id=f"agent-{parent}/sub", task=task, tool_results=())
+    fixed = _context_tokens(tokenizer, base, script, [(k.name, "") for k in kinds], base.max_tokens)
+    cap = max(1, min(600, (max_context_tokens - fixed) // len(kinds) - _TURN_MARGIN_TOKENS))
+    results = []
+    for k in kinds:
+        size = min(cap, rng.randint(k.min_tokens, k.max_tokens))
+        output = _sized_output(tokenizer, random.Random(rng.randrange(2**32)), k.name, module, size)
+        results.append((k.name, output))
+    script = dataclasses.replace(script, tool_results=tuple(results))
+    return SubagentPlan(rng.randrange(turns - 1), script, tuple(tool_pause_s(rng) for _ in kinds))
+
+
+def compacted(messages: list[Message]) -> list[Message]:
+    """A harness's compaction of a long history: the system prompt, then one user message with the task, a
+    summary (here: the agent's latest replies) and the latest tool output. The old history is not read again."""
+    system, task = messages[0], messages[1]
+    replies = [str(m["content"]) for m in messages if m["role"] == "assistant"][-3:]
+    latest = str(messages[-1]["content"]) if messages[-1]["role"] == "tool" else ""
+    summary = (
+        f"{task['content']}\n\nThe earlier turns were compacted. Your latest notes:\n"
+        + "\n---\n".join(replies)
+        + f"\n\nLatest tool output:\n{latest}"
+    )
+    return [system, {"role": "user", "content": summary}]
 
 
 def _context_tokens(
