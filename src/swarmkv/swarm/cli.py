@@ -92,8 +92,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--compact-share",
         type=float,
-        default=0.5,
-        help="long: the harness compacts a prompt longer than this share of the context (0: never; default 0.5)",
+        default=0.8,
+        help="long: the harness compacts a prompt longer than this share of the context, as agent harnesses"
+        " auto-compact near the window's end (0: never; default 0.8)",
     )
     parser.add_argument("--json", metavar="FILE", help="write the measurements as JSON")
     parser.add_argument(

@@ -109,7 +109,7 @@ def build_long_workload(
     max_tokens: int,
     max_context_tokens: int,
     subagent_share: float = SUBAGENT_SHARE,
-    compact_share: float | None = 0.5,
+    compact_share: float | None = 0.8,
 ) -> LongWorkload:
     """A deterministic long swarm for `seed`; an agent whose tool results would outgrow `max_context_tokens`
     gets all of them shrunk by one factor, as a harness trims output when the context fills. A share of the
