@@ -11,6 +11,7 @@ import pytest
 from engine_helpers import tiny_llm
 from swarmkv import LLM
 from swarmkv.engine.sampling_params import SamplingParams
+from swarmkv.engine.scheduler import STARVATION_STEPS
 from swarmkv.errors import InvalidRequestError, PinLimitError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -208,3 +209,17 @@ def test_pinned_pages_count_against_the_prompts_the_pool_accepts() -> None:
         llm.engine.add_request("big", list(range(40)), GREEDY)
     with pytest.raises(ValueError, match="max_pinned_memory"):
         tiny_llm(kv_cache_memory="64KiB", max_pinned_memory="64KiB")
+
+
+def test_a_long_prefill_passed_over_by_short_ones_is_not_starved() -> None:
+    llm = tiny_llm(block_size=4, max_num_batched_tokens=32)
+    engine = llm.engine
+    engine.add_request("cold", list(range(200)), GREEDY)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for step in range(3 * STARVATION_STEPS):
+        for k in range(2):  # two 16-token turns a step take the whole budget, shortest first
+            engine.add_request(f"short-{step}-{k}", [300 + step, 301 + k, *range(14)], one)
+        engine.step()
+        engine.check_integrity()
+    cold = engine.get_sequence("cold")
+    assert cold is not None and cold.num_computed_tokens >= 2 * 32, "the cold prompt should still progress"

@@ -6,7 +6,8 @@ runner what to compute and which pages each request's table gained, so the runne
 
 A step's budget goes to decodes first, then to prefills shortest remaining first, running or waiting alike:
 an agent returning with a tool result of a few hundred tokens runs before another agent's long cold prompt,
-which takes what is left of the budget in chunks. A preempted request's private pages go to the host tier
+which takes what is left of the budget in chunks, and goes first once it has been passed over for
+`STARVATION_STEPS` steps in a row. A preempted request's private pages go to the host tier
 when copying them there and back costs less than computing them again.
 """
 
@@ -134,7 +135,8 @@ class Scheduler:
                 plan.chunks.append(self._chunk(seq, 1, "decode"))
                 budget -= 1
         admitting = True
-        for _, position, seq in self._prefills(scheduled):
+        prefills = self._prefills(scheduled)
+        for _, _, position, seq in prefills:
             if budget == 0:
                 break
             if seq.status is Status.RUNNING:
@@ -157,22 +159,25 @@ class Scheduler:
                 elif admitted:
                     scheduled.add(id(seq))
                     budget -= admitted
+        for *_, seq in prefills:
+            seq.num_starved_steps = 0 if id(seq) in scheduled else seq.num_starved_steps + 1
         plan.freed, self._freed = self._freed, []
         return plan
 
-    def _prefills(self, scheduled: set[int]) -> list[tuple[int, int, Sequence]]:
-        """Running prefills and waiting requests, by tokens left to compute (after a waiting request's
-        cached prefix), then running before waiting and in queue order (a preempted request is at its front)."""
+    def _prefills(self, scheduled: set[int]) -> list[tuple[bool, int, int, Sequence]]:
+        """Running prefills and waiting requests: first those starved for `STARVATION_STEPS` steps, then by
+        tokens left to compute (after a waiting request's cached prefix), then running before waiting and in
+        queue order (a preempted request is at its front)."""
         items = [
-            (seq.num_uncomputed_tokens, -1, seq)
+            (_fed(seq), seq.num_uncomputed_tokens, -1, seq)
             for seq in self.running
             if id(seq) not in scheduled and not _is_decoding(seq)
         ]
         if len(self.running) < self.limits.max_num_seqs:
             for position, seq in enumerate(itertools.islice(self.waiting, _MAX_WAITING_CONSIDERED)):
                 hit = self.kv.lookup(_uncached_head(seq), seq.cache_salt)
-                items.append((seq.num_tokens - hit.num_tokens, position, seq))
-        items.sort(key=lambda item: item[:2])
+                items.append((_fed(seq), seq.num_tokens - hit.num_tokens, position, seq))
+        items.sort(key=lambda item: item[:3])
         return items
 
     def _chunk(self, seq: Sequence, num_tokens: int, kind: ChunkKind) -> Chunk:
@@ -324,6 +329,15 @@ class Scheduler:
 # Waiting requests looked up each step to find the shortest prefill; a queue longer than this is served by
 # its first entries (in order, a preempted request first) until it shrinks.
 _MAX_WAITING_CONSIDERED = 256
+
+
+# A prefill passed over this many steps in a row goes before shorter ones: shortest-first never starves it.
+STARVATION_STEPS = 16
+
+
+def _fed(seq: Sequence) -> bool:
+    """False for a request starved long enough to go first (False sorts before True)."""
+    return seq.num_starved_steps < STARVATION_STEPS
 
 
 def _uncached_head(seq: Sequence) -> list[int]:

@@ -35,6 +35,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     num_processed_tokens: int = 0  # high-water mark of positions ever computed or served from cache
     num_preemptions: int = 0
+    num_starved_steps: int = 0  # consecutive steps it waited for prefill compute and got none
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
 
