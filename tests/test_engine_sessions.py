@@ -10,6 +10,7 @@ import pytest
 
 from engine_helpers import tiny_llm
 from swarmkv import LLM
+from swarmkv.engine.config import EngineConfig
 from swarmkv.engine.sampling_params import SamplingParams
 from swarmkv.engine.scheduler import STARVATION_STEPS
 from swarmkv.errors import InvalidRequestError, PinLimitError
@@ -223,3 +224,16 @@ def test_a_long_prefill_passed_over_by_short_ones_is_not_starved() -> None:
         engine.check_integrity()
     cold = engine.get_sequence("cold")
     assert cold is not None and cold.num_computed_tokens >= 2 * 32, "the cold prompt should still progress"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"retention": "fifo"}, "retention"),
+        ({"offload_memory": "lots"}, "size"),
+        ({"max_pinned_memory": "2GiB"}, "max_pinned_memory"),
+    ],
+)
+def test_bad_session_options_are_refused(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(kv_cache_memory="1GiB", **options)

@@ -196,8 +196,6 @@ class LLMEngine:
         """Pin a prefix: queue a one-token prefill of it under `pin_id` (its delta arrives like any request's);
         when it finishes, the prefix's full pages are held until `ttl_s` runs out or `unpin`.
         InvalidRequestError (PinLimitError past the cap), and nothing queued, if it cannot be pinned."""
-        if pin_id in self._requests:
-            raise InvalidRequestError(f"pin id {pin_id!r} is already in use")
         self.pins.check(pin_id, prompt_token_ids, ttl_s)
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         self.add_request(pin_id, prompt_token_ids, params, cache_salt)

@@ -28,7 +28,7 @@ from typing import Protocol
 
 from swarmkv.kv.host_tier import HostTier, PageMover
 from swarmkv.kv.page_pool import PagePool, pages_for
-from swarmkv.kv.radix_index import Eviction, Node, PartialHit, RadixIndex, Salt
+from swarmkv.kv.radix_index import Node, PartialHit, RadixIndex, Salt
 from swarmkv.kv.retention import Retention
 
 
@@ -108,7 +108,6 @@ class KVCacheManager:
         self._mover = mover
         self._tables: dict[str, _Table] = {}
         self._pins: dict[str, list[int]] = {}
-        self._keep_host: frozenset[int] = frozenset()  # host pages a load in progress must not lose
         self.num_evictions = 0
 
     # Reading.
@@ -220,10 +219,7 @@ class KVCacheManager:
             elif partial is not None:
                 copy_from = partial.page
                 self.pool.retain([copy_from])  # not evictable until copied below
-        shortfall = needed - self.pool.num_free
-        if shortfall > 0:
-            evicted = self.evict(shortfall)
-            assert evicted == shortfall, "the index could not evict what it counted as evictable"
+        self._make_room(needed)
         new_pages = self.pool.allocate(needed)
         if copy_from is not None:
             if self._copy_page is not None:
@@ -239,14 +235,7 @@ class KVCacheManager:
         the caller and indexed where its host page was."""
         if not host_pages:
             return []
-        self._keep_host = frozenset(host_pages)
-        try:
-            shortfall = len(host_pages) - self.pool.num_free
-            if shortfall > 0:
-                evicted = self.evict(shortfall)
-                assert evicted == shortfall, "the index could not evict what it counted as evictable"
-        finally:
-            self._keep_host = frozenset()
+        self._make_room(len(host_pages), keep_host=frozenset(host_pages))
         pages = self.pool.allocate(len(host_pages))
         moves = list(zip(host_pages, pages, strict=True))
         if self._mover is not None:
@@ -257,15 +246,19 @@ class KVCacheManager:
         self.host.counters.loads += len(host_pages)
         return pages
 
-    def evict(self, num_pages: int) -> int:
-        """Return up to `num_pages` unheld cached pages to the free list, leaves first in the retention
-        policy's order; with a host tier each one's KV moves there instead of being dropped."""
-        host_page = self._host_page if self.host.num_pages else None
-        eviction = self.index.evict(num_pages, self.retention.key, host_page)
-        self._finish_eviction(eviction)
-        return len(eviction.device_pages)
+    def _make_room(self, num_pages: int, keep_host: frozenset[int] = frozenset()) -> None:
+        """Evict until `num_pages` pages are free; `can_allocate` has counted them as evictable."""
+        shortfall = num_pages - self.pool.num_free
+        if shortfall > 0:
+            evicted = self.evict(shortfall, keep_host)
+            assert evicted == shortfall, "the index could not evict what it counted as evictable"
 
-    def _finish_eviction(self, eviction: Eviction) -> None:
+    def evict(self, num_pages: int, keep_host: frozenset[int] = frozenset()) -> int:
+        """Return up to `num_pages` unheld cached pages to the free list, leaves first in the retention
+        policy's order; with a host tier each one's KV moves there instead of being dropped (dropping host
+        leaves for room, never those in `keep_host`)."""
+        host_page = (lambda: self._host_page(keep_host)) if self.host.num_pages else None
+        eviction = self.index.evict(num_pages, self.retention.key, host_page)
         if eviction.moved and self._mover is not None:
             self._mover.offload(eviction.moved)  # before the device pages are handed out again
         self.host.counters.stores += len(eviction.moved)
@@ -273,12 +266,13 @@ class KVCacheManager:
         self.host.counters.drops += len(eviction.dropped_host)
         self.pool.free(eviction.device_pages)
         self.num_evictions += len(eviction.device_pages)
+        return len(eviction.device_pages)
 
-    def _host_page(self) -> int | None:
-        """A free host page, dropping the least recently used host leaf if there is none."""
+    def _host_page(self, keep: frozenset[int]) -> int | None:
+        """A free host page, dropping the least recently used host leaf not in `keep` if there is none."""
         page = self.host.allocate()
         if page is None:
-            dropped = self.index.drop_host(1, self._keep_host)
+            dropped = self.index.drop_host(1, keep)
             self.host.free(dropped)
             self.host.counters.drops += len(dropped)
             page = self.host.allocate()

@@ -19,7 +19,7 @@ from swarmkv.options import add_engine_arguments, add_model_arguments, engine_kw
 from swarmkv.swarm.http_driver import run_swarm_over_http
 from swarmkv.swarm.long_cli import LONG_TURNS, run_long
 from swarmkv.swarm.long_run import POLICIES
-from swarmkv.swarm.report import json_key, mode_record, print_table, ratios, save_plot
+from swarmkv.swarm.report import json_key, mode_record, print_table, ratios, save_plot, turns_progress
 from swarmkv.swarm.run import MODES, Mode, ModeResult, pool_bytes_for, run_swarm, warm_up
 from swarmkv.swarm.workload import Workload, build_workload, prefix_token_count
 from swarmkv.tokenizer import Tokenizer
@@ -167,16 +167,7 @@ def run(args: argparse.Namespace) -> int:
     )
     warm_up(loaded, workload, engine_config)
     results: dict[str, ModeResult] = {}
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("turns"),
-        TextColumn("{task.fields[kv]}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    ) as bar:
+    with turns_progress(console) as bar:
         for mode in selected_modes(args.mode):
             task = bar.add_task(f"{mode:>8}", total=len(workload.agents) * workload.turns, kv="")
 

@@ -8,7 +8,6 @@ import json
 from typing import Any, cast
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from swarmkv.engine.config import EngineConfig
 from swarmkv.engine.kv_cache import kv_storage_dtype
@@ -17,6 +16,7 @@ from swarmkv.options import engine_kwargs
 from swarmkv.swarm.long_report import MIB, long_record, print_long_table, save_long_plot
 from swarmkv.swarm.long_run import POLICIES, Policy, PolicyResult, policy_config, run_long_swarm
 from swarmkv.swarm.long_workload import LongWorkload, build_long_workload
+from swarmkv.swarm.report import turns_progress
 from swarmkv.swarm.run import warm_up
 from swarmkv.swarm.workload import prefix_token_count
 
@@ -153,15 +153,7 @@ def _run_policies(
     total = len(long.swarm.agents) * long.swarm.turns + sum(
         len(p.script.tool_results) + 1 for p in long.spawned
     )
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("turns"),
-        TextColumn("{task.fields[kv]}"),
-        TimeElapsedColumn(),
-        console=console,
-    ) as bar:
+    with turns_progress(console) as bar:
         for policy in policies:
             task = bar.add_task(f"{policy:>15}", total=total, kv="")
 

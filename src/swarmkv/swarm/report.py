@@ -6,10 +6,24 @@ import statistics
 from typing import Any
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from swarmkv.swarm.run import ModeResult
 from swarmkv.units import GIB
+
+
+def turns_progress(console: Console) -> Progress:
+    """The swarm's progress bar: one task per mode or policy, turns done, a KV field, elapsed time."""
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("turns"),
+        TextColumn("{task.fields[kv]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
 
 
 def mode_record(r: ModeResult) -> dict[str, Any]:
