@@ -1,26 +1,31 @@
-"""Tiny random Hugging Face checkpoints (Llama, Qwen2, Qwen3) that tests build with transformers itself.
+"""Tiny random Hugging Face checkpoints (Llama, Qwen2, Qwen3, Qwen3.5) that tests build with transformers itself.
 
 `make_tiny_checkpoint(folder, "qwen3")` writes config.json, model.safetensors (or shards plus
 model.safetensors.index.json) and the Qwen3 tokenizer files, so the folder loads like a real model
 repo in both swarmkv and transformers. Weights are random but seeded, drawn wider than transformers'
 default init so attention is peaked, and biases and norm weights are random too, so a wrong rotary,
-bias or norm shows in the logits.
+bias or norm shows in the logits. `make_tiny_qwen3_5_multimodal_checkpoint` rewrites a Qwen3.5 checkpoint
+into the layout of the released Qwen3.5 repos (text weights under `model.language_model.`, a vision tower).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any, Literal
+from unittest import mock
 
 import torch
+from safetensors.torch import load_file, save_file
 
 # Sets HF_HUB_OFFLINE before transformers is imported anywhere.
 from conftest_tokenizer_helpers import qwen_dir
 
-TinyArch = Literal["llama", "qwen2", "qwen3"]
+TinyArch = Literal["llama", "qwen2", "qwen3", "qwen3_5"]
 
 # The tokenizer files a checkpoint folder needs; vocab.json and merges.txt are only for slow tokenizers.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -38,6 +43,29 @@ TINY_SHAPE: dict[str, Any] = {
     "initializer_range": 0.2,
 }
 
+# Qwen3.5: three Gated DeltaNet (linear-attention) layers, then one gated full-attention layer.
+QWEN3_5_LAYER_TYPES = ("linear_attention", "linear_attention", "linear_attention", "full_attention")
+QWEN3_5_SHAPE: dict[str, Any] = {
+    "num_hidden_layers": len(QWEN3_5_LAYER_TYPES),
+    "layer_types": list(QWEN3_5_LAYER_TYPES),
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+}
+# A vision tower the text-only loader must skip; its shape only needs to be plausible.
+TINY_VISION_CONFIG: dict[str, Any] = {
+    "model_type": "qwen3_5_vision",
+    "depth": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "patch_size": 16,
+    "out_hidden_size": 64,
+}
+
 
 @cache
 def qwen_vocab_size() -> int:
@@ -49,10 +77,18 @@ def qwen_vocab_size() -> int:
 
 def tiny_hf_config(arch: TinyArch, **overrides: Any) -> Any:
     """A transformers config of the given family at the tiny shape (vocabulary: the Qwen3 tokenizer's)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3_5TextConfig, Qwen3Config
 
-    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
-    return config_class(**{**TINY_SHAPE, "vocab_size": qwen_vocab_size(), **overrides})
+    config_class = {
+        "llama": LlamaConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "qwen3_5": Qwen3_5TextConfig,
+    }[arch]
+    family_shape = QWEN3_5_SHAPE if arch == "qwen3_5" else {}
+    if "layer_types" in overrides:
+        overrides.setdefault("num_hidden_layers", len(overrides["layer_types"]))
+    return config_class(**{**TINY_SHAPE, **family_shape, "vocab_size": qwen_vocab_size(), **overrides})
 
 
 def make_tiny_checkpoint(
@@ -65,8 +101,8 @@ def make_tiny_checkpoint(
 ) -> Path:
     """Save a seeded random `arch` model with the Qwen3 tokenizer into `folder`; return `folder`.
 
-    `overrides` go to the transformers config (e.g. tie_word_embeddings=True, rope_parameters={...});
-    `max_shard_size` (e.g. "2MB") splits the weights into shards with an index file.
+    `overrides` go to the transformers config (e.g. tie_word_embeddings=True, rope_parameters={...},
+    layer_types=[...] for qwen3_5, which also sets the layer count); `max_shard_size` (e.g. "2MB") splits the weights into shards with an index file.
     """
     from transformers import AutoModelForCausalLM
 
@@ -83,13 +119,107 @@ def make_tiny_checkpoint(
 
 
 def _randomise_constant_init(model: torch.nn.Module) -> None:
-    """Give biases (zeros) and norm weights (ones) random values, so a mis-loaded one changes the logits."""
+    """Give biases (zeros) and norm weights (constant) random values, so a mis-loaded one changes the logits.
+
+    Norm weights are drawn around their initial value: ones, or zeros where the model scales by 1 + weight
+    (Qwen3.5's RMSNorm). Qwen3.5's A_log and dt_bias keep transformers' init, which keeps the recurrent
+    decay -exp(A_log) * softplus(a + dt_bias) negative and of a trained model's size.
+    """
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.5)
             elif "norm" in name:
-                param.normal_(1.0, 0.2)
+                param.normal_(0.0 if bool((param == 0).all()) else 1.0, 0.2)
+
+
+def make_tiny_qwen3_5_multimodal_checkpoint(folder: Path, *, seed: int = 0, **overrides: Any) -> Path:
+    """Save the tiny Qwen3.5 as a `Qwen3_5ForConditionalGeneration` repo into `folder`; return `folder`.
+
+    Same text weights as `make_tiny_checkpoint(folder, "qwen3_5", seed=seed, **overrides)`, renamed the
+    way the released repos store them (`model.language_model.*`, `lm_head.weight` at the top), plus a
+    few `model.visual.*` tensors, and config.json nesting the text config under "text_config".
+    """
+    make_tiny_checkpoint(folder, "qwen3_5", seed=seed, **overrides)
+    weights_path = folder / "model.safetensors"
+    text = load_file(weights_path)
+    tensors = {_multimodal_name(name): tensor for name, tensor in text.items()}
+    generator = torch.Generator().manual_seed(seed)
+    vision = TINY_VISION_CONFIG
+    tensors["model.visual.patch_embed.proj.weight"] = torch.randn(
+        vision["hidden_size"], 3, 2, vision["patch_size"], vision["patch_size"], generator=generator
+    )
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.randn(
+        3 * vision["hidden_size"], vision["hidden_size"], generator=generator
+    )
+    tensors["model.visual.merger.linear_fc2.weight"] = torch.randn(
+        vision["out_hidden_size"], vision["hidden_size"], generator=generator
+    )
+    save_file(tensors, weights_path, metadata={"format": "pt"})
+
+    config_path = folder / "config.json"
+    text_config = json.loads(config_path.read_text())
+    text_config.pop("architectures", None)
+    text_config["model_type"] = "qwen3_5_text"
+    multimodal = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "tie_word_embeddings": text_config.get("tie_word_embeddings", False),
+        "image_token_id": 248056,
+        "video_token_id": 248057,
+        "vision_start_token_id": 248053,
+        "vision_end_token_id": 248054,
+        "text_config": text_config,
+        "vision_config": dict(TINY_VISION_CONFIG),
+        "transformers_version": text_config.get("transformers_version"),
+    }
+    config_path.write_text(json.dumps(multimodal, indent=2))
+    return folder
+
+
+def load_hf_qwen3_5(folder: Path, dtype: torch.dtype) -> Any:
+    """transformers' Qwen3_5ForCausalLM from `folder`, for use as a reference; in float64 its rotary
+    frequencies are float64 too (transformers computes them in float32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    if dtype == torch.float64:
+        rope = model.config.rope_parameters
+        dim = int(model.config.head_dim * rope.get("partial_rotary_factor", 1.0))
+        exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+        inv_freq = 1.0 / (rope["rope_theta"] ** exponents)
+        model.model.rotary_emb.inv_freq = inv_freq
+        model.model.rotary_emb.original_inv_freq = inv_freq.clone()
+    return model
+
+
+@contextmanager
+def float64_throughout() -> Iterator[None]:
+    """While a float64 transformers reference runs, make its float32 casts float64.
+
+    transformers' Qwen3.5 computes RMSNorm, rotary angles, the decay and the delta rule in float32 even in
+    a float64 model, which leaves its logits ~1e-4 from exact. Lifted (with `load_hf_qwen3_5`'s float64
+    rotary), its chunked prefill and its token-by-token decode agree to ~1e-12.
+    """
+    to = torch.Tensor.to
+
+    def to_without_float32(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+        if kwargs.get("dtype") is torch.float32:
+            kwargs["dtype"] = torch.float64
+        return to(self, *args, **kwargs)
+
+    with (
+        mock.patch.object(torch.Tensor, "float", torch.Tensor.double),
+        mock.patch.object(torch.Tensor, "to", to_without_float32),
+    ):
+        yield
+
+
+def _multimodal_name(name: str) -> str:
+    """`model.layers.0...` -> `model.language_model.layers.0...`; `lm_head.weight` stays at the top."""
+    prefix = "model."
+    return f"model.language_model.{name[len(prefix) :]}" if name.startswith(prefix) else name
 
 
 def edit_config(folder: Path, **changes: Any) -> None:

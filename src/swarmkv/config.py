@@ -11,7 +11,7 @@ import torch
 
 from swarmkv.errors import ModelLoadError, UnsupportedModelError
 
-Architecture = Literal["llama", "qwen2", "qwen3"]
+Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_5"]
 
 # HF `architectures` entries and GGUF `general.architecture` values we run, mapped to our family names.
 HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -19,15 +19,31 @@ HF_ARCHITECTURES: dict[str, Architecture] = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text part: token ids in, no image inputs
+}
+# Relatives of the families above that name what they add, so the refusal says what is missing.
+HF_UNSUPPORTED: dict[str, str] = {
+    "Qwen3_5MoeForCausalLM": "Qwen3.5 MoE needs mixture-of-experts layers, which swarmkv does not run",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3.5 MoE needs mixture-of-experts layers, which swarmkv does not run",
+    "Qwen3NextForCausalLM": "Qwen3-Next needs mixture-of-experts layers, which swarmkv does not run",
 }
 GGUF_ARCHITECTURES: dict[str, Architecture] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_UNSUPPORTED: dict[str, str] = {
+    "qwen35": "Qwen3.5 from GGUF is not supported yet (its linear-attention tensors are re-laid out by the "
+    "converter); load the Hugging Face safetensors checkpoint",
+    "qwen35moe": "Qwen3.5 MoE needs mixture-of-experts layers, which swarmkv does not run",
+    "qwen3next": "Qwen3-Next needs mixture-of-experts layers, which swarmkv does not run",
+}
 FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"  # Gated DeltaNet: a constant-size recurrent state instead of KV
 KV_LAYER_TYPES = frozenset({FULL_ATTENTION, "sliding_attention"})  # layer kinds that keep a KV cache
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    "float64": torch.float64,  # for parity tests: greedy choices never hinge on rounding
 }
 
 
@@ -40,6 +56,39 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class LinearAttentionShape:
+    """Gated DeltaNet layers' shape: key heads serve value heads in groups; a causal conv runs over q, k, v."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        """Width of q (and of k) across heads."""
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """Width of v (and of the output gate) across heads."""
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """One layer's state for one sequence: the conv window in `dtype`, the recurrent matrix in at least
+        float32 (the recurrence accumulates over the whole context)."""
+        conv = self.conv_dim * (self.conv_kernel - 1) * _element_bytes(dtype)
+        matrix = self.num_value_heads * self.key_head_dim * self.value_head_dim
+        return conv + matrix * _element_bytes(torch.promote_types(dtype, torch.float32))
 
 
 @dataclass(frozen=True)
@@ -62,6 +111,9 @@ class ModelConfig:
     qk_norm: bool = False
     attention_bias: bool = False
     layer_types: tuple[str, ...] | None = None
+    linear: LinearAttentionShape | None = None  # hybrids: the linear-attention layers' shape
+    partial_rotary_factor: float = 1.0  # rotary turns only the first head_dim x this dims
+    attn_output_gate: bool = False  # q_proj also emits a per-head sigmoid gate on the attention output
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -72,6 +124,11 @@ class ModelConfig:
             raise ModelLoadError(
                 f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
             )
+        if self.linear is not None and self.linear.num_value_heads % self.linear.num_key_heads:
+            raise UnsupportedModelError(
+                f"{self.linear.num_value_heads} linear-attention value heads is not a multiple of "
+                f"{self.linear.num_key_heads} key heads"
+            )
 
     @property
     def num_attention_layers(self) -> int:
@@ -80,23 +137,49 @@ class ModelConfig:
             return self.num_layers
         return sum(t in KV_LAYER_TYPES for t in self.layer_types)
 
+    @property
+    def num_linear_layers(self) -> int:
+        """Linear-attention layers (each keeps a recurrent state per sequence instead of KV)."""
+        return sum(t == LINEAR_ATTENTION for t in self.layer_types or ())
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers keep a recurrent state: prefix hits then resume from state snapshots."""
+        return self.num_linear_layers > 0
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each head that rotary turns (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V one token occupies across all attention layers."""
-        element_bytes = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_attention_layers * self.num_kv_heads * self.head_dim * element_bytes
+        return 2 * self.num_attention_layers * self.num_kv_heads * self.head_dim * _element_bytes(dtype)
+
+    def state_bytes_per_sequence(self, dtype: torch.dtype) -> int:
+        """Bytes of recurrent state one sequence holds across the linear-attention layers (0 if none)."""
+        if self.linear is None:
+            return 0
+        return self.num_linear_layers * self.linear.state_bytes(dtype)
 
     def require_runnable(self) -> None:
         """Refuse layer kinds the model code would otherwise run wrongly."""
         for kind in sorted(set(self.layer_types or ())):
+            if kind == LINEAR_ATTENTION and self.linear is not None:
+                continue
             if kind != FULL_ATTENTION:
                 raise UnsupportedModelError(
-                    f"unsupported layer type {kind!r}: swarmkv runs full-attention layers only"
+                    f"unsupported layer type {kind!r} for architecture {self.architecture!r}: swarmkv runs "
+                    f"full-attention layers, and linear-attention layers of Qwen3.5"
                 )
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Normalise a Hugging Face config.json dict."""
         names = raw.get("architectures") or []
+        for name in names:
+            if name in HF_UNSUPPORTED:
+                raise UnsupportedModelError(f"unsupported architecture {name!r}: {HF_UNSUPPORTED[name]}")
         arch = next((HF_ARCHITECTURES[n] for n in names if n in HF_ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModelError(
@@ -109,6 +192,8 @@ class ModelConfig:
             heads = int(text["num_attention_heads"])
             hidden = int(text["hidden_size"])
             layer_types = text.get("layer_types")
+            if arch == "qwen3_5":
+                return _qwen3_5(raw, text)
             sliding = text.get("sliding_window")
             uses_sliding = text.get("use_sliding_window", arch == "llama")
             if sliding is not None and uses_sliding and layer_types is None:
@@ -158,6 +243,8 @@ class ModelConfig:
     def from_gguf_metadata(cls, meta: dict[str, Any], num_output_tensors: int = 0) -> ModelConfig:
         """Normalise GGUF metadata; `num_output_tensors` is 0 when the LM head is tied to the embedding."""
         name = str(meta.get("general.architecture", ""))
+        if name in GGUF_UNSUPPORTED:
+            raise UnsupportedModelError(f"unsupported GGUF architecture {name!r}: {GGUF_UNSUPPORTED[name]}")
         if name not in GGUF_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"unsupported GGUF architecture {name!r}; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}"
@@ -207,6 +294,55 @@ class ModelConfig:
             attention_bias=arch == "qwen2",
             layer_types=("sliding_attention",) * int(get("block_count")) if sliding else None,
         )
+
+
+def _qwen3_5(raw: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
+    """Qwen3.5's text model: gated attention every `full_attention_interval`-th layer, Gated DeltaNet between."""
+    if text.get("num_experts") or text.get("num_local_experts"):
+        raise UnsupportedModelError(
+            "this Qwen3.5 checkpoint has mixture-of-experts layers, which swarmkv does not run"
+        )
+    layers = int(text["num_hidden_layers"])
+    layer_types = text.get("layer_types")
+    if layer_types is None:
+        interval = int(text.get("full_attention_interval", 4))
+        layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)]
+    rope = text.get("rope_parameters") or {}
+    heads = int(text["num_attention_heads"])
+    hidden = int(text["hidden_size"])
+    return ModelConfig(
+        architecture="qwen3_5",
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(text.get("num_key_value_heads") or heads),
+        head_dim=int(text.get("head_dim") or hidden // heads),
+        intermediate_size=int(text["intermediate_size"]),
+        vocab_size=int(text["vocab_size"]),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta") or text.get("rope_theta", 10000.0)),
+        max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        rope_scaling=_rope_scaling(rope if rope.get("rope_type", "default") != "default" else None),
+        qk_norm=True,
+        attention_bias=bool(text.get("attention_bias", False)),
+        layer_types=tuple(layer_types),
+        linear=LinearAttentionShape(
+            num_key_heads=int(text["linear_num_key_heads"]),
+            num_value_heads=int(text["linear_num_value_heads"]),
+            key_head_dim=int(text["linear_key_head_dim"]),
+            value_head_dim=int(text["linear_value_head_dim"]),
+            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+        ),
+        partial_rotary_factor=float(
+            rope.get("partial_rotary_factor") or text.get("partial_rotary_factor", 0.25)
+        ),
+        attn_output_gate=bool(text.get("attn_output_gate", True)),
+    )
+
+
+def _element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:

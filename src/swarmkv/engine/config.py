@@ -56,6 +56,11 @@ class EngineConfig:
     max_pinned_memory: int | str | None = _opt(
         None, "cap on KV bytes that pins may hold, e.g. 256MiB (default: half the KV pool)"
     )
+    state_memory: int | str | None = _opt(
+        None,
+        "hybrid models (Qwen3.5): the part of kv_cache_memory for recurrent states, each running request's "
+        "and the prefix snapshots, e.g. 1GiB (default: a quarter of it)",
+    )
     max_num_seqs: int = _opt(64, "requests running at once")
     max_num_batched_tokens: int = _opt(2048, "tokens computed per step (prefill chunks plus decodes)")
     max_model_len: int | None = _opt(None, "context length (default: the model's)")
@@ -88,6 +93,10 @@ class EngineConfig:
             raise ValueError(f"retention must be one of {RETENTION_POLICIES}, got {self.retention!r}")
         if self.offload_bytes < 0 or self.max_pinned_bytes < 0:
             raise ValueError("offload_memory and max_pinned_memory cannot be negative")
+        if self.state_memory is not None and not 0 < self.state_bytes < self.kv_cache_bytes:
+            raise ValueError(
+                "state_memory must be positive and less than kv_cache_memory: KV needs pages too"
+            )
         if self.max_pinned_bytes >= self.kv_cache_bytes:
             raise ValueError("max_pinned_memory must be less than kv_cache_memory: requests need pages too")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -106,6 +115,13 @@ class EngineConfig:
     def offload_bytes(self) -> int:
         """The host tier's size in bytes (0: no host tier)."""
         return parse_size(self.offload_memory)
+
+    @property
+    def state_bytes(self) -> int:
+        """The recurrent-state budget of a hybrid model, taken from the KV pool's."""
+        if self.state_memory is None:
+            return self.kv_cache_bytes // 4
+        return parse_size(self.state_memory)
 
     @property
     def max_pinned_bytes(self) -> int:

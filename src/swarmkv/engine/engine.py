@@ -27,6 +27,7 @@ from swarmkv.engine.sampler import sample
 from swarmkv.engine.sampling_params import SamplingParams
 from swarmkv.engine.scheduler import Chunk, PreemptionCost, Scheduler, SchedulerLimits, StepPlan
 from swarmkv.engine.sequence import FinishReason, Sequence
+from swarmkv.engine.state_cache import StateCache
 from swarmkv.engine.stats import EngineCounters
 from swarmkv.errors import CapacityError, InvalidRequestError
 from swarmkv.kv import KVCacheManager, Retention, pages_for
@@ -50,7 +51,18 @@ class LLMEngine:
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, loaded.dtype)
         self.kv_bytes_per_token = loaded.config.kv_bytes_per_token(self.kv_dtype)
         page_bytes = self.kv_bytes_per_token * config.block_size
-        num_pages = config.kv_cache_bytes // page_bytes
+        # A hybrid's recurrent states (running and snapshots) come out of the same budget as the pages.
+        self.state_bytes_per_sequence = loaded.config.state_bytes_per_sequence(loaded.dtype)
+        num_state_slots = 0
+        if self.state_bytes_per_sequence:
+            num_state_slots = config.state_bytes // self.state_bytes_per_sequence
+            if num_state_slots < 2:
+                raise CapacityError(
+                    f"state_memory of {config.state_bytes} bytes holds {num_state_slots} recurrent state(s) of "
+                    f"{self.state_bytes_per_sequence} bytes; a hybrid model needs at least 2 (one running, one "
+                    f"snapshot): raise kv_cache_memory or state_memory"
+                )
+        num_pages = (config.kv_cache_bytes - num_state_slots * self.state_bytes_per_sequence) // page_bytes
         model_len = loaded.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise CapacityError(
@@ -71,6 +83,10 @@ class LLMEngine:
             calibrate_kv_scales(loaded.model, kv_tensors, loaded.tokenizer)
         num_host_pages = config.offload_bytes // page_bytes if config.prefix_caching else 0
         self.host_kv = HostKV(kv_tensors, num_host_pages) if num_host_pages else None
+        self.states: StateCache | None = None
+        if num_state_slots:
+            self.states = StateCache(loaded.config, num_state_slots, loaded.dtype, loaded.device)
+            assert self.states.bytes_per_slot == self.state_bytes_per_sequence
         self.kv = KVCacheManager(
             num_pages,
             config.block_size,
@@ -79,6 +95,8 @@ class LLMEngine:
             retention=Retention(config.retention),
             num_host_pages=num_host_pages,
             mover=self.host_kv,
+            num_state_slots=num_state_slots,
+            state_mover=self.states,
         )
         self.counters = EngineCounters()
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens)
@@ -89,7 +107,9 @@ class LLMEngine:
         self.pins = Pins(self.kv, page_bytes, config.max_pinned_bytes)
         max_pages = pages_for(self.max_model_len, config.block_size)  # a request that fills the context
         page_table = PageTable(config.max_num_seqs, max_pages, config.block_size, loaded.device)
-        self.attention_backend = resolve_attention_backend(config.attention_backend, loaded.device)
+        self.attention_backend = resolve_attention_backend(
+            config.attention_backend, loaded.device, hybrid=loaded.config.is_hybrid
+        )
         self.runner = ModelRunner(
             loaded.model,
             kv_tensors,
@@ -100,6 +120,7 @@ class LLMEngine:
             cuda_graphs=loaded.device.type == "cuda" and not config.enforce_eager,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
+            states=self.states,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._requests: dict[str, Sequence] = {}
@@ -344,6 +365,24 @@ class LLMEngine:
         c.peak_kv_pages_in_use = max(c.peak_kv_pages_in_use, kv.num_in_use)
         c.peak_kv_pages_used = max(c.peak_kv_pages_used, kv.num_pages - kv.num_free)
 
+    def _state_stats(self) -> dict[str, int]:
+        """A hybrid model's recurrent-state pool, in slots and bytes (empty for a pure transformer)."""
+        states = self.kv.states
+        if states is None:
+            return {}
+        per = self.state_bytes_per_sequence
+        return {
+            "state_bytes_per_sequence": per,
+            "state_slots_total": states.num_slots,
+            "state_bytes_total": states.num_slots * per,
+            "state_bytes_in_use": states.num_running * per,
+            "state_snapshots": states.num_snapshots,
+            "state_snapshot_bytes": states.num_snapshots * per,
+            "state_snapshot_stores": states.counters.stores,
+            "state_snapshot_hits": states.counters.hits,
+            "state_snapshot_drops": states.counters.drops,
+        }
+
     def check_integrity(self) -> None:
         """Assert that pages, refcounts, page tables, the prefix index and the runner's rows agree."""
         self.scheduler.check_integrity()
@@ -394,6 +433,7 @@ class LLMEngine:
             "pinned_bytes": self.pins.held_bytes,
             "sessions_open": kv.retention.num_open,
             "sessions_paused": kv.retention.num_paused,
+            **self._state_stats(),
             "cascade_decode_rows": c.cascade_decode_rows,
             "cascade_shared_tokens": c.cascade_shared_tokens,
             "requests_running": len(self.scheduler.running),

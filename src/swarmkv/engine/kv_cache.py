@@ -39,14 +39,15 @@ class KVCache:
         storage_dtype: torch.dtype | None = None,
     ) -> None:
         """`dtype` is the model's (what readers get back); `storage_dtype` what pages hold (default: the same)."""
-        shape = (config.num_layers, num_pages * block_size, config.num_kv_heads, config.head_dim)
+        num_layers = config.num_attention_layers  # a hybrid's linear-attention layers keep no KV
+        shape = (num_layers, num_pages * block_size, config.num_kv_heads, config.head_dim)
         self.dtype = dtype
         self.storage_dtype = storage_dtype or dtype
         self.k = torch.zeros(shape, dtype=self.storage_dtype, device=device)
         self.v = torch.zeros(shape, dtype=self.storage_dtype, device=device)
         self.block_size = block_size
-        self.k_scales = [1.0] * config.num_layers
-        self.v_scales = [1.0] * config.num_layers
+        self.k_scales = [1.0] * num_layers
+        self.v_scales = [1.0] * num_layers
 
     @property
     def is_fp8(self) -> bool:

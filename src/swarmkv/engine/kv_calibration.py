@@ -38,7 +38,7 @@ def calibrate_kv_scales(model: DecoderForCausalLM, cache: KVCache, tokenizer: To
     """Run the calibration text once and set the cache's per-layer fp8 scales from what it produced."""
     ids = tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)[: model.config.max_position_embeddings]
     device = cache.k.device
-    recorder = _AmaxRecorder(model.config.num_layers)
+    recorder = _AmaxRecorder(model.config.num_attention_layers)
     model(torch.tensor(ids, device=device), torch.arange(len(ids), device=device), recorder)
     k_amax = torch.stack(recorder.k_amax).tolist()  # one host sync for every layer
     v_amax = torch.stack(recorder.v_amax).tolist()

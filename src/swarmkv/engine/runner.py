@@ -9,8 +9,11 @@ from swarmkv.engine.cascade import AUTO_MIN_SAVED_TOKENS, CascadeMode, plan_grou
 from swarmkv.engine.kv_cache import KVCache
 from swarmkv.engine.page_table import PageTable
 from swarmkv.engine.paged_attention import PagedAttention, build_layout
+from swarmkv.engine.recurrent_step import RecurrentStep, build_state_layout
 from swarmkv.engine.scheduler import Chunk, StepPlan, sampling_rows
+from swarmkv.engine.state_cache import StateCache
 from swarmkv.engine.stats import EngineCounters
+from swarmkv.models.attention import AttentionBackend
 from swarmkv.models.decoder import DecoderForCausalLM
 
 # The triton backend's decode already splits and merges, so a group costs only its prefix tiles: it pays
@@ -32,9 +35,13 @@ class ModelRunner:
         cuda_graphs: bool = False,
         max_num_seqs: int = 1,
         max_model_len: int | None = None,
+        states: StateCache | None = None,
     ) -> None:
-        """With the triton backend, `cuda_graphs` replays decode steps of up to `max_num_seqs` rows."""
+        """With the triton backend, `cuda_graphs` replays decode steps of up to `max_num_seqs` rows. A hybrid
+        model's linear-attention layers run over `states` (torch backend only)."""
+        assert states is None or backend == "torch", "hybrid models run on the torch backend"
         self.model = model
+        self.states = states
         self.kv_cache = kv_cache
         self.page_table = page_table
         self.counters = counters
@@ -64,7 +71,11 @@ class ModelRunner:
         if self.triton is not None:
             return sampling, self.triton.run(prefills, decodes, groups)
         layout, input_ids, positions = build_layout(self.page_table, prefills, decodes, groups, self.dtype)
-        hidden = self.model(input_ids, positions, PagedAttention(self.kv_cache, layout))
+        backend: AttentionBackend = PagedAttention(self.kv_cache, layout)
+        if self.states is not None:
+            state_layout = build_state_layout(prefills, decodes, plan.state_slots, self.device)
+            backend = RecurrentStep(backend, self.states, state_layout)
+        hidden = self.model(input_ids, positions, backend)
         rows = torch.tensor(sampling_rows(prefills + decodes), dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         return sampling, logits

@@ -9,6 +9,11 @@ an agent returning with a tool result of a few hundred tokens runs before anothe
 which takes what is left of the budget in chunks, and goes first once it has been passed over for
 `STARVATION_STEPS` steps in a row. A preempted request's private pages go to the host tier
 when copying them there and back costs less than computing them again.
+
+For a hybrid model a prefix hit needs a state snapshot at its end, so a prefill chunk is cut where a snapshot
+pays: where the request leaves the cached tree (a branch point, once a second request diverges there) and
+where it stops sharing tokens with another queued or running request (a cold swarm's common head, computed
+once while the followers wait for it). The state is snapshotted after such a chunk.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Literal
 from swarmkv.engine.sequence import Sequence, Status
 from swarmkv.engine.stats import EngineCounters
 from swarmkv.kv import NO_HIT, Hit, KVCacheManager
+from swarmkv.kv.state_index import MIN_SNAPSHOT_TOKENS
 
 ChunkKind = Literal["prefill", "decode"]
 
@@ -34,6 +40,7 @@ class Chunk:
     token_ids: list[int]
     kind: ChunkKind
     samples: bool  # the chunk reaches the request's last token, so a new token is sampled after it
+    snapshot: bool = False  # hybrids: keep the recurrent state after this chunk
 
     @property
     def request_id(self) -> str:
@@ -64,6 +71,7 @@ class StepPlan:
     chunks: list[Chunk] = field(default_factory=list)
     new_pages: dict[str, list[int]] = field(default_factory=dict)
     freed: list[str] = field(default_factory=list)
+    state_slots: dict[str, int] = field(default_factory=dict)  # hybrids: each chunk's request's state slot
 
 
 @dataclass(frozen=True)
@@ -143,9 +151,11 @@ class Scheduler:
                 if id(seq) in scheduled:
                     continue
                 num_tokens = min(seq.num_uncomputed_tokens, budget)
+                cut = self._snapshot_cut(seq, seq.num_computed_tokens, num_tokens, seq.branch_tokens)
+                num_tokens = cut or num_tokens
                 if self._reserve(seq, num_tokens, plan, scheduled):
                     scheduled.add(id(seq))
-                    plan.chunks.append(self._chunk(seq, num_tokens, "prefill"))
+                    plan.chunks.append(self._chunk(seq, num_tokens, "prefill", snapshot=cut is not None))
                     budget -= num_tokens
             elif (
                 admitting
@@ -162,6 +172,8 @@ class Scheduler:
         for *_, seq in prefills:
             seq.num_starved_steps = 0 if id(seq) in scheduled else seq.num_starved_steps + 1
         plan.freed, self._freed = self._freed, []
+        if self.kv.states is not None:
+            plan.state_slots = {c.request_id: self.kv.state_slot(c.request_id) for c in plan.chunks}
         return plan
 
     def _prefills(self, scheduled: set[int]) -> list[tuple[bool, int, int, Sequence]]:
@@ -180,10 +192,29 @@ class Scheduler:
         items.sort(key=lambda item: item[:3])
         return items
 
-    def _chunk(self, seq: Sequence, num_tokens: int, kind: ChunkKind) -> Chunk:
+    def _chunk(self, seq: Sequence, num_tokens: int, kind: ChunkKind, snapshot: bool = False) -> Chunk:
         start = seq.num_computed_tokens
         end = start + num_tokens
-        return Chunk(seq, start, seq.token_ids[start:end], kind, samples=end == seq.num_tokens)
+        return Chunk(seq, start, seq.token_ids[start:end], kind, end == seq.num_tokens, snapshot)
+
+    def _snapshot_cut(self, seq: Sequence, start: int, num_tokens: int, branch_tokens: int) -> int | None:
+        """Hybrids: the tokens of a prefill chunk from `start` of at most `num_tokens` that ends at the first
+        point worth a state snapshot (see the module docstring); None when no such point falls in it."""
+        states = self.kv.states
+        if states is None or not self.kv.prefix_caching:
+            return None
+        end = start + num_tokens
+        tokens = seq.token_ids
+        points = {branch_tokens}
+        others = itertools.chain(itertools.islice(self.waiting, _MAX_WAITING_CONSIDERED), self.running)
+        for other in others:
+            if other is not seq and other.cache_salt == seq.cache_salt:
+                # The other resumes at most before its last token, which it computes to sample.
+                points.add(min(_common_prefix(tokens, other.token_ids), other.num_tokens - 1))
+        for point in sorted(p for p in points if start < p <= end and p >= MIN_SNAPSHOT_TOKENS):
+            if not states.has(tokens[:point], seq.cache_salt):
+                return point - start
+        return None
 
     def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan, scheduled: set[int]) -> bool:
         """Pages for `num_tokens` more tokens of a running request, preempting the newest unscheduled ones."""
@@ -210,6 +241,8 @@ class Scheduler:
         if hit.partial is None and self._prefix_in_flight(seq, hit):
             return 0
         num_tokens = min(seq.num_tokens - hit.num_tokens, budget)
+        cut = self._snapshot_cut(seq, hit.num_tokens, num_tokens, hit.branch_tokens)
+        num_tokens = cut or num_tokens
         pages = self.kv.allocate(seq, hit, num_tokens)
         if pages is None:
             if not self.running and not plan.chunks:
@@ -219,9 +252,10 @@ class Scheduler:
         plan.new_pages[seq.request_id] = pages
         self._count_hit(seq, hit)
         seq.num_computed_tokens = hit.num_tokens
+        seq.branch_tokens = hit.branch_tokens
         seq.status = Status.RUNNING
         self.running.append(seq)
-        plan.chunks.append(self._chunk(seq, num_tokens, "prefill"))
+        plan.chunks.append(self._chunk(seq, num_tokens, "prefill", snapshot=cut is not None))
         return num_tokens
 
     def _count_hit(self, seq: Sequence, hit: Hit) -> None:
@@ -239,6 +273,8 @@ class Scheduler:
         """Whether a running prefill is about to compute pages `seq` could hit: then wait for them."""
         if not self.kv.prefix_caching:
             return False
+        if self.kv.states is not None:
+            return self._state_in_flight(seq, hit)
         size = self.kv.page_size
         tokens = seq.token_ids
         for other in self.running:
@@ -253,14 +289,33 @@ class Scheduler:
                 return True
         return False
 
+    def _state_in_flight(self, seq: Sequence, hit: Hit) -> bool:
+        """Hybrids: whether a running prefill shares more of `seq`'s tokens than its hit and has not computed
+        them yet: it cuts its prefill there and snapshots the state, so `seq` waits and resumes from it."""
+        limit = seq.num_tokens - 1
+        for other in self.running:
+            if other.cache_salt != seq.cache_salt or other.num_uncomputed_tokens <= 1:
+                continue
+            shared = min(_common_prefix(seq.token_ids, other.prompt_token_ids), limit)
+            if (
+                shared >= MIN_SNAPSHOT_TOKENS
+                and shared > hit.num_tokens
+                and other.num_computed_tokens < shared
+            ):
+                return True
+        return False
+
     def commit(self, chunks: list[Chunk]) -> None:
-        """Record computed chunks: counters, progress, and full pages offered to the prefix index."""
+        """Record computed chunks: counters, progress, full pages offered to the prefix index, and the
+        hybrids' state snapshots the plan asked for."""
         for chunk in chunks:
             seq = chunk.seq
             end = chunk.start + chunk.num_tokens
             self._count_work(seq, chunk.start, end)
             seq.num_computed_tokens = end
             self.kv.commit(seq, end)
+            if chunk.snapshot:
+                self.kv.snapshot(seq)
 
     def _count_work(self, seq: Sequence, start: int, end: int) -> None:
         """Positions this request processed before are recomputed; new prompt positions are first-time
@@ -301,14 +356,15 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._free(seq)
+        self._free(seq, keep_state=reason != "error")
         self.kv.retention.close(seq.request_id)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
-    def _free(self, seq: Sequence) -> None:
+    def _free(self, seq: Sequence, keep_state: bool = True) -> None:
+        """`keep_state`: False after a failed step, which may have left a hybrid's state half-updated."""
         if self.kv.holds_pages(seq.request_id):
-            self.kv.free(seq, keep_partial=True)
+            self.kv.free(seq, keep_partial=True, keep_state=keep_state)
             self._freed.append(seq.request_id)
         seq.num_computed_tokens = 0
 
@@ -338,6 +394,19 @@ STARVATION_STEPS = 16
 def _fed(seq: Sequence) -> bool:
     """False for a request starved long enough to go first (False sorts before True)."""
     return seq.num_starved_steps < STARVATION_STEPS
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists (binary search over slice comparisons, which
+    run in C)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def _uncached_head(seq: Sequence) -> list[int]:

@@ -36,6 +36,9 @@ class Sequence:
     num_processed_tokens: int = 0  # high-water mark of positions ever computed or served from cache
     num_preemptions: int = 0
     num_starved_steps: int = 0  # consecutive steps it waited for prefill compute and got none
+    branch_tokens: int = (
+        0  # hybrids: tokens the cached pages matched at admission (its state is snapshotted there)
+    )
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
 

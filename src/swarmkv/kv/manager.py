@@ -17,6 +17,13 @@ Eviction follows a `Retention` policy (plain LRU, or session-aware ranks). With 
 is copied to a host page instead of being dropped and its tree node stays; a hit on host pages loads them
 back inside `allocate`, before the request runs, so every request sharing them waits on that one load.
 A pin holds a prefix's pages like a request would, so eviction never takes them.
+
+For a hybrid model (`states`), pages hold the attention layers' KV and a `StateIndex` the linear-attention
+layers' recurrent states: a running slot per request and snapshots keyed by the tokens before them. A hit is
+then the deepest snapshot at or before the page match, with the pages cut back to it; a partial page is
+always copied, never claimed, so the page a snapshot's position falls in stays cached for every request
+that resumes there. Snapshots are taken at a stopped request's end (`free`) and at the points the scheduler
+cuts prefills at (`snapshot`).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from swarmkv.kv.host_tier import HostTier, PageMover
 from swarmkv.kv.page_pool import PagePool, pages_for
 from swarmkv.kv.radix_index import Node, PartialHit, RadixIndex, Salt
 from swarmkv.kv.retention import Retention
+from swarmkv.kv.state_index import MIN_SNAPSHOT_TOKENS, StateIndex, StateMover
 
 
 class KVRequest(Protocol):
@@ -60,6 +68,8 @@ class Hit:
     partial: PartialHit | None = None
     num_tokens: int = 0
     host_pages: tuple[int, ...] = ()
+    snapshot: int | None = None  # hybrids: the state slot to resume from, after num_tokens tokens
+    branch_tokens: int = 0  # hybrids: tokens the cached pages match, where the request leaves the tree
 
     @property
     def num_loads(self) -> int:
@@ -93,9 +103,12 @@ class KVCacheManager:
         retention: Retention | None = None,
         num_host_pages: int = 0,
         mover: PageMover | None = None,
+        num_state_slots: int = 0,
+        state_mover: StateMover | None = None,
     ) -> None:
-        """`copy_page(src, dst)` copies a page's KV and `mover` copies between the tiers; without them
-        (bookkeeping only) copies are not made. `num_host_pages` sizes the host tier (0: none)."""
+        """`copy_page(src, dst)` copies a page's KV, `mover` copies between the tiers and `state_mover`
+        between state slots; without them (bookkeeping only) copies are not made. `num_host_pages` sizes
+        the host tier (0: none); `num_state_slots` the recurrent-state pool of a hybrid model (0: none)."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.pool = PagePool(num_pages)
@@ -109,6 +122,8 @@ class KVCacheManager:
         self._tables: dict[str, _Table] = {}
         self._pins: dict[str, list[int]] = {}
         self.num_evictions = 0
+        self.states = StateIndex(num_state_slots) if num_state_slots else None
+        self._state_mover = state_mover
 
     # Reading.
 
@@ -155,18 +170,34 @@ class KVCacheManager:
         """The longest cached prefix of `tokens` under `salt`; no references taken, nothing changed."""
         if not self.prefix_caching:
             return NO_HIT
+        hit = self._page_hit(tokens, salt)
+        if self.states is None:
+            return hit
+        snapshot = self.states.deepest(tokens, salt, hit.num_tokens)
+        if snapshot is None:
+            return Hit(branch_tokens=hit.num_tokens)
+        branch = hit.num_tokens
+        if snapshot.position < branch:
+            hit = self._page_hit(tokens[: snapshot.position], salt)
+        assert hit.num_tokens == snapshot.position, "the pages before a snapshot are not all cached"
+        return Hit(hit.pages, hit.partial, hit.num_tokens, hit.host_pages, snapshot.slot, branch)
+
+    def _page_hit(self, tokens: Sequence[int], salt: Salt) -> Hit:
         pages, host_pages, partial = self.index.lookup(tokens, salt)
-        if partial is not None and not partial.whole and partial.num_tokens < self.page_size // 2:
-            partial = None  # a copy must spare at least half a page of compute to be worth a page copy
+        # A copy must spare at least half a page of compute to be worth a page copy, unless a state
+        # snapshot needs those tokens' KV.
+        min_copy = 1 if self.states is not None else self.page_size // 2
+        if partial is not None and not partial.whole and partial.num_tokens < min_copy:
+            partial = None
         num_full = len(pages) + len(host_pages)
         num_tokens = num_full * self.page_size + (partial.num_tokens if partial else 0)
-        return Hit(tuple(pages), partial, num_tokens, tuple(host_pages))
+        return Hit(tuple(pages), partial, num_tokens, tuple(host_pages), branch_tokens=num_tokens)
 
     def num_new_pages(self, request: KVRequest, hit: Hit, num_new_tokens: int) -> int:
         """Pages `allocate` would take from the pool (or from eviction) for this call."""
         table = self._tables.get(request.request_id)
         if table is None:
-            whole = hit.partial is not None and hit.partial.whole
+            whole = hit.partial is not None and hit.partial.whole and self.states is None
             have, base = len(hit.pages) + len(hit.host_pages) + whole, hit.num_tokens
         else:
             have, base = len(table.pages), request.num_computed_tokens
@@ -181,6 +212,8 @@ class KVCacheManager:
         on_device = partial is not None and not partial.on_host and self.pool.refcounts[partial.page] == 0
         taken = sum(1 for p in hit.pages if self.pool.refcounts[p] == 0) + on_device
         available = self.pool.num_free + self.num_cached - taken
+        if self.states is not None and request.request_id not in self._tables and not self.states.can_take():
+            return False
         return self.num_new_pages(request, hit, num_new_tokens) + hit.num_loads <= available
 
     # Changing.
@@ -212,7 +245,8 @@ class KVCacheManager:
             table.path = [*hit.pages, *loaded]
             appended += table.path
             self.retention.tag(self._nodes(table.path), request.session_id)
-            if partial is not None and partial.whole:
+            self._start_state(rid, hit)
+            if partial is not None and partial.whole and self.states is None:
                 self.index.detach(partial.page)
                 self.pool.retain([partial.page])
                 appended.append(partial.page)
@@ -229,6 +263,65 @@ class KVCacheManager:
         appended += new_pages
         table.pages += appended
         return appended
+
+    def _start_state(self, request_id: str, hit: Hit) -> None:
+        """A hybrid request's running state: the hit's snapshot copied in, or zeros."""
+        if self.states is None:
+            return
+        if hit.snapshot is not None:
+            self.states.touch(hit.snapshot)  # first, so taking a slot drops another snapshot if it can
+        slot = self.states.take(request_id)
+        if self._state_mover is None:
+            return
+        if hit.snapshot is None:
+            self._state_mover.reset_state(slot)
+        elif hit.snapshot != slot:  # equal when the snapshot was the only slot to take: the state is there
+            self._state_mover.copy_state(hit.snapshot, slot)
+
+    def state_slot(self, request_id: str) -> int:
+        """The running request's state slot (hybrid models)."""
+        assert self.states is not None
+        return self.states.slot(request_id)
+
+    def snapshot(self, request: KVRequest) -> bool:
+        """Keep the running request's state after its computed tokens (a point the scheduler cut its prefill
+        at), with a cached copy of its partly filled last page when no cached page holds those tokens yet, so
+        every request sharing them resumes there. Whether a snapshot was stored."""
+        assert self.states is not None
+        table = self._tables[request.request_id]
+        computed = request.num_computed_tokens
+        self.commit(request, computed)
+        stored = self._store_state(request, computed)
+        full, rest = divmod(computed, self.page_size)
+        if not stored or not rest or len(table.path) < full:
+            return stored
+        tokens = request.token_ids
+        if self._page_hit(tokens[:computed], table.salt).num_tokens >= computed:
+            return stored
+        if self.pool.num_free + self.num_cached < 1:
+            return stored  # the pages before the snapshot are cached; this one is computed again on a hit
+        self._make_room(1)
+        (page,) = self.pool.allocate(1)
+        if self._copy_page is not None:
+            self._copy_page(table.pages[full], page)
+        parent = table.path[full - 1] if full else None
+        indexed = self.index.insert(table.salt, parent, tuple(tokens[full * self.page_size : computed]), page)
+        self.host.free(self.index.take_superseded_host())
+        self.pool.release([page])  # a cached partial page is held by no one
+        if indexed != page:
+            self.pool.free([page])
+        return stored
+
+    def _store_state(self, request: KVRequest, num_tokens: int) -> bool:
+        assert self.states is not None
+        if num_tokens < MIN_SNAPSHOT_TOKENS:
+            return False
+        slot = self.states.store(request.token_ids[:num_tokens], request.cache_salt)
+        if slot is None:
+            return False
+        if self._state_mover is not None:
+            self._state_mover.copy_state(self.states.slot(request.request_id), slot)
+        return True
 
     def _load(self, host_pages: list[int]) -> list[int]:
         """Copy host pages back into device pages (evicting others if need be): each is then held once by
@@ -336,14 +429,19 @@ class KVCacheManager:
             self.retention.tag([self.index.node(indexed)], request.session_id)
         self.host.free(self.index.take_superseded_host())
 
-    def free(self, request: KVRequest, keep_partial: bool = True) -> None:
+    def free(self, request: KVRequest, keep_partial: bool = True, keep_state: bool = True) -> None:
         """Release the request's pages. With `keep_partial` (a request that stopped running), its computed
-        KV stays cached, the partly filled last page included, for a request that continues its tokens."""
+        KV stays cached, the partly filled last page included, for a request that continues its tokens; a
+        hybrid's state is snapshotted there too unless `keep_state` is False (a step failed mid-way)."""
         rid = request.request_id
         table = self._tables.get(rid)
         if table is None:
             return
         computed = request.num_computed_tokens
+        if self.states is not None:
+            if keep_partial and keep_state and self.prefix_caching:
+                self._store_state(request, computed)
+            self.states.release(rid)
         self.commit(request, computed)
         full, rest = divmod(computed, self.page_size)
         if (
@@ -417,6 +515,8 @@ class KVCacheManager:
         assert len(host_free) + len(host_used) == self.host.num_pages, "host pages leaked"
         for pin_id, pages in self._pins.items():
             assert all(self.index.is_full(p) for p in pages), f"pin {pin_id} holds a page not indexed full"
+        if self.states is not None:
+            self.states.check(set(self._tables))
         self.index.check()
 
     def check_writable(self, request_id: str, start: int, end: int) -> None:

@@ -1,11 +1,15 @@
-"""The attention seam: models hand q, k, v to a backend and never see how KV is stored."""
+"""The attention seam: models hand q, k, v to a backend and never see how KV is stored. Hybrid models'
+linear-attention layers hand their conv inputs and delta-rule terms to the same backend, which carries each
+sequence's recurrent state."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
+
+from swarmkv.models import gated_delta
 
 
 class AttentionBackend(Protocol):
@@ -16,8 +20,31 @@ class AttentionBackend(Protocol):
         ...
 
 
+@runtime_checkable
+class RecurrentBackend(Protocol):
+    """Runs a linear-attention layer's two sequential parts over each sequence's new tokens, starting from
+    the state that sequence left and leaving its new state. `layer` counts linear-attention layers only."""
+
+    def conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Causal depthwise conv + SiLU of the new tokens' inputs x [T, C] (weight [C, K]) -> [T, C]."""
+        ...
+
+    def delta_rule(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+    ) -> torch.Tensor:
+        """The gated delta rule over q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] -> [T, Hv, Dv]."""
+        ...
+
+
 class CausalSelfAttention:
-    """One sequence attending to itself, with no cache: the full-sequence reference path."""
+    """One sequence attending to itself, with no cache: the full-sequence reference path. For hybrid
+    models it also runs linear-attention layers over the whole sequence from a zero state."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of the sequence's tokens over each other."""
@@ -30,3 +57,22 @@ class CausalSelfAttention:
             enable_gqa=True,
         )
         return out[0].transpose(0, 1)
+
+    def conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The conv over the whole sequence, from an all-zero window."""
+        window = x.new_zeros(x.shape[1], weight.shape[1] - 1)
+        return gated_delta.causal_conv(x, window, weight)[0]
+
+    def delta_rule(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+    ) -> torch.Tensor:
+        """The chunked delta rule over the whole sequence, from a zero state."""
+        dtype = torch.promote_types(v.dtype, torch.float32)
+        state = v.new_zeros(v.shape[1], k.shape[2], v.shape[2], dtype=dtype)
+        return gated_delta.gated_delta_chunked(q, k, v, g, beta, state)[0]

@@ -1,30 +1,36 @@
-"""The decoder used by Llama, Mistral, Qwen2 and Qwen3: they differ only in q/k norm and QKV bias."""
+"""The decoder used by Llama, Mistral, Qwen2, Qwen3 and Qwen3.5: they differ in q/k norm, QKV bias, the
+attention output gate and partial rotary, and Qwen3.5 puts Gated DeltaNet layers between its attention layers."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from swarmkv.config import ModelConfig
+from swarmkv.config import LINEAR_ATTENTION, ModelConfig
 from swarmkv.models.attention import AttentionBackend
 from swarmkv.models.layers import TORCH_OPS, GatedMLP, LayerOps, RMSNorm, RotaryEmbedding
+from swarmkv.models.linear_attention import GatedDeltaNet
 from swarmkv.models.quantized import WeightFormat, make_linear
 
 
 class SelfAttention(nn.Module):
-    """Fused-QKV grouped-query attention; the KV handling is the backend's business."""
+    """Fused-QKV grouped-query attention; the KV handling is the backend's business. With an output gate,
+    q_proj's rows hold each head's query followed by its gate."""
 
     def __init__(
         self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, weights: WeightFormat = "float"
     ) -> None:
+        """`layer`: this layer's index among the model's attention layers (its KV slab)."""
         super().__init__()
         self.layer = layer
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim
+        self.gated = config.attn_output_gate
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = make_linear(config.hidden_size, q_size + 2 * kv_size, config.attention_bias, weights)
+        self.split_sizes = [q_size * (2 if self.gated else 1), kv_size, kv_size]
+        self.qkv_proj = make_linear(config.hidden_size, sum(self.split_sizes), config.attention_bias, weights)
         self.o_proj = make_linear(q_size, config.hidden_size, False, weights)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -35,27 +41,52 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        gate = None
+        if self.gated:
+            q, gate = q.view(num_tokens, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim), ops).view(num_tokens, self.num_heads, -1)
             k = self.k_norm(k.reshape(-1, self.head_dim), ops).view(num_tokens, self.num_kv_heads, -1)
-        q, k = self.rotary(positions, q, k, ops)
-        out = backend.attend(self.layer, q, k, v)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        if self.rotary_dim < self.head_dim:
+            rd = self.rotary_dim
+            q_rot, k_rot = self.rotary(positions, q[..., :rd].contiguous(), k[..., :rd].contiguous(), ops)
+            q, k = torch.cat([q_rot, q[..., rd:]], dim=-1), torch.cat([k_rot, k[..., rd:]], dim=-1)
+        else:
+            q, k = self.rotary(positions, q, k, ops)
+        out = backend.attend(self.layer, q, k, v).reshape(num_tokens, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(num_tokens, -1))
+        return self.o_proj(out)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention block followed by a pre-norm SwiGLU block. The residual stream is carried beside
-    the block outputs, so each residual add is fused into the norm that follows it."""
+    """Pre-norm token mixer (attention, or Gated DeltaNet in a hybrid) followed by a pre-norm SwiGLU block.
+    The residual stream is carried beside the block outputs, so each residual add is fused into the norm
+    that follows it."""
 
     def __init__(
-        self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, weights: WeightFormat = "float"
+        self,
+        config: ModelConfig,
+        layer: int,
+        rotary: RotaryEmbedding,
+        weights: WeightFormat = "float",
+        linear: bool = False,
     ) -> None:
+        """`layer`: the index among layers of the same kind (attention or linear attention)."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config, layer, rotary, weights)
+        self.self_attn: SelfAttention | None = None
+        self.linear_attn: GatedDeltaNet | None = None
+        if linear:
+            assert config.linear is not None
+            self.linear_attn = GatedDeltaNet(
+                config.linear, config.hidden_size, config.rms_norm_eps, layer, weights
+            )
+        else:
+            self.self_attn = SelfAttention(config, layer, rotary, weights)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, weights)
 
@@ -72,7 +103,11 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, ops), x
         else:
             x, residual = self.input_layernorm.add(x, residual, ops)
-        x = self.self_attn(x, positions, backend, ops)
+        if self.self_attn is not None:
+            x = self.self_attn(x, positions, backend, ops)
+        else:
+            assert self.linear_attn is not None
+            x = self.linear_attn(x, backend)
         x, residual = self.post_attention_layernorm.add(x, residual, ops)
         return self.mlp(x, ops), residual
 
@@ -87,11 +122,18 @@ class DecoderForCausalLM(nn.Module):
         self.config = config
         self.weights = weights
         self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.rotary_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        kinds = config.layer_types or ("full_attention",) * config.num_layers
+        linear = [kind == LINEAR_ATTENTION for kind in kinds]
+        # Each layer's index among its own kind: attention layers index KV slabs, linear ones state slabs.
+        ordinals = [
+            sum(1 for other in linear[:i] if other == is_linear) for i, is_linear in enumerate(linear)
+        ]
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.rotary, weights) for i in range(config.num_layers)
+            DecoderLayer(config, ordinal, self.rotary, weights, is_linear)
+            for ordinal, is_linear in zip(ordinals, linear, strict=True)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -12,6 +12,7 @@ MODEL_CLASSES: dict[Architecture, type[nn.Module]] = {
     "llama": DecoderForCausalLM,
     "qwen2": DecoderForCausalLM,
     "qwen3": DecoderForCausalLM,
+    "qwen3_5": DecoderForCausalLM,
 }
 
 

@@ -23,11 +23,22 @@ _FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "linear_attn.in_proj_qkv": ("linear_attn.in_proj", 0),
+    "linear_attn.in_proj_z": ("linear_attn.in_proj", 1),
+    "linear_attn.in_proj_b": ("linear_attn.in_proj", 2),
+    "linear_attn.in_proj_a": ("linear_attn.in_proj", 3),
 }
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_LAYER_PARAM = re.compile(r"^model\.layers\.(\d+)\.(linear_attn\.(?:A_log|dt_bias))$")  # bare parameters
 _PARAM_IN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 # Present in some checkpoints but derived, not learned: safe to skip.
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq)$")
+# Parts of a multimodal or multi-token-prediction checkpoint that a text decoder does not run.
+_OTHER_MODELS = re.compile(r"^(model\.visual\.|mtp\.|model\.mtp\.)")
+# Qwen3.5's RMSNorms scale by 1 + weight; ours by weight, so the checkpoint's value is shifted by one.
+_ZERO_CENTRED_NORMS = frozenset(
+    {"input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"}
+)
 
 
 @dataclass(frozen=True)
@@ -36,19 +47,26 @@ class Target:
 
     param: str
     shard: int | None = None
+    offset: float = 0.0  # added to the tensor on load
 
 
 def hf_target(name: str, config: ModelConfig) -> Target | None:
     """Map a Hugging Face tensor name to our parameter; None for tensors that are skipped on purpose."""
-    if _IGNORED.search(name):
+    if _IGNORED.search(name) or _OTHER_MODELS.match(name):
         return None
+    if name.startswith("model.language_model."):  # a multimodal checkpoint's text decoder
+        name = "model." + name.removeprefix("model.language_model.")
+    norm_offset = 1.0 if config.architecture == "qwen3_5" else 0.0
     if name == "model.embed_tokens.weight":
         return Target("embed_tokens.weight")
     if name == "model.norm.weight":
-        return Target("norm.weight")
+        return Target("norm.weight", offset=norm_offset)
     if name == "lm_head.weight":
         # A tied checkpoint may still carry a copy of the embedding; the tie makes it redundant.
         return None if config.tie_word_embeddings else Target("lm_head.weight")
+    bare = _LAYER_PARAM.match(name)
+    if bare is not None:
+        return Target(f"layers.{bare.group(1)}.{bare.group(2)}")
     match = _LAYER.match(name)
     if match is None:
         raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
@@ -56,13 +74,18 @@ def hf_target(name: str, config: ModelConfig) -> Target | None:
     if module in _FUSED:
         fused, shard = _FUSED[module]
         return Target(f"layers.{layer}.{fused}.{kind}", shard)
-    return Target(f"layers.{layer}.{module}.{kind}")
+    offset = norm_offset if module in _ZERO_CENTRED_NORMS else 0.0
+    return Target(f"layers.{layer}.{module}.{kind}", offset=offset)
 
 
 def _shard_sizes(param: str, config: ModelConfig) -> list[int]:
     if "qkv_proj" in param:
         kv = config.num_kv_heads * config.head_dim
-        return [config.num_heads * config.head_dim, kv, kv]
+        return [config.num_heads * config.head_dim * (2 if config.attn_output_gate else 1), kv, kv]
+    if "linear_attn.in_proj" in param:
+        assert config.linear is not None
+        heads = config.linear.num_value_heads
+        return [config.linear.conv_dim, config.linear.value_dim, heads, heads]
     return [config.intermediate_size, config.intermediate_size]
 
 
@@ -119,6 +142,8 @@ def _load_float(
     dest = dest.narrow(0, start, rows)
     _check_shape(name, tuple(tensor.shape), tuple(dest.shape), target.param)
     dest.copy_(tensor)
+    if target.offset:
+        dest.add_(target.offset)
 
 
 def _load_quantized(

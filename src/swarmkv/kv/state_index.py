@@ -1,0 +1,177 @@
+"""Recurrent-state slots of a hybrid model, no tensors: one per running request, the rest hold snapshots.
+
+A Gated DeltaNet layer keeps a fixed-size state per sequence instead of KV, so a prefix hit needs the state
+at the hit's end: a snapshot, taken where one pays (see `KVCacheManager.snapshot`). A snapshot is keyed by
+the exact tokens before it (under the request's salt), so it is found at any position, with no alignment to
+pages. Slots form one pool: a request that starts running takes a free slot, or the least recently used
+snapshot's; a new snapshot takes a free slot or the least recently used other snapshot's, never a running
+request's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from swarmkv.kv.radix_index import Salt
+
+# Snapshots are taken at positions of at least this many tokens: a shorter prefix costs a whole state slot
+# to spare little compute.
+MIN_SNAPSHOT_TOKENS = 32
+
+
+class StateMover(Protocol):
+    """Copies recurrent state between slots; the KV manager calls it as it changes its books."""
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy every linear-attention layer's state of slot `src` into slot `dst`."""
+
+    def reset_state(self, slot: int) -> None:
+        """Zero slot `slot`: the state before any token."""
+
+
+@dataclass
+class Snapshot:
+    """The state after `len(key)` tokens: in `slot`, for requests of `salt` whose tokens begin with `key`."""
+
+    slot: int
+    salt: Salt
+    key: tuple[int, ...]
+    last_access: int
+
+    @property
+    def position(self) -> int:
+        """Tokens the state has seen."""
+        return len(self.key)
+
+
+@dataclass
+class StateCounters:
+    """Snapshot traffic since start."""
+
+    stores: int = 0
+    hits: int = 0  # requests that resumed from a snapshot
+    drops: int = 0  # snapshots whose slot went to a running request or a newer snapshot
+
+
+class StateIndex:
+    """A fixed pool of state slots: running requests' states and snapshots, LRU among snapshots."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 2:
+            raise ValueError(
+                f"a state pool needs at least 2 slots (one running, one snapshot), got {num_slots}"
+            )
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._running: dict[str, int] = {}
+        self._snapshots: dict[tuple[Salt, tuple[int, ...]], Snapshot] = {}
+        self._by_slot: dict[int, Snapshot] = {}
+        self._positions: dict[Salt, Counter[int]] = {}
+        self._clock = itertools.count(1)
+        self.counters = StateCounters()
+
+    @property
+    def num_running(self) -> int:
+        """Slots held by running requests."""
+        return len(self._running)
+
+    @property
+    def num_snapshots(self) -> int:
+        """Slots holding snapshots."""
+        return len(self._snapshots)
+
+    @property
+    def num_free(self) -> int:
+        """Slots holding nothing."""
+        return len(self._free)
+
+    def slot(self, request_id: str) -> int:
+        """The running request's slot."""
+        return self._running[request_id]
+
+    def has_slot(self, request_id: str) -> bool:
+        """Whether the request holds a running slot."""
+        return request_id in self._running
+
+    def can_take(self) -> bool:
+        """Whether `take` would succeed: a free slot, or a snapshot to drop for one."""
+        return bool(self._free or self._snapshots)
+
+    def take(self, request_id: str) -> int:
+        """A slot for a request that starts running (dropping the least recently used snapshot if none is
+        free); `can_take` must have said yes."""
+        assert request_id not in self._running, f"{request_id} already holds a state slot"
+        slot = self._free.pop() if self._free else self._drop_lru()
+        self._running[request_id] = slot
+        return slot
+
+    def release(self, request_id: str) -> None:
+        """The request stopped running: its slot is free (snapshot it first to keep its state)."""
+        self._free.append(self._running.pop(request_id))
+
+    def deepest(self, tokens: Sequence[int], salt: Salt, limit: int) -> Snapshot | None:
+        """The snapshot furthest into `tokens` at a position of at most `limit`. Changes nothing."""
+        positions = self._positions.get(salt)
+        if not positions:
+            return None
+        for position in sorted((p for p in positions if p <= limit), reverse=True):
+            snapshot = self._snapshots.get((salt, tuple(tokens[:position])))
+            if snapshot is not None:
+                return snapshot
+        return None
+
+    def has(self, tokens: Sequence[int], salt: Salt) -> bool:
+        """Whether the state after exactly `tokens` is kept."""
+        return (salt, tuple(tokens)) in self._snapshots
+
+    def touch(self, slot: int) -> None:
+        """A request resumed from the snapshot in `slot`."""
+        self._by_slot[slot].last_access = next(self._clock)
+        self.counters.hits += 1
+
+    def store(self, tokens: Sequence[int], salt: Salt) -> int | None:
+        """A slot to copy the state after `tokens` into, now keyed by them: a free slot or the least recently
+        used snapshot's. None when that state is kept already (it is touched) or no slot can be had."""
+        key = (salt, tuple(tokens))
+        kept = self._snapshots.get(key)
+        if kept is not None:
+            kept.last_access = next(self._clock)
+            return None
+        if not self._free and not self._snapshots:
+            return None
+        slot = self._free.pop() if self._free else self._drop_lru()
+        snapshot = self._snapshots[key] = Snapshot(slot, salt, key[1], next(self._clock))
+        self._by_slot[slot] = snapshot
+        self._positions.setdefault(salt, Counter())[len(tokens)] += 1
+        self.counters.stores += 1
+        return slot
+
+    def _drop_lru(self) -> int:
+        key, snapshot = min(self._snapshots.items(), key=lambda item: item[1].last_access)
+        del self._snapshots[key]
+        del self._by_slot[snapshot.slot]
+        positions = self._positions[snapshot.salt]
+        positions[snapshot.position] -= 1
+        if not positions[snapshot.position]:
+            del positions[snapshot.position]
+            if not positions:
+                del self._positions[snapshot.salt]
+        self.counters.drops += 1
+        return snapshot.slot
+
+    def check(self, running: set[str]) -> None:
+        """Raise AssertionError unless every slot is free, running or a snapshot exactly once, and exactly
+        the requests in `running` hold slots."""
+        assert set(self._running) == running, (
+            f"state slots held by {sorted(set(self._running) ^ running)} disagree with the page tables"
+        )
+        slots = self._free + list(self._running.values()) + [s.slot for s in self._snapshots.values()]
+        assert sorted(slots) == list(range(self.num_slots)), "a state slot is lost or used twice"
+        counted = Counter((s.salt, s.position) for s in self._snapshots.values())
+        indexed = Counter({(salt, p): n for salt, ps in self._positions.items() for p, n in ps.items()})
+        assert counted == indexed, "snapshot positions disagree with the snapshots"
+        assert {s.slot: s for s in self._snapshots.values()} == self._by_slot, "snapshot slot map is stale"
