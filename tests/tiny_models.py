@@ -177,41 +177,42 @@ def make_tiny_qwen3_5_multimodal_checkpoint(folder: Path, *, seed: int = 0, **ov
     return folder
 
 
-def load_hf_qwen3_5(folder: Path, dtype: torch.dtype) -> Any:
-    """transformers' Qwen3_5ForCausalLM from `folder`, for use as a reference; in float64 its rotary
-    frequencies are float64 too (transformers computes them in float32)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    if dtype == torch.float64:
-        rope = model.config.rope_parameters
-        dim = int(model.config.head_dim * rope.get("partial_rotary_factor", 1.0))
-        exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
-        inv_freq = 1.0 / (rope["rope_theta"] ** exponents)
-        model.model.rotary_emb.inv_freq = inv_freq
-        model.model.rotary_emb.original_inv_freq = inv_freq.clone()
-    return model
-
-
 @contextmanager
-def float64_throughout() -> Iterator[None]:
-    """While a float64 transformers reference runs, make its float32 casts float64.
+def float64_throughout(model: Any) -> Iterator[None]:
+    """While transformers' float64 Qwen3.5 `model` runs, make its float32 casts float64, rotary aside.
 
-    transformers' Qwen3.5 computes RMSNorm, rotary angles, the decay and the delta rule in float32 even in
-    a float64 model, which leaves its logits ~1e-4 from exact. Lifted (with `load_hf_qwen3_5`'s float64
-    rotary), its chunked prefill and its token-by-token decode agree to ~1e-12.
+    transformers computes RMSNorm, the decay and the delta rule in float32 even in a float64 model, which
+    leaves its logits ~1e-4 from exact. Lifted, its chunked prefill and token-by-token decode agree to
+    ~1e-13. Its rotary angles stay float32, as swarmkv's rotary tables are in every dtype.
     """
-    to = torch.Tensor.to
+    lifting = True
+    to, as_float = torch.Tensor.to, torch.Tensor.float
 
-    def to_without_float32(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        args = tuple(torch.float64 if a is torch.float32 else a for a in args)
-        if kwargs.get("dtype") is torch.float32:
-            kwargs["dtype"] = torch.float64
+    def lifted_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if lifting:
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if kwargs.get("dtype") is torch.float32:
+                kwargs["dtype"] = torch.float64
         return to(self, *args, **kwargs)
 
+    def lifted_float(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.double(*args, **kwargs) if lifting else as_float(self, *args, **kwargs)
+
+    rotary = model.model.rotary_emb
+    rotary_forward = rotary.forward
+
+    def float32_rotary(*args: Any, **kwargs: Any) -> Any:
+        nonlocal lifting
+        lifting = False
+        try:
+            return rotary_forward(*args, **kwargs)
+        finally:
+            lifting = True
+
     with (
-        mock.patch.object(torch.Tensor, "float", torch.Tensor.double),
-        mock.patch.object(torch.Tensor, "to", to_without_float32),
+        mock.patch.object(torch.Tensor, "float", lifted_float),
+        mock.patch.object(torch.Tensor, "to", lifted_to),
+        mock.patch.object(rotary, "forward", float32_rotary),
     ):
         yield
 

@@ -83,12 +83,14 @@ def gated_delta_chunked(
     k_beta = k * beta.unsqueeze(-1)
     key_overlaps = (k_beta @ k.transpose(-1, -2)) * decay_between
     system = key_overlaps.tril(-1) + torch.eye(chunk_size, dtype=dtype, device=q.device)
-    new_values = torch.linalg.solve_triangular(
-        system, v * beta.unsqueeze(-1), upper=False, unitriangular=True
+    # One solve for both right-hand sides: the values and the decayed keys.
+    solved = torch.linalg.solve_triangular(
+        system,
+        torch.cat([v * beta.unsqueeze(-1), k_beta * log_decay.exp().unsqueeze(-1)], dim=-1),
+        upper=False,
+        unitriangular=True,
     )
-    k_decayed = torch.linalg.solve_triangular(
-        system, k_beta * log_decay.exp().unsqueeze(-1), upper=False, unitriangular=True
-    )
+    new_values, k_decayed = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
     intra_chunk_scores = (q @ k.transpose(-1, -2)) * decay_between
     q_decayed = q * log_decay.exp().unsqueeze(-1)
     # Each token's write, decayed to the chunk's end, and the whole chunk's decay of the carried state.
@@ -117,10 +119,11 @@ def gated_delta_step(
     dtype = states.dtype
     q, k = _normalise_qk(q, k, v.shape[1], dtype)
     decayed = states * g.to(dtype).exp()[..., None, None]
-    predicted = torch.einsum("bhkv,bhk->bhv", decayed, k)
+    # Row-vector matmuls [B, H, 1, Dk] @ [B, H, Dk, Dv]: batched GEMV, far cheaper per call than einsum.
+    predicted = (k.unsqueeze(-2) @ decayed).squeeze(-2)
     deltas = (v.to(dtype) - predicted) * beta.to(dtype).unsqueeze(-1)
     new_states = decayed + k.unsqueeze(-1) * deltas.unsqueeze(-2)
-    outputs = torch.einsum("bhkv,bhk->bhv", new_states, q)
+    outputs = (q.unsqueeze(-2) @ new_states).squeeze(-2)
     return outputs.to(v.dtype), new_states
 
 

@@ -44,7 +44,8 @@ def _hf_checkpoint(
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{config_path} does not hold a JSON object")
     precision = Precision.resolve(weight_format, _hf_auto_format(raw))
-    shape = shape_from_hf_dict(raw, precision.kv_dtype(kv_dtype), state_dtype)
+    # The engine computes at the weights' float dtype, so a hybrid's state follows it, not the KV dtype.
+    shape = shape_from_hf_dict(raw, precision.kv_dtype(kv_dtype), state_dtype, precision.dtype)
     config, problem = None, None
     try:
         config = ModelConfig.from_hf_dict(raw)

@@ -7,31 +7,22 @@ import argparse
 import json
 import sys
 
-from swarmkv.config import DTYPES, Architecture, ModelConfig
+from swarmkv.config import DTYPES
 from swarmkv.engine.config import EngineConfig
 from swarmkv.engine.kv_cache import KV_CACHE_DTYPES
-from swarmkv.plan.checkpoint import Checkpoint, load_checkpoint
+from swarmkv.plan.checkpoint import Checkpoint
+from swarmkv.plan.flags import resolve_checkpoint
+from swarmkv.plan.hybrid import hybrid_rows
 from swarmkv.plan.measure import measure_rows
-from swarmkv.plan.report import Plan, report, to_json
+from swarmkv.plan.report import report, to_json
 from swarmkv.plan.reserve import DEFAULT_WORKSPACE, RuntimeReserve, runtime_reserve
-from swarmkv.plan.shape import KVShape, element_bytes
+from swarmkv.plan.result import Plan
+from swarmkv.plan.shape import element_bytes
 from swarmkv.plan.table import VramBudget, fit_agents, prefix_rows
-from swarmkv.plan.weights import WEIGHT_FORMATS, Precision, WeightsFigure, check_weights, count_weights
+from swarmkv.plan.weights import WEIGHT_FORMATS, WeightsFigure, check_weights, count_weights
 from swarmkv.units import parse_size
 
 DEFAULT_PREFIXES = "1000,2000,3000,4000"
-KV_SHAPE_FLAGS = {"--layers": "layers", "--kv-heads": "kv_heads", "--head-dim": "head_dim"}
-SIZE_FLAGS = {
-    "--hidden-size": "hidden_size",
-    "--intermediate-size": "intermediate_size",
-    "--vocab-size": "vocab_size",
-    "--heads": "heads",
-}
-SWITCH_FLAGS = {
-    "--tie-embeddings": "tie_embeddings",
-    "--qk-norm": "qk_norm",
-    "--attention-bias": "attention_bias",
-}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -72,7 +63,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--state-dtype",
         default=None,
         choices=tuple(DTYPES),
-        help="hybrid models' recurrent state dtype (default the KV dtype)",
+        help="hybrid models' recurrent state, conv window and matrices alike, in this dtype (default as the"
+        " engine keeps it: the window at the weights' float dtype, the matrices at least float32)",
     )
     parser.add_argument("--agents", type=int, default=8, help="agents sharing the prefix (default 8)")
     parser.add_argument("--prefix-tokens", default=DEFAULT_PREFIXES, help="comma-separated prefix lengths")
@@ -109,7 +101,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="also count pages through the real allocator, and weights in a model built on the meta device",
     )
     parser.add_argument(
-        "--tail-tokens", type=int, default=100, help="each agent's private tail for --measure"
+        "--tail-tokens",
+        type=int,
+        default=100,
+        help="each agent's private tail after the prefix, for a hybrid's totals and --measure (default 100)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object, all figures in bytes")
     parser.set_defaults(run=run)
@@ -124,62 +119,6 @@ def parse_prefixes(text: str) -> list[int]:
     if not values or min(values) < 0:
         raise ValueError(f"--prefix-tokens wants token counts >= 0, got {text!r}")
     return values
-
-
-def _flags_config(args: argparse.Namespace) -> ModelConfig:
-    """A ModelConfig from the size flags, every one of them given and positive."""
-    missing = [flag for flag, dest in SIZE_FLAGS.items() if getattr(args, dest) is None]
-    if missing:
-        raise ValueError(
-            f"counting the weights from flags needs {', '.join(SIZE_FLAGS)} (missing {', '.join(missing)})"
-        )
-    for flag, dest in SIZE_FLAGS.items():
-        if getattr(args, dest) <= 0:
-            raise ValueError(f"{flag} must be a positive integer, got {getattr(args, dest)}")
-    # The family only names the model: q/k norms and biases are their own fields.
-    family: Architecture = "qwen3" if args.qk_norm else "qwen2" if args.attention_bias else "llama"
-    return ModelConfig(
-        architecture=family,
-        num_layers=int(args.layers),
-        hidden_size=int(args.hidden_size),
-        num_heads=int(args.heads),
-        num_kv_heads=int(args.kv_heads),
-        head_dim=int(args.head_dim),
-        intermediate_size=int(args.intermediate_size),
-        vocab_size=int(args.vocab_size),
-        rms_norm_eps=1e-6,
-        rope_theta=1e6,
-        max_position_embeddings=int(args.context),  # the rotary table covers the planned context
-        tie_word_embeddings=bool(args.tie_embeddings),
-        qk_norm=bool(args.qk_norm),
-        attention_bias=bool(args.attention_bias),
-    )
-
-
-def resolve_checkpoint(args: argparse.Namespace) -> Checkpoint:
-    """The model from --model's files, or from the shape flags; "auto" formats and dtypes resolved."""
-    values = {flag: getattr(args, dest) for flag, dest in {**KV_SHAPE_FLAGS, **SIZE_FLAGS}.items()}
-    given = [flag for flag, value in values.items() if value is not None]
-    given += [flag for flag, dest in SWITCH_FLAGS.items() if getattr(args, dest)]
-    if args.model is not None:
-        if given:
-            raise ValueError(
-                f"give --model or {', '.join(KV_SHAPE_FLAGS)}, not both ({', '.join(given)} with --model)"
-            )
-        return load_checkpoint(args.model, args.kv_dtype, args.state_dtype, args.weight_format)
-    missing = [flag for flag in KV_SHAPE_FLAGS if values[flag] is None]
-    if missing:
-        raise ValueError(
-            f"no KV shape: give --model, or {', '.join(KV_SHAPE_FLAGS)} (missing {', '.join(missing)})"
-        )
-    precision = Precision.resolve(args.weight_format, "float16")
-    layers = int(args.layers)
-    kv_dtype = precision.kv_dtype(args.kv_dtype)
-    shape = KVShape(layers, layers, int(args.kv_heads), int(args.head_dim), kv_dtype)
-    if all(flag in KV_SHAPE_FLAGS for flag in given):
-        problem = "the flags give the KV shape only; add --hidden-size, --intermediate-size, --vocab-size and --heads"
-        return Checkpoint(shape, precision, None, problem, None)
-    return Checkpoint(shape, precision, _flags_config(args), None, None)
 
 
 def weights_figure(args: argparse.Namespace, checkpoint: Checkpoint) -> WeightsFigure:
@@ -216,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
     prefixes = parse_prefixes(args.prefix_tokens)
     checkpoint = resolve_checkpoint(args)
     shape = checkpoint.shape
-    rows = prefix_rows(shape.kv_bytes_per_token, args.agents, prefixes)
+    rows = prefix_rows(shape, args.agents, prefixes)
+    hybrid = hybrid_rows(shape, args.agents, prefixes, args.tail_tokens)
     budget, fits, weights, reserve = None, None, None, None
     if args.vram is not None:
         weights = weights_figure(args, checkpoint)
@@ -232,7 +172,17 @@ def run(args: argparse.Namespace) -> int:
         if checkpoint.config is not None:
             check = check_weights(checkpoint.config, checkpoint.precision)
     plan = Plan(
-        shape, args.agents, rows, budget, fits, weights, reserve, measured, check, checkpoint.config_problem
+        shape,
+        args.agents,
+        rows,
+        budget,
+        fits,
+        weights,
+        reserve,
+        measured,
+        check,
+        checkpoint.config_problem,
+        hybrid,
     )
     print(json.dumps(to_json(plan)) if args.json else report(plan))
     for problem in plan.problems:

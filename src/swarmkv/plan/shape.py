@@ -9,6 +9,7 @@ import torch
 
 from swarmkv.config import DTYPES
 from swarmkv.errors import ModelLoadError, UnsupportedModelError
+from swarmkv.kv.state_index import MIN_SNAPSHOT_TOKENS
 
 # The engine's kv_cache_dtype names (swarmkv.engine.kv_cache.KV_CACHE_DTYPES, less "auto"): fp8 is one byte.
 KV_DTYPES: dict[str, torch.dtype] = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
@@ -33,13 +34,13 @@ def _require_positive(**values: int) -> None:
 class RecurrentState:
     """The constant per-sequence state of Gated DeltaNet ("linear_attention") layers.
 
-    Layout as vLLM allocates it (MambaStateShapeCalculator.gated_delta_net_state_shape in
-    vllm/model_executor/layers/mamba/mamba_utils.py), per layer and per sequence:
-      conv state: (conv_kernel - 1) x conv_dim, conv_dim = 2 x key_heads x key_dim + value_heads x value_dim
-        (the causal conv1d over the concatenated q, k, v keeps its last kernel - 1 inputs);
-      SSM state:  value_heads x key_dim x value_dim (one key_dim x value_dim matrix per value head).
-    Both are counted at `dtype`: vLLM's default mamba_ssm_cache_dtype ("auto") follows the model dtype,
-    while the HF transformers torch path carries the SSM state in float32 (--state-dtype float32).
+    Layout as swarmkv's engine keeps it (swarmkv.engine.state_cache.StateCache) and vLLM allocates it
+    (MambaStateShapeCalculator.gated_delta_net_state_shape), per layer and per sequence:
+      conv window: (conv_kernel - 1) x conv_dim, conv_dim = 2 x key_heads x key_dim + value_heads x value_dim
+        (the causal conv1d over the concatenated q, k, v keeps its last kernel - 1 inputs), at `conv_dtype`;
+      matrices: value_heads x key_dim x value_dim (one key_dim x value_dim matrix per value head), at
+        `ssm_dtype`.
+    `state_dtypes` gives the engine's dtypes: the window at the model's dtype, the matrices at least float32.
     """
 
     num_layers: int
@@ -48,17 +49,25 @@ class RecurrentState:
     num_value_heads: int
     key_head_dim: int
     value_head_dim: int
-    dtype: str
+    conv_dtype: str
+    ssm_dtype: str
 
     def __post_init__(self) -> None:
-        _require_positive(**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "dtype"})
-        element_bytes(self.dtype)
+        _require_positive(
+            **{f.name: getattr(self, f.name) for f in fields(self) if not f.name.endswith("dtype")}
+        )
+        element_bytes(self.conv_dtype)
+        element_bytes(self.ssm_dtype)
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q, k and v side by side."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
 
     @property
     def conv_elements_per_layer(self) -> int:
         """Elements of one layer's conv state for one sequence."""
-        conv_dim = 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
-        return (self.conv_kernel - 1) * conv_dim
+        return (self.conv_kernel - 1) * self.conv_dim
 
     @property
     def ssm_elements_per_layer(self) -> int:
@@ -68,8 +77,20 @@ class RecurrentState:
     @property
     def bytes_per_sequence(self) -> int:
         """Bytes of state one sequence holds across all linear-attention layers, whatever its length."""
-        per_layer = self.conv_elements_per_layer + self.ssm_elements_per_layer
-        return self.num_layers * per_layer * element_bytes(self.dtype)
+        conv = self.conv_elements_per_layer * element_bytes(self.conv_dtype)
+        return self.num_layers * (conv + self.ssm_elements_per_layer * element_bytes(self.ssm_dtype))
+
+
+def state_dtypes(model_dtype: str, override: str | None = None) -> tuple[str, str]:
+    """(conv window, matrices) dtypes of a hybrid's state. The engine keeps the window at the model's dtype
+    and the matrices at promote(model dtype, float32), as they accumulate over the whole context; an
+    `override` (--state-dtype) puts both at one dtype, as vLLM's default mamba_ssm_cache_dtype does."""
+    if override is not None:
+        return override, override
+    if model_dtype not in DTYPES:
+        raise ValueError(f"the model's dtype must be one of {', '.join(DTYPES)}, got {model_dtype!r}")
+    wide = torch.promote_types(DTYPES[model_dtype], torch.float32)
+    return model_dtype, next(name for name, dtype in DTYPES.items() if dtype == wide)
 
 
 @dataclass(frozen=True)
@@ -103,6 +124,11 @@ class KVShape:
         """Recurrent state every sequence holds regardless of length (0 for a pure transformer)."""
         return self.recurrent.bytes_per_sequence if self.recurrent else 0
 
+    def shares_prefix(self, prefix_tokens: int) -> bool:
+        """Whether agents resuming after a common prefix of this length share its KV. A hybrid resumes only
+        from a state snapshot, and the engine snapshots no prefix shorter than MIN_SNAPSHOT_TOKENS."""
+        return self.recurrent is None or prefix_tokens >= MIN_SNAPSHOT_TOKENS
+
 
 def _int(table: dict[str, Any], key: str, fallback: Any = None) -> int:
     value = table.get(key) if table.get(key) is not None else fallback
@@ -114,8 +140,12 @@ def _int(table: dict[str, Any], key: str, fallback: Any = None) -> int:
         raise ModelLoadError(f"config field {key!r} is not an integer: {value!r}") from exc
 
 
-def shape_from_hf_dict(raw: dict[str, Any], dtype: str, state_dtype: str | None = None) -> KVShape:
-    """KV shape of a Hugging Face config.json (text_config nested or not, hybrid or not)."""
+def shape_from_hf_dict(
+    raw: dict[str, Any], dtype: str, state_dtype: str | None = None, model_dtype: str | None = None
+) -> KVShape:
+    """KV shape of a Hugging Face config.json (text_config nested or not, hybrid or not): KV at `dtype`,
+    a hybrid's state as the engine keeps it for a model computing at `model_dtype` (default `dtype`)
+    unless `state_dtype` overrides it."""
     text = raw.get("text_config") or raw
     layers = _int(text, "num_hidden_layers")
     heads = _int(text, "num_attention_heads")
@@ -139,6 +169,7 @@ def shape_from_hf_dict(raw: dict[str, Any], dtype: str, state_dtype: str | None 
     num_linear = kinds.count(LINEAR_ATTENTION)
     recurrent = None
     if num_linear:
+        conv_dtype, ssm_dtype = state_dtypes(model_dtype or dtype, state_dtype)
         recurrent = RecurrentState(
             num_layers=num_linear,
             conv_kernel=_int(text, "linear_conv_kernel_dim"),
@@ -146,7 +177,8 @@ def shape_from_hf_dict(raw: dict[str, Any], dtype: str, state_dtype: str | None 
             num_value_heads=_int(text, "linear_num_value_heads"),
             key_head_dim=_int(text, "linear_key_head_dim"),
             value_head_dim=_int(text, "linear_value_head_dim"),
-            dtype=state_dtype or dtype,
+            conv_dtype=conv_dtype,
+            ssm_dtype=ssm_dtype,
         )
     return KVShape(
         num_layers=layers,

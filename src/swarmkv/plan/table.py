@@ -26,25 +26,30 @@ class PrefixRow:
         return asdict(self)
 
 
-def prefix_row(kv_bytes_per_token: int, num_agents: int, prefix_tokens: int) -> PrefixRow:
-    """N agents each holding the prefix versus one shared copy: the reclaim is N - 1 copies."""
+def prefix_row(
+    kv_bytes_per_token: int, num_agents: int, prefix_tokens: int, shared: bool = True
+) -> PrefixRow:
+    """N agents each holding the prefix versus one shared copy: the reclaim is N - 1 copies. A prefix the
+    layout cannot share (`shared` False: a hybrid's prefix too short to snapshot) stays N copies."""
     if num_agents <= 0:
         raise ValueError(f"--agents must be a positive integer, got {num_agents}")
     if prefix_tokens < 0:
         raise ValueError(f"prefix lengths must be >= 0 tokens, got {prefix_tokens}")
     per_copy = prefix_tokens * kv_bytes_per_token
+    copies = 1 if shared else num_agents
     return PrefixRow(
         prefix_tokens=prefix_tokens,
         kv_bytes_per_copy=per_copy,
         kv_bytes_all_copies=num_agents * per_copy,
-        kv_bytes_shared=per_copy,
-        kv_bytes_reclaimed=(num_agents - 1) * per_copy,
+        kv_bytes_shared=copies * per_copy,
+        kv_bytes_reclaimed=(num_agents - copies) * per_copy,
     )
 
 
-def prefix_rows(kv_bytes_per_token: int, num_agents: int, prefix_tokens: Sequence[int]) -> list[PrefixRow]:
+def prefix_rows(shape: KVShape, num_agents: int, prefix_tokens: Sequence[int]) -> list[PrefixRow]:
     """One row per prefix length, in the order given."""
-    return [prefix_row(kv_bytes_per_token, num_agents, p) for p in prefix_tokens]
+    per_token = shape.kv_bytes_per_token
+    return [prefix_row(per_token, num_agents, p, shape.shares_prefix(p)) for p in prefix_tokens]
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,7 @@ class AgentFit:
     agent_bytes_per_slot: int  # one agent's whole context in pages, plus its recurrent state
     agent_bytes_private: int  # one sharing agent's own pages (its tail), plus its recurrent state
     prefix_bytes_shared: int  # the prefix's full pages, held once for every agent
+    snapshot_bytes_shared: int = 0  # hybrids: the state snapshot at the prefix's end they resume from
 
     def to_json(self) -> dict[str, Any]:
         """The fit as the `--json` output writes it."""
@@ -106,7 +112,8 @@ class AgentFit:
 
 
 def fit_agents(shape: KVShape, budget: VramBudget, prefix_tokens: int) -> AgentFit:
-    """Agents that fit in the KV budget; pages as the radix cache shares them (full prefix pages only)."""
+    """Agents that fit in the KV budget; pages as the radix cache shares them (full prefix pages only), and
+    for a hybrid one state snapshot at the prefix's end besides (no sharing when it is too short for one)."""
     if budget.context_tokens <= prefix_tokens:
         raise ValueError(
             f"--context ({budget.context_tokens} tokens) must be longer than the prefix ({prefix_tokens} tokens)"
@@ -117,16 +124,19 @@ def fit_agents(shape: KVShape, budget: VramBudget, prefix_tokens: int) -> AgentF
     context_pages = pages_for(budget.context_tokens, bs)
     # A prefix that ends mid-page shares only its full pages: the boundary page also holds the
     # agent's own tokens, so every agent keeps a private copy of it.
-    shared_pages = prefix_tokens // bs
+    shared = shape.shares_prefix(prefix_tokens)
+    shared_pages = prefix_tokens // bs if shared else 0
+    snapshot = state if shared else 0
     agent_per_slot = context_pages * page_bytes + state
     agent_private = (context_pages - shared_pages) * page_bytes + state
     prefix_bytes = shared_pages * page_bytes
-    room = budget.kv_budget_bytes
+    room = budget.kv_budget_bytes - snapshot
     return AgentFit(
         prefix_tokens=prefix_tokens,
-        agents_fit_per_slot=room // agent_per_slot,
+        agents_fit_per_slot=budget.kv_budget_bytes // agent_per_slot,
         agents_fit_shared=(room - prefix_bytes) // agent_private if room >= prefix_bytes else 0,
         agent_bytes_per_slot=agent_per_slot,
         agent_bytes_private=agent_private,
         prefix_bytes_shared=prefix_bytes,
+        snapshot_bytes_shared=snapshot,
     )

@@ -9,6 +9,7 @@ from typing import Any, Literal, cast, get_args
 import torch
 
 from swarmkv.config import DTYPES, ModelConfig
+from swarmkv.errors import UnsupportedModelError
 from swarmkv.models.quantized import INT4_GROUP_SIZE, WeightFormat, linear_weight_bytes
 
 ResolvedFormat = Literal["int4", "int8", "float16", "bfloat16", "float32"]
@@ -60,12 +61,13 @@ class WeightCount:
 
     weight_format: ResolvedFormat
     dtype: str  # of embeddings, LM head, norms, biases, and the quantized projections' scales
-    projections_bytes: int  # every layer's fused qkv, o, fused gate-up and down
+    projections_bytes: int  # every layer's fused qkv (or a hybrid's fused in-projection), o, gate-up and down
     norms_bytes: int
     biases_bytes: int  # QKV biases, when the config has them
     embedding_bytes: int
     lm_head_bytes: int  # 0 when tied to the embedding
     tied_embeddings: bool
+    recurrent_bytes: int = 0  # hybrids' linear-attention layers: conv taps, decay parameters, gated norms
 
     @property
     def total_bytes(self) -> int:
@@ -76,6 +78,7 @@ class WeightCount:
             + self.biases_bytes
             + self.embedding_bytes
             + self.lm_head_bytes
+            + self.recurrent_bytes
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -84,37 +87,61 @@ class WeightCount:
 
 
 def projection_shapes(config: ModelConfig) -> list[tuple[int, int]]:
-    """One layer's [out, in] projection weights: fused qkv, o, fused gate-up, down."""
+    """One attention layer's [out, in] projection weights: fused qkv (q twice over with an output gate), o,
+    fused gate-up, down."""
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     hidden, inter = config.hidden_size, config.intermediate_size
-    return [(q_size + 2 * kv_size, hidden), (hidden, q_size), (2 * inter, hidden), (hidden, inter)]
+    q_rows = 2 * q_size if config.attn_output_gate else q_size
+    return [(q_rows + 2 * kv_size, hidden), (hidden, q_size), (2 * inter, hidden), (hidden, inter)]
+
+
+def linear_attention_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """One Gated DeltaNet layer's [out, in] projection weights: fused in (q, k, v | z | b | a), out, fused
+    gate-up, down."""
+    linear, hidden, inter = config.linear, config.hidden_size, config.intermediate_size
+    assert linear is not None, "only a hybrid model has linear-attention layers"
+    in_rows = linear.conv_dim + linear.value_dim + 2 * linear.num_value_heads
+    return [(in_rows, hidden), (hidden, linear.value_dim), (2 * inter, hidden), (hidden, inter)]
 
 
 def count_weights(config: ModelConfig, precision: Precision) -> WeightCount:
     """The weights of `config` at `precision`: projections through `linear_weight_bytes`, the rest in float."""
     fmt, dtype = precision.layer_format, precision.torch_dtype
-    shapes = projection_shapes(config)
+    num_linear = config.num_linear_layers
+    num_attention = config.num_layers - num_linear
+    kinds = [(num_attention, projection_shapes(config))]
+    if num_linear:
+        kinds.append((num_linear, linear_attention_shapes(config)))
     if fmt == "int4":
-        odd = sorted({k for _, k in shapes if k % INT4_GROUP_SIZE})
+        odd = sorted({k for _, shapes in kinds for _, k in shapes if k % INT4_GROUP_SIZE})
         if odd:
             raise ValueError(
                 f"int4 weights need input sizes divisible by {INT4_GROUP_SIZE}, got {', '.join(map(str, odd))}"
             )
-    per_layer = sum(linear_weight_bytes(n, k, fmt, dtype) for n, k in shapes)
+    projections = sum(
+        layers * sum(linear_weight_bytes(n, k, fmt, dtype) for n, k in shapes) for layers, shapes in kinds
+    )
     element = dtype.itemsize
     qk_norms = 2 * config.head_dim if config.qk_norm else 0
-    norm_elements = config.num_layers * (2 * config.hidden_size + qk_norms) + config.hidden_size
-    qkv_out = shapes[0][0]
+    norm_elements = config.num_layers * 2 * config.hidden_size + num_attention * qk_norms + config.hidden_size
+    recurrent_elements = 0
+    if config.linear is not None and num_linear:
+        # Per layer: the conv's taps, the decay's A_log and dt_bias per value head, the gated norm's weight.
+        lin = config.linear
+        per_layer = lin.conv_dim * lin.conv_kernel + 2 * lin.num_value_heads + lin.value_head_dim
+        recurrent_elements = num_linear * per_layer
+    qkv_out = projection_shapes(config)[0][0]
     embedding = config.vocab_size * config.hidden_size * element
     return WeightCount(
         weight_format=precision.weight_format,
         dtype=precision.dtype,
-        projections_bytes=config.num_layers * per_layer,
+        projections_bytes=projections,
         norms_bytes=norm_elements * element,
-        biases_bytes=config.num_layers * qkv_out * element if config.attention_bias else 0,
+        biases_bytes=num_attention * qkv_out * element if config.attention_bias else 0,
         embedding_bytes=embedding,
         lm_head_bytes=0 if config.tie_word_embeddings else embedding,
         tied_embeddings=config.tie_word_embeddings,
+        recurrent_bytes=recurrent_elements * element,
     )
 
 
@@ -122,8 +149,13 @@ def meta_model_bytes(config: ModelConfig, precision: Precision) -> int:
     """Bytes of every parameter and buffer of the model swarmkv builds for `config`, on the meta device."""
     from swarmkv.models.loader import instantiate_model  # the loader's imports: only for --measure
 
-    # Layer kinds change attention, not the weights; the model code refuses to build some of them.
-    buildable = replace(config, layer_types=None)
+    # Sliding attention changes the attention, not the weights, and the model code refuses to build it; the
+    # linear-attention layers of a hybrid have weights of their own, and are built.
+    try:
+        config.require_runnable()
+        buildable = config
+    except UnsupportedModelError:
+        buildable = replace(config, layer_types=None)
     model = instantiate_model(buildable, precision.torch_dtype, torch.device("meta"), precision.layer_format)
     model.tie_weights()  # the loader ties after loading; tied, the head's matrix is the embedding's
     tensors = [*model.parameters(), *model.buffers()]  # parameters() lists a tied matrix once
