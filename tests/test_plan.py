@@ -49,7 +49,7 @@ def table_lines(text: str) -> dict[str, list[str]]:
 
 def test_founding_table_in_exact_bytes() -> None:
     assert FOUNDING_SHAPE.kv_bytes_per_token == 163_840 == 160 * 1024
-    rows = prefix_rows(FOUNDING_SHAPE.kv_bytes_per_token, 8, [1000, 2000, 3000, 4000])
+    rows = prefix_rows(FOUNDING_SHAPE, 8, [1000, 2000, 3000, 4000])
     for row, tokens in zip(rows, [1000, 2000, 3000, 4000], strict=True):
         assert row.prefix_tokens == tokens
         assert row.kv_bytes_per_copy == row.kv_bytes_shared == tokens * 163_840
@@ -146,7 +146,11 @@ def hybrid_config(**overrides: Any) -> dict[str, Any]:
     return {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text}
 
 
-HYBRID_STATE_ELEMENTS = 6 * (3 * (2 * 2 * 32 + 4 * 16) + 4 * 32 * 16)  # 6 linear layers: conv + SSM
+HYBRID_CONV_ELEMENTS = 6 * 3 * (2 * 2 * 32 + 4 * 16)  # 6 linear layers x (kernel - 1) x (q + k + v)
+HYBRID_SSM_ELEMENTS = 6 * 4 * 32 * 16  # 6 linear layers x value heads x key dim x value dim
+HYBRID_STATE_ELEMENTS = HYBRID_CONV_ELEMENTS + HYBRID_SSM_ELEMENTS
+# As the engine keeps it at a 2-byte model dtype: the conv window at 2 bytes, the matrices in float32.
+HYBRID_STATE_BYTES = HYBRID_CONV_ELEMENTS * 2 + HYBRID_SSM_ELEMENTS * 4
 
 
 def test_hybrid_counts_kv_for_full_attention_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -154,22 +158,23 @@ def test_hybrid_counts_kv_for_full_attention_only(tmp_path: Path, capsys: pytest
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
     checkpoint = load_checkpoint(tmp_path, "bfloat16")
     assert checkpoint.file_bytes == 1000
-    assert checkpoint.config is None and "Qwen3_5ForConditionalGeneration" in str(checkpoint.config_problem)
+    assert checkpoint.config is None and "intermediate_size" in str(checkpoint.config_problem)
     shape = checkpoint.shape
     assert (shape.num_layers, shape.num_kv_layers) == (8, 2)
     assert shape.kv_bytes_per_token == 2 * 2 * 2 * 64 * 2
-    assert shape.state_bytes_per_sequence == HYBRID_STATE_ELEMENTS * 2
+    assert shape.state_bytes_per_sequence == HYBRID_STATE_BYTES
     out = plan_json(capsys, "--model", str(tmp_path / "config.json"), "--vram", "1MiB", "--context", "4096")
     assert out["kv_bytes_per_token"] == 1024
-    # swarmkv cannot build this model, so its weights are the files' size, and no reserve is counted.
+    # swarmkv cannot build this model (no MLP size), so its weights are the files' size, and no reserve is counted.
     assert (out["fit"]["weights_source"], out["fit"]["weights_bytes"], out["fit"]["runtime_reserve"]) == (
         "files",
         1000,
         None,
     )
     assert out["hybrid"]["num_linear_attention_layers"] == 6
-    assert out["hybrid"]["state_bytes_all_agents"] == 8 * HYBRID_STATE_ELEMENTS * 2
-    assert out["rows"][0]["agent_bytes_per_slot"] == 4096 * 1024 + HYBRID_STATE_ELEMENTS * 2
+    assert (out["hybrid"]["conv_dtype"], out["hybrid"]["ssm_dtype"]) == ("float16", "float32")
+    assert out["hybrid"]["state_bytes_all_agents"] == 8 * HYBRID_STATE_BYTES
+    assert out["rows"][0]["agent_bytes_per_slot"] == 4096 * 1024 + HYBRID_STATE_BYTES
     assert plan("--model", str(tmp_path), "--state-dtype", "float32") == 0
     text = capsys.readouterr().out
     assert "Hybrid model: KV counted only for the 2 full-attention layers of 8" in text
@@ -179,7 +184,7 @@ def test_hybrid_counts_kv_for_full_attention_only(tmp_path: Path, capsys: pytest
 def test_hybrid_layers_from_full_attention_interval() -> None:
     raw = hybrid_config(layer_types=None, full_attention_interval=4)
     shape = shape_from_hf_dict(raw["text_config"], "float16")
-    assert (shape.num_kv_layers, shape.state_bytes_per_sequence) == (2, HYBRID_STATE_ELEMENTS * 2)
+    assert (shape.num_kv_layers, shape.state_bytes_per_sequence) == (2, HYBRID_STATE_BYTES)
 
 
 def test_qwen3_next_state_matches_vllm_layout() -> None:
@@ -244,7 +249,7 @@ def page_counts(measured: Any) -> tuple[int, int, int, int]:
 @pytest.mark.parametrize("prefix", [0, 1, 999, 1000, 1024, 4000])
 def test_measure_agrees_with_formula(shape: KVShape, block_size: int, prefix: int) -> None:
     measured = measure_row(shape, 8, prefix, block_size, tail_tokens=100)
-    (formula,) = prefix_rows(shape.kv_bytes_per_token, 8, [prefix])
+    (formula,) = prefix_rows(shape, 8, [prefix])
     assert measured.page_bytes == block_size * shape.kv_bytes_per_token
     assert measured.disagreements(formula) == []
     pages = page_counts(measured)
@@ -261,14 +266,14 @@ def test_measure_agrees_with_formula(shape: KVShape, block_size: int, prefix: in
 def test_measure_agrees_for_any_shape(num_agents: int, prefix: int, block_size: int, tail: int) -> None:
     shape = KVShape(num_layers=2, num_kv_layers=2, num_kv_heads=1, head_dim=8, dtype="bfloat16")
     measured = measure_row(shape, num_agents, prefix, block_size, tail)
-    (formula,) = prefix_rows(shape.kv_bytes_per_token, num_agents, [prefix])
+    (formula,) = prefix_rows(shape, num_agents, [prefix])
     assert measured.disagreements(formula) == []
     pages = page_counts(measured)
     assert pages == page_prediction(num_agents, prefix, block_size)
 
 
 def test_tolerance_check_catches_a_wrong_count() -> None:
-    (formula,) = prefix_rows(FOUNDING_SHAPE.kv_bytes_per_token, 8, [1000])
+    (formula,) = prefix_rows(FOUNDING_SHAPE, 8, [1000])
     good = measure_row(FOUNDING_SHAPE, 8, 1000, 16, 100)
     fields = {**good.__dict__, "pages_shared": good.pages_shared + 8}  # as if one page per agent leaked
     assert [d.split(":")[0] for d in MeasuredRow(**fields).disagreements(formula)] == ["kv_bytes_shared"]

@@ -181,3 +181,12 @@ def test_serve_command_defaults_to_loopback() -> None:
     )
     assert (args.port, args.api_key, args.prefix_caching, args.kv_cache_memory) == (0, "k", False, 64 * 2**20)
     assert engine_kwargs(args)["cascade_attention"] == "auto"  # the EngineConfig default, not a copy of it
+
+
+@pytest.mark.parametrize("kind", ["image_url", "input_audio"])
+def test_media_parts_are_refused_by_name(kind: str) -> None:
+    part = {"type": kind, kind: {"url": "data:image/png;base64,AAAA"}}
+    error = _error(parse_chat_request, {"messages": [{"role": "user", "content": [part]}]}).to_json()["error"]
+    assert error["param"] == "messages[0].content"
+    assert f"{kind} parts are not supported" in error["message"]
+    assert "text model only" in error["message"]

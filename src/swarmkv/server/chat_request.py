@@ -99,6 +99,10 @@ def _message(i: int, m: Any) -> Message:
     return out
 
 
+# Content part types of images, video and audio in OpenAI's and compatible servers' chat APIs.
+_MEDIA_PARTS = frozenset({"image_url", "input_image", "image", "video", "video_url", "input_audio", "audio"})
+
+
 def _content(where: str, content: Any) -> str | None:
     """Message text; an array of text parts is joined with newlines, as vLLM does."""
     if content is None or isinstance(content, str):
@@ -106,6 +110,13 @@ def _content(where: str, content: Any) -> str | None:
     if isinstance(content, list):
         texts = []
         for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _MEDIA_PARTS:
+                raise bad_request(
+                    f"{where}.content: {kind} parts are not supported: swarmkv runs the text model only (of a "
+                    f"vision checkpoint such as Qwen3.5, its language model)",
+                    param=f"{where}.content",
+                )
             if (
                 not isinstance(part, dict)
                 or part.get("type") != "text"
