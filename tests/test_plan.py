@@ -8,14 +8,28 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from swarmkv.config import ModelConfig
 from swarmkv.errors import ModelLoadError, SwarmkvError, UnsupportedModelError
+from swarmkv.kv import pages_for
+from swarmkv.kv.state_index import MIN_SNAPSHOT_TOKENS
 from swarmkv.models.default import default_model_path
-from swarmkv.plan import KVShape, fit_agents, load_checkpoint, measure_row, prefix_rows, shape_from_hf_dict
+from swarmkv.plan import (
+    KVShape,
+    Precision,
+    check_weights,
+    fit_agents,
+    hybrid_row,
+    load_checkpoint,
+    measure_row,
+    prefix_rows,
+    shape_from_hf_dict,
+)
 from swarmkv.plan.cli import register
-from swarmkv.plan.measure import MeasuredRow
+from swarmkv.plan.measure import MeasuredRow, state_slot_bytes
 from swarmkv.plan.table import VramBudget
 
 GIB = 1024**3
@@ -195,6 +209,259 @@ def test_qwen3_next_state_matches_vllm_layout() -> None:
     recurrent = shape_from_hf_dict(raw, "bfloat16").recurrent
     assert recurrent is not None
     assert (recurrent.conv_elements_per_layer, recurrent.ssm_elements_per_layer) == (24_576, 524_288)
+
+
+QWEN35_9B_TEXT: dict[str, Any] = {
+    "model_type": "qwen3_5_text",
+    "num_hidden_layers": 32,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8,
+    "full_attention_interval": 4,
+    "hidden_size": 4096,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "intermediate_size": 12288,
+    "vocab_size": 248320,
+}
+QWEN35_9B = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"],
+    "model_type": "qwen3_5",
+    "torch_dtype": "bfloat16",
+    "text_config": QWEN35_9B_TEXT,
+}
+QWEN35_9B_KV_PER_TOKEN = 2 * 8 * 4 * 256 * 2  # K and V, 8 attention layers, 4 KV heads, head dim 256, 2 B
+# 24 linear layers: a conv window of 3 x (2 x 16 x 128 + 32 x 128) at 2 B, and 32 float32 matrices of 128 x 128.
+QWEN35_9B_STATE = 24 * 3 * 8192 * 2 + 24 * 32 * 128 * 128 * 4
+SMALL_HYBRID = shape_from_hf_dict(hybrid_config(), "float16")  # 1 KiB of KV per token
+
+
+def qwen35_9b(tmp_path: Path) -> str:
+    """The Qwen3.5-9B config.json (text model nested, as the checkpoint ships it), in `tmp_path`."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN35_9B))
+    return str(path)
+
+
+def test_qwen35_9b_shape_matches_the_engine(tmp_path: Path) -> None:
+    checkpoint = load_checkpoint(qwen35_9b(tmp_path), weight_format="float16")
+    shape, config = checkpoint.shape, checkpoint.config
+    assert shape.kv_bytes_per_token == QWEN35_9B_KV_PER_TOKEN == 32 * 1024
+    assert shape.state_bytes_per_sequence == QWEN35_9B_STATE == 51_511_296  # 49.1 MiB
+    assert shape.recurrent is not None and state_slot_bytes(shape.recurrent) == QWEN35_9B_STATE
+    # The engine sizes its pages and state slots from the ModelConfig it runs.
+    assert config is not None and config.is_hybrid
+    assert config.kv_bytes_per_token(torch.float16) == shape.kv_bytes_per_token
+    assert config.state_bytes_per_sequence(torch.float16) == shape.state_bytes_per_sequence
+
+
+def test_qwen35_9b_swarm_shares_at_least_3x(tmp_path: Path) -> None:
+    shape = load_checkpoint(qwen35_9b(tmp_path), weight_format="float16").shape
+    row = hybrid_row(shape, 8, 2000, 100)
+    per_slot = 8 * (2000 + 100) * 32 * 1024  # every agent's prefix and tail
+    shared = (2000 + 8 * 100) * 32 * 1024  # the prefix once, every tail
+    assert (
+        (row.kv_bytes_per_slot_total, row.kv_bytes_shared_total)
+        == (per_slot, shared)
+        == (550_502_400, 91_750_400)
+    )
+    assert row.kv_bytes_tails == 8 * 100 * 32 * 1024
+    assert (row.num_snapshots, row.snapshot_bytes) == (1, 51_511_296)
+    assert row.running_state_bytes == 8 * 51_511_296  # both layouts: outside the ratio
+    assert row.ratio == per_slot / (shared + 51_511_296) == pytest.approx(3.843, abs=1e-3)
+    assert row.ratio >= 3
+
+
+def test_qwen35_9b_measured_agrees(tmp_path: Path) -> None:
+    shape = load_checkpoint(qwen35_9b(tmp_path), weight_format="float16").shape
+    measured = measure_row(shape, 8, 2000, 16, 100)
+    (formula,) = prefix_rows(shape, 8, [2000])
+    assert measured.disagreements(formula, hybrid_row(shape, 8, 2000, 100)) == []
+    states = (
+        measured.num_snapshots,
+        measured.num_running,
+        measured.num_snapshots_per_slot,
+        measured.num_running_per_slot,
+    )
+    assert states == (1, 8, 0, 8)
+    # 2,100 tokens are 132 pages per agent per-slot; shared, the 125 prefix pages once and 7 tail pages per agent.
+    assert (measured.pages_per_slot_total, measured.pages_shared, measured.pages_shared_total) == (
+        8 * 132,
+        125,
+        181,
+    )
+    columns = measured.hybrid_columns()
+    assert columns["snapshot_bytes"] == QWEN35_9B_STATE
+    ratio = columns["kv_bytes_per_slot_total"] / (
+        columns["kv_bytes_shared_total"] + columns["snapshot_bytes"]
+    )
+    assert ratio >= 3
+
+
+def hybrid_pages(num_agents: int, prefix: int, block_size: int, tail: int) -> tuple[int, int, int]:
+    """Pages in use per-slot and shared, and snapshots, as a hybrid's KV manager keeps them."""
+    per_slot = num_agents * pages_for(prefix + tail, block_size)
+    if num_agents == 1 or prefix < MIN_SNAPSHOT_TOKENS:
+        return per_slot, per_slot, 0  # no snapshot to resume from: every agent computes the prefix itself
+    whole, rest = divmod(prefix, block_size)
+    # The prefix's full pages once; the page it ends in is copied for each agent, never shared.
+    return per_slot, whole + num_agents * pages_for(rest + tail, block_size), 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_agents=st.integers(1, 9),
+    prefix=st.integers(0, 300),
+    block_size=st.integers(1, 40),
+    tail=st.integers(1, 70),
+)
+def test_measure_agrees_for_any_hybrid(num_agents: int, prefix: int, block_size: int, tail: int) -> None:
+    measured = measure_row(SMALL_HYBRID, num_agents, prefix, block_size, tail)
+    (formula,) = prefix_rows(SMALL_HYBRID, num_agents, [prefix])
+    row = hybrid_row(SMALL_HYBRID, num_agents, prefix, tail)
+    assert measured.disagreements(formula, row) == []
+    pages = (measured.pages_per_slot_total, measured.pages_shared_total, measured.num_snapshots)
+    assert pages == hybrid_pages(num_agents, prefix, block_size, tail)
+    assert measured.num_snapshots == row.num_snapshots and measured.num_snapshots_per_slot == 0
+    assert measured.num_running == measured.num_running_per_slot == num_agents
+
+
+def test_tolerance_check_catches_a_missing_snapshot() -> None:
+    good = measure_row(SMALL_HYBRID, 8, 1000, 16, 100)
+    (formula,) = prefix_rows(SMALL_HYBRID, 8, [1000])
+    row = hybrid_row(SMALL_HYBRID, 8, 1000, 100)
+    missing = MeasuredRow(**{**good.__dict__, "num_snapshots": 0})
+    assert [d.split(":")[0] for d in missing.disagreements(formula, row)] == [
+        "num_snapshots",
+        "snapshot_bytes",
+    ]
+    # Two pages per agent too many past the prefixes: the tails, and so the pages reclaimed, disagree.
+    leaked = MeasuredRow(**{**good.__dict__, "pages_shared_total": good.pages_shared_total + 16})
+    names = [d.split(":")[0] for d in leaked.disagreements(formula, row)]
+    assert names == ["kv_bytes_reclaimed", "kv_bytes_tails"]
+
+
+def test_hybrid_prefix_too_short_to_snapshot_is_not_shared() -> None:
+    (row,) = prefix_rows(SMALL_HYBRID, 8, [MIN_SNAPSHOT_TOKENS - 1])
+    assert row.kv_bytes_shared == row.kv_bytes_all_copies and row.kv_bytes_reclaimed == 0
+    short = hybrid_row(SMALL_HYBRID, 8, MIN_SNAPSHOT_TOKENS - 1, 10)
+    assert (short.num_snapshots, short.kv_bytes_shared_total, short.ratio) == (
+        0,
+        short.kv_bytes_per_slot_total,
+        1,
+    )
+    assert hybrid_row(SMALL_HYBRID, 8, MIN_SNAPSHOT_TOKENS, 10).num_snapshots == 1
+    assert hybrid_row(SMALL_HYBRID, 1, 2000, 10).num_snapshots == 0  # nobody to resume from it
+
+
+def test_hybrid_fit_holds_one_snapshot() -> None:
+    budget = VramBudget(vram_bytes=GIB, weights_bytes=GIB // 2, context_tokens=4096, block_size=16)
+    fit = fit_agents(SMALL_HYBRID, budget, 2000)
+    assert (fit.prefix_bytes_shared, fit.snapshot_bytes_shared) == (125 * 16 * 1024, HYBRID_STATE_BYTES)
+    assert fit.agent_bytes_private == (256 - 125) * 16 * 1024 + HYBRID_STATE_BYTES
+    room = GIB // 2 - fit.prefix_bytes_shared - HYBRID_STATE_BYTES
+    assert fit.agents_fit_shared == room // fit.agent_bytes_private
+    short = fit_agents(SMALL_HYBRID, budget, 31)
+    assert (short.prefix_bytes_shared, short.snapshot_bytes_shared) == (0, 0)
+    assert short.agents_fit_shared == short.agents_fit_per_slot == GIB // 2 // fit.agent_bytes_per_slot
+
+
+@pytest.mark.parametrize(
+    ("argv", "conv", "ssm"),
+    [
+        ([], "bfloat16", "float32"),  # the checkpoint's dtype; the matrices at least float32, as the engine
+        (["--kv-dtype", "fp8_e4m3"], "bfloat16", "float32"),  # the KV's dtype is not the state's
+        (["--weight-format", "int4"], "float16", "float32"),  # quantized weights compute in float16
+        (["--weight-format", "float32"], "float32", "float32"),
+        (
+            ["--state-dtype", "bfloat16"],
+            "bfloat16",
+            "bfloat16",
+        ),  # vLLM's default: matrices at the model dtype
+    ],
+)
+def test_state_dtypes_follow_the_engine(
+    argv: list[str], conv: str, ssm: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = plan_json(capsys, "--model", qwen35_9b(tmp_path), "--prefix-tokens", "2000", *argv)
+    hybrid = out["hybrid"]
+    assert (hybrid["conv_dtype"], hybrid["ssm_dtype"]) == (conv, ssm)
+    size = {"bfloat16": 2, "float16": 2, "float32": 4}
+    assert hybrid["state_bytes_per_sequence"] == 24 * (3 * 8192 * size[conv] + 32 * 128 * 128 * size[ssm])
+    assert out["rows"][0]["hybrid"]["snapshot_bytes"] == hybrid["state_bytes_per_sequence"]
+
+
+def test_qwen35_9b_measure_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = plan_json(capsys, "--model", qwen35_9b(tmp_path), "--prefix-tokens", "2000", "--measure")
+    (row,) = out["rows"]
+    assert row["hybrid"] == {
+        "prefix_tokens": 2000,
+        "tail_tokens": 100,
+        "num_agents": 8,
+        "kv_bytes_per_slot_total": 550_502_400,
+        "kv_bytes_tails": 26_214_400,
+        "kv_bytes_shared_total": 91_750_400,
+        "num_snapshots": 1,
+        "snapshot_bytes": QWEN35_9B_STATE,
+        "running_state_bytes": 8 * QWEN35_9B_STATE,
+        "shared_bytes": 91_750_400 + QWEN35_9B_STATE,
+        "ratio": 550_502_400 / (91_750_400 + QWEN35_9B_STATE),
+    }
+    measured, tolerance = row["measured"]["hybrid"], row["measured"]["tolerance_bytes"]
+    assert tolerance == 8 * 16 * QWEN35_9B_KV_PER_TOKEN
+    assert (measured["num_snapshots"], measured["num_snapshots_per_slot"]) == (1, 0)
+    assert (measured["num_running"], measured["num_running_per_slot"], measured["num_state_slots"]) == (
+        8,
+        8,
+        18,
+    )
+    assert measured["snapshot_bytes"] == QWEN35_9B_STATE and measured["state_bytes"] == QWEN35_9B_STATE
+    for name in ("kv_bytes_per_slot_total", "kv_bytes_tails", "kv_bytes_shared_total"):
+        assert abs(measured[name] - row["hybrid"][name]) < tolerance
+    assert measured["ratio"] >= 3 and row["hybrid"]["ratio"] >= 3
+    assert out["measured"]["agrees"]
+    # The hybrid's weights, counted from the config, match the model built on the meta device exactly.
+    weights = out["measured"]["weights"]
+    assert weights["formula_bytes"] == weights["measured_bytes"] == 17_907_606_528
+
+
+def test_hybrid_text_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan("--model", qwen35_9b(tmp_path), "--prefix-tokens", "20,2000") == 0
+    text = capsys.readouterr().out
+    assert "49.12 MiB per sequence (per layer 24,576 conv-window elements at bfloat16" in text
+    assert (
+        "Prefix tokens  Per-slot KV  Shared KV     Snapshots  Shared + snapshots  Per-slot / shared" in text
+    )
+    assert (
+        "           20     30.0 MiB   30.0 MiB  0 x 49.1 MiB            30.0 MiB              1.00x" in text
+    )
+    assert (
+        "        2,000    525.0 MiB   87.5 MiB  1 x 49.1 MiB           136.6 MiB              3.84x" in text
+    )
+    assert (
+        "both layouts hold a running state per agent: 8 x 49.1 MiB = 393.0 MiB, left out of the ratio" in text
+    )
+    (tmp_path / "small").mkdir()
+    (tmp_path / "small" / "config.json").write_text(json.dumps(hybrid_config()))
+    assert plan("--model", str(tmp_path / "small"), "--prefix-tokens", "1000", "--measure") == 0
+    text = capsys.readouterr().out
+    assert "pages of 16,384 bytes, 18 state slots:" in text
+    # 1,100 tokens: 69 pages each per-slot. Shared: the 62 full prefix pages once, and 7 pages per agent, the
+    # first holding the prefix's last 8 tokens (a prefix page), so 6 per agent past the prefix.
+    assert "552/118/48                  8+0/8+1" in text
+    assert "and the state slots must match it exactly: agrees." in text
+
+
+def test_hybrid_weights_match_the_model_built_on_meta() -> None:
+    config = ModelConfig.from_hf_dict(hybrid_config(intermediate_size=96, vocab_size=256))
+    assert config.is_hybrid
+    for fmt in ("float16", "int8", "int4"):
+        check = check_weights(config, Precision.resolve(fmt, "float16"))
+        assert check.difference_bytes == 0, fmt
 
 
 def test_default_gguf_model(capsys: pytest.CaptureFixture[str]) -> None:
