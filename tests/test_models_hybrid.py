@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,16 @@ FLOAT32_TOLERANCE = 5e-4  # transformers' own float32 logits are up to ~3e-4 fro
 PROMPT_LENGTHS = [1, 7, 64, 65, 150]  # one token, under a chunk, a chunk, just past it, several
 ALTERNATING = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 GREEDY_TOKENS = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Run this module's tiny tensors on one thread: a second one only adds synchronisation, and on a
+    shared CPU its spinning slows every step several-fold."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def random_ids(num_tokens: int, seed: int = 0) -> list[int]:

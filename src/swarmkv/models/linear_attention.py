@@ -34,7 +34,7 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """Linear attention with a gated delta rule: one fused input projection (q, k, v | output gate z | beta's
+    """Linear attention with a gated delta rule: fused input projections (q, k, v | output gate z, and beta's
     logit b | decay's logit a), a causal conv over q, k, v, the delta rule, a gated norm, the output."""
 
     def __init__(
@@ -45,8 +45,11 @@ class GatedDeltaNet(nn.Module):
         self.shape = shape
         self.layer = layer
         heads = shape.num_value_heads
-        self.split_sizes = [shape.conv_dim, shape.value_dim, heads, heads]
+        self.split_sizes = [shape.conv_dim, shape.value_dim]
         self.in_proj = make_linear(hidden_size, sum(self.split_sizes), False, weights)
+        # beta's and the decay's logits stay float whatever the weight format: a few rows that set every
+        # token's write strength and forgetting rate.
+        self.in_proj_ba = make_linear(hidden_size, 2 * heads, False, "float")
         self.conv1d = ConvWeight(shape.conv_dim, shape.conv_kernel)
         self.dt_bias = nn.Parameter(torch.ones(heads))
         self.A_log = nn.Parameter(torch.zeros(heads))  # the per-head decay rate is exp(A_log)
@@ -56,7 +59,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         assert isinstance(backend, RecurrentBackend), "a hybrid model needs a backend that carries state"
         shape, num_tokens = self.shape, x.shape[0]
-        mixed, z, b, a = self.in_proj(x).split(self.split_sizes, dim=-1)
+        mixed, z = self.in_proj(x).split(self.split_sizes, dim=-1)
+        b, a = self.in_proj_ba(x).chunk(2, dim=-1)
         mixed = backend.conv(self.layer, mixed, self.conv1d.weight[:, 0])
         q, k, v = mixed.split([shape.key_dim, shape.key_dim, shape.value_dim], dim=-1)
         # The decay in log space, at least float32: exp(A_log) spans orders of magnitude.

@@ -25,8 +25,8 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
     "linear_attn.in_proj_qkv": ("linear_attn.in_proj", 0),
     "linear_attn.in_proj_z": ("linear_attn.in_proj", 1),
-    "linear_attn.in_proj_b": ("linear_attn.in_proj", 2),
-    "linear_attn.in_proj_a": ("linear_attn.in_proj", 3),
+    "linear_attn.in_proj_b": ("linear_attn.in_proj_ba", 0),
+    "linear_attn.in_proj_a": ("linear_attn.in_proj_ba", 1),
 }
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _LAYER_PARAM = re.compile(r"^model\.layers\.(\d+)\.(linear_attn\.(?:A_log|dt_bias))$")  # bare parameters
@@ -82,10 +82,12 @@ def _shard_sizes(param: str, config: ModelConfig) -> list[int]:
     if "qkv_proj" in param:
         kv = config.num_kv_heads * config.head_dim
         return [config.num_heads * config.head_dim * (2 if config.attn_output_gate else 1), kv, kv]
+    if "linear_attn.in_proj_ba" in param:
+        assert config.linear is not None
+        return [config.linear.num_value_heads] * 2
     if "linear_attn.in_proj" in param:
         assert config.linear is not None
-        heads = config.linear.num_value_heads
-        return [config.linear.conv_dim, config.linear.value_dim, heads, heads]
+        return [config.linear.conv_dim, config.linear.value_dim]
     return [config.intermediate_size, config.intermediate_size]
 
 

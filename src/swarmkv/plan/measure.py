@@ -27,7 +27,8 @@ class MeasuredRow:
     table rounds its prefix up to at most one partly filled page, and the radix cache shares only
     full pages, so every measured figure is within `num_agents` pages of the formula (strictly less).
     A hybrid's shared KV is the prefix's pages plus the tails' (the pages past them), each checked so;
-    its snapshots and running states are counted in slots and must match exactly.
+    its snapshots and running states are counted in slots and must match exactly. Pages count when in
+    use: the snapshot's cached copy of a page the prefix ends inside is cache, evictable, left out.
     """
 
     prefix_tokens: int
