@@ -20,6 +20,9 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[test]'
+	@# Best effort: headless Chromium runs the cache-view browser test (skipped without it); never fails the build.
+	command -v chromium || command -v chromium-browser || (command -v apt-get && [ "$$(id -u)" = 0 ] && \
+	  (apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium))) || true
 	touch $@
 
 install: $(VENV)/.installed

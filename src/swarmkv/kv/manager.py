@@ -157,6 +157,10 @@ class KVCacheManager:
         """Device pages some pin holds."""
         return len({p for pages in self._pins.values() for p in pages})
 
+    def all_pinned_pages(self) -> frozenset[int]:
+        """Device pages some pin holds (a page two pins share is listed once)."""
+        return frozenset(p for pages in self._pins.values() for p in pages)
+
     def page_table(self, request_id: str) -> Sequence[int]:
         """The request's pages, in token order (empty if it holds none). Read-only."""
         table = self._tables.get(request_id)

@@ -347,6 +347,36 @@ class RadixIndex:
         """Host pages the tree holds."""
         return set(self._node_of_host)
 
+    def export(self) -> list[dict[str, Any]]:
+        """Every node as plain data, parents before children: a snapshot for views and scripts. Changes nothing.
+
+        Each record: `id`, `parent` (an earlier record's id; None on a salt's root), `salt` (its root's),
+        `num_tokens` (0 on a root, `page_size` on a full page, fewer on a partial leaf), `page` and `host`
+        (the device or host page; both None on a root), `holders` (page tables and pins holding the
+        device page; 0 on the host and on a root) and `owners` (sorted sessions that computed or reused it).
+        """
+        records: list[dict[str, Any]] = []
+        stack: list[tuple[Node, int | None, Salt]] = [
+            (root, None, salt) for salt, root in self._roots.items()
+        ]
+        while stack:  # iterative: a long prompt is a path thousands of pages deep
+            node, parent_id, salt = stack.pop()
+            node_id = len(records)
+            records.append(
+                {
+                    "id": node_id,
+                    "parent": parent_id,
+                    "salt": salt,
+                    "num_tokens": len(node.key),
+                    "page": node.page,
+                    "host": node.host,
+                    "holders": self.pool.refcounts[node.page] if node.page is not None else 0,
+                    "owners": sorted(node.owners),
+                }
+            )
+            stack.extend((child, node_id, salt) for child in node.children.values())
+        return records
+
     def check(self) -> None:
         """Raise AssertionError unless the tree, the page maps and the pool agree."""
         seen: set[int] = set()

@@ -1,4 +1,4 @@
-"""The ASGI app: OpenAI routes, /health, /metrics, API-key check and OpenAI-shaped errors over one AsyncEngine."""
+"""The ASGI app: OpenAI routes, the cache view, /health, /metrics, API-key check and OpenAI-shaped errors."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -20,12 +21,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from swarmkv.engine.llm import LLM
 from swarmkv.server.async_engine import AsyncEngine
+from swarmkv.server.cache_breaks import CacheBreaks
+from swarmkv.server.cache_view import cache_page, cache_tree
 from swarmkv.server.completions import chat_completions, completions
 from swarmkv.server.context import ServerContext
 from swarmkv.server.disconnect import STATUS_CLIENT_GONE
 from swarmkv.server.metrics import ServerMetrics
 from swarmkv.server.pins import create_pin, delete_pin, get_pin
 from swarmkv.server.protocol import APIError
+from swarmkv.server.request_log import RequestLog
 from swarmkv.server.request_stream import EngineUnavailableError
 from swarmkv.server.sessions import release_session
 
@@ -38,8 +42,13 @@ def default_model_name(llm: LLM) -> str:
     return path.stem if path.is_file() else path.name
 
 
-def create_app(llm: LLM, api_key: str | None = None, model_name: str | None = None) -> Starlette:
-    """An app serving `llm`; its engine loop runs while the app's lifespan does. One app per LLM."""
+def create_app(
+    llm: LLM, api_key: str | None = None, model_name: str | None = None, log_requests: Path | None = None
+) -> Starlette:
+    """An app serving `llm`; its engine loop runs while the app's lifespan does. One app per LLM.
+
+    `log_requests`: a JSON-lines file every generation request's body is appended to (see request_log.py).
+    """
     engine = AsyncEngine(llm.engine)
     metrics = ServerMetrics(engine.stats)
     ctx = ServerContext(
@@ -48,6 +57,8 @@ def create_app(llm: LLM, api_key: str | None = None, model_name: str | None = No
         model_name=model_name or default_model_name(llm),
         max_model_len=llm.engine.max_model_len,
         metrics=metrics,
+        breaks=CacheBreaks(llm.tokenizer, metrics.cache_breaks),
+        request_log=RequestLog(log_requests) if log_requests is not None else None,
     )
 
     @asynccontextmanager
@@ -57,6 +68,8 @@ def create_app(llm: LLM, api_key: str | None = None, model_name: str | None = No
             yield
         finally:
             engine.shutdown()
+            if ctx.request_log is not None:
+                ctx.request_log.close()
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -67,6 +80,8 @@ def create_app(llm: LLM, api_key: str | None = None, model_name: str | None = No
         Route("/v1/cache/pin", create_pin, methods=["POST"]),
         Route("/v1/cache/pin/{pin_id}", get_pin, methods=["GET"]),
         Route("/v1/cache/pin/{pin_id}", delete_pin, methods=["DELETE"]),
+        Route("/v1/cache/tree", cache_tree, methods=["GET"]),
+        Route("/cache", cache_page, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
     ]

@@ -28,6 +28,7 @@ class ChatRequest:
     messages: list[Message]
     tools: list[dict[str, Any]] | None
     tool_choice: ToolChoice
+    diagnostics: bool = False  # `swarmkv_diagnostics`: add `usage.swarmkv` (the cache break, if any)
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -60,7 +61,8 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     options = parse_options(body)
     messages = parse_messages(body.get("messages"))
     tools = parse_tools(body.get("tools"))
-    return ChatRequest(options, messages, tools, _tool_choice(body.get("tool_choice"), tools))
+    diagnostics = get_field(body, "swarmkv_diagnostics", bool, "a boolean", False)
+    return ChatRequest(options, messages, tools, _tool_choice(body.get("tool_choice"), tools), diagnostics)
 
 
 def parse_messages(raw_messages: Any, allow_empty: bool = False) -> list[Message]:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import os
 import sys
+from pathlib import Path
 
 from swarmkv.options import add_engine_arguments, add_model_arguments, engine_kwargs, model_kwargs
 
@@ -28,6 +30,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--served-model-name", default=None, help="the `model` clients send (default: file stem)"
     )
     parser.add_argument(
+        "--log-requests",
+        type=Path,
+        default=None,
+        metavar="FILE.jsonl",
+        help="append every chat and completions request body to FILE, one JSON line each (for `swarmkv lint`)",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
     parser.set_defaults(run=run)
@@ -44,10 +53,23 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if not args.api_key and not _is_loopback(args.host):
         print(f"swarmkv serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    _show_swarmkv_logs(args.log_level)
     llm = LLM(**model_kwargs(args), **engine_kwargs(args))
-    app = create_app(llm, api_key=args.api_key or None, model_name=args.served_model_name)
+    app = create_app(
+        llm, api_key=args.api_key or None, model_name=args.served_model_name, log_requests=args.log_requests
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def _show_swarmkv_logs(level: str) -> None:
+    """Print swarmkv's own log lines (cache breaks at INFO, engine failures) beside uvicorn's, at `level`."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+    logger = logging.getLogger("swarmkv")
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False  # an embedding program's root handler would print each line twice
 
 
 def _is_loopback(host: str) -> bool:

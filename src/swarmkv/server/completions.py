@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -12,6 +12,8 @@ from starlette.types import Receive, Scope, Send
 
 from swarmkv.engine.sampling_params import SamplingParams
 from swarmkv.errors import InvalidRequestError
+from swarmkv.lint.causes import Break, RenderedPrompt
+from swarmkv.server.cache_breaks import with_diagnostics
 from swarmkv.server.chat_request import ChatRequest, parse_chat_request
 from swarmkv.server.context import ServerContext
 from swarmkv.server.disconnect import STATUS_CLIENT_GONE, ClientDisconnected, unless_disconnected
@@ -28,6 +30,9 @@ from swarmkv.server.protocol import (
 from swarmkv.server.request_stream import EngineUnavailableError, RequestStream, StepOutput
 from swarmkv.server.responses import Envelope, sse, tool_call_delta, usage
 from swarmkv.server.tool_parser import ParsedDelta, StreamingToolParser, ToolCall, parse_tool_calls
+
+CHAT_ROUTE = "/v1/chat/completions"
+COMPLETIONS_ROUTE = "/v1/completions"
 
 
 class _Latency:
@@ -59,17 +64,20 @@ def _finish_reason(out: StepOutput | None, num_calls: int) -> str | None:
     return "tool_calls" if num_calls and reason == "stop" else reason
 
 
+def _session_id(request: Request, options: Options) -> str | None:
+    return resolve_session_id(options.session_id, request.headers.get(SESSION_HEADER))
+
+
 async def _submit(
     ctx: ServerContext,
-    request: Request,
     prefix: str,
     prompt_ids: list[int],
     params: SamplingParams,
     options: Options,
+    session_id: str | None,
     arrival_s: float,
 ) -> RequestStream:
     request_id = f"{prefix}-{uuid.uuid4().hex}"
-    session_id = resolve_session_id(options.session_id, request.headers.get(SESSION_HEADER))
     try:
         return await ctx.engine.submit(
             request_id, prompt_ids, params, options.cache_salt, arrival_s, session_id=session_id
@@ -82,21 +90,26 @@ async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
     arrival_s = time.perf_counter()
     ctx: ServerContext = request.app.state.ctx
-    req = parse_chat_request(parse_json_body(await request.body()))
+    payload = parse_json_body(await request.body())
+    req = parse_chat_request(payload)
     ctx.check_model(req.options.model)
+    session_id = _session_id(request, req.options)
+    ctx.log_request(CHAT_ROUTE, session_id, payload)
     tools = req.tools if req.tool_choice.mode != "none" else None
     try:
-        text = ctx.tokenizer.apply_chat_template(req.messages, tools=tools)
+        text = ctx.tokenizer.apply_chat_template(req.messages, tools=tools) + req.forced_prefix()
     except InvalidRequestError as exc:
         raise bad_request(str(exc), param="messages") from exc
-    prompt_ids = ctx.tokenizer.encode(text + req.forced_prefix(), add_special_tokens=False)
+    prompt_ids = ctx.tokenizer.encode(text, add_special_tokens=False)
     params = req.options.sampling_params(len(prompt_ids), ctx.max_model_len, "messages", req.forced_stop())
-    stream = await _submit(ctx, request, "chatcmpl", prompt_ids, params, req.options, arrival_s)
+    stream = await _submit(ctx, "chatcmpl", prompt_ids, params, req.options, session_id, arrival_s)
+    rendered = RenderedPrompt(prompt_ids, text, req.messages, tools)
+    found = ctx.breaks.watch(session_id, req.options.cache_salt, rendered)
     env = Envelope(stream.request_id, int(time.time()), ctx.model_name)
     latency = _Latency(ctx.metrics, arrival_s)
     if req.options.stream:
         return _EventStream(
-            _chat_events(env, req, stream, latency), lambda: ctx.engine.abort(stream.request_id)
+            _chat_events(env, req, stream, latency, found), lambda: ctx.engine.abort(stream.request_id)
         )
     outputs = await _collect_unless_disconnected(request, ctx, stream, latency)
     if outputs is None:
@@ -109,13 +122,15 @@ async def chat_completions(request: Request) -> Response:
         parsed = ParsedDelta(content=body)
     content = parsed.content if parsed.content or not parsed.tool_calls else None
     reason = _finish_reason(last, len(parsed.tool_calls))
-    return JSONResponse(env.chat_completion(content, parsed.tool_calls, reason, _usage(last)))
+    totals = with_diagnostics(_usage(last), await found) if req.diagnostics else _usage(last)
+    return JSONResponse(env.chat_completion(content, parsed.tool_calls, reason, totals))
 
 
 async def _chat_events(
-    env: Envelope, req: ChatRequest, stream: RequestStream, latency: _Latency
+    env: Envelope, req: ChatRequest, stream: RequestStream, latency: _Latency, found: Awaitable[Break | None]
 ) -> AsyncIterator[str]:
-    with_usage = req.options.include_usage
+    # Diagnostics travel in the usage chunk, so asking for them asks for that chunk too.
+    with_usage = req.options.include_usage or req.diagnostics
     yield sse(env.chat_chunk({"role": "assistant", "content": ""}, with_usage_field=with_usage))
     parser = StreamingToolParser() if req.parses_tool_calls else None
     if parser is not None:
@@ -141,7 +156,8 @@ async def _chat_events(
         return
     yield sse(env.chat_chunk({}, _finish_reason(last, len(calls)), with_usage_field=with_usage))
     if with_usage:
-        yield sse(env.usage_chunk("chat.completion.chunk", _usage(last)))
+        totals = with_diagnostics(_usage(last), await found) if req.diagnostics else _usage(last)
+        yield sse(env.usage_chunk("chat.completion.chunk", totals))
     yield sse("[DONE]")
 
 
@@ -149,14 +165,17 @@ async def completions(request: Request) -> Response:
     """POST /v1/completions."""
     arrival_s = time.perf_counter()
     ctx: ServerContext = request.app.state.ctx
-    req = parse_completion_request(parse_json_body(await request.body()))
+    body = parse_json_body(await request.body())
+    req = parse_completion_request(body)
     ctx.check_model(req.options.model)
+    session_id = _session_id(request, req.options)
+    ctx.log_request(COMPLETIONS_ROUTE, session_id, body)
     if isinstance(req.prompt, str):
         prompt_ids = ctx.tokenizer.encode(req.prompt, add_special_tokens=True)
     else:
         prompt_ids = req.prompt
     params = req.options.sampling_params(len(prompt_ids), ctx.max_model_len, "prompt")
-    stream = await _submit(ctx, request, "cmpl", prompt_ids, params, req.options, arrival_s)
+    stream = await _submit(ctx, "cmpl", prompt_ids, params, req.options, session_id, arrival_s)
     env = Envelope(stream.request_id, int(time.time()), ctx.model_name)
     latency = _Latency(ctx.metrics, arrival_s)
     if req.options.stream:

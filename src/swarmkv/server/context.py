@@ -1,12 +1,15 @@
-"""ServerContext: what every route of one app shares (the engine loop, tokenizer, model name, metrics)."""
+"""ServerContext: what every route of one app shares (engine loop, tokenizer, model name, metrics, logs)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from swarmkv.server.async_engine import AsyncEngine
+from swarmkv.server.cache_breaks import CacheBreaks
 from swarmkv.server.metrics import ServerMetrics
 from swarmkv.server.protocol import APIError
+from swarmkv.server.request_log import RequestLog
 from swarmkv.tokenizer import Tokenizer
 
 
@@ -19,6 +22,13 @@ class ServerContext:
     model_name: str
     max_model_len: int
     metrics: ServerMetrics
+    breaks: CacheBreaks
+    request_log: RequestLog | None = None  # `--log-requests`
+
+    def log_request(self, route: str, session_id: str | None, body: dict[str, Any]) -> None:
+        """Append the request's body to the request log, when there is one."""
+        if self.request_log is not None:
+            self.request_log.write(route, session_id, body)
 
     def check_model(self, model: str | None) -> None:
         """A 404 unless `model` is the one this server serves (or omitted)."""

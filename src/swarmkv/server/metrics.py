@@ -121,6 +121,13 @@ class ServerMetrics:
             ["route", "status"],
             registry=self.registry,
         )
+        self.cache_breaks = Counter(
+            f"{PREFIX}_cache_breaks",
+            "Chat prompts that diverged from their session's or salt's most similar earlier prompt before"
+            " its end, by the cause `swarmkv lint` names.",
+            ["cause"],
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         """The registry in the Prometheus text format."""

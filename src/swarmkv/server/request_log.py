@@ -1,0 +1,47 @@
+"""`swarmkv serve --log-requests FILE.jsonl`: every generation request's body, one JSON line each.
+
+A line is `{"time": unix seconds, "session_id": str | null, "route": "/v1/chat/completions" |
+"/v1/completions", "body": the request's JSON object as received}`, for each request whose body and
+session id are well-formed (it reached the tokenizer). The file is opened in append mode; each line goes
+out in one `write` on an `O_APPEND` descriptor, under a lock, so lines from concurrent requests (or two
+servers sharing the file) never interleave. `swarmkv lint` reads these files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+class RequestLog:
+    """An append-only JSON-lines file of request bodies; safe to write from any thread."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise ValueError(f"cannot open the request log {str(path)!r}: {exc.strerror}") from exc
+        self._lock = threading.Lock()
+
+    def write(self, route: str, session_id: str | None, body: dict[str, Any]) -> None:
+        """Append one request as one whole line."""
+        record = {"time": time.time(), "session_id": session_id, "route": route, "body": body}
+        line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            if self._fd is None:
+                return  # closed: the server is shutting down
+            view = memoryview(line)
+            while view:  # a regular file takes the whole line at once; the loop only guards a short write
+                view = view[os.write(self._fd, view) :]
+
+    def close(self) -> None:
+        """Close the file; later writes are dropped."""
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
