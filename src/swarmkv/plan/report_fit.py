@@ -36,7 +36,11 @@ def weights_items(plan: Plan, weights: WeightsFigure) -> list[Item]:
     ]
     if count.recurrent_bytes:
         items.append(
-            ("  linear attention", count.recurrent_bytes, "conv taps, decay parameters, gated norms")
+            (
+                "  linear attention",
+                count.recurrent_bytes,
+                f"b | a projections in {dtype}, conv taps, decay parameters, gated norms",
+            )
         )
     if count.biases_bytes:
         items.append(("  QKV biases", count.biases_bytes, ""))

@@ -67,7 +67,7 @@ class WeightCount:
     embedding_bytes: int
     lm_head_bytes: int  # 0 when tied to the embedding
     tied_embeddings: bool
-    recurrent_bytes: int = 0  # hybrids' linear-attention layers: conv taps, decay parameters, gated norms
+    recurrent_bytes: int = 0  # hybrids' linear attention: b | a projections, conv taps, decay, gated norms
 
     @property
     def total_bytes(self) -> int:
@@ -96,12 +96,26 @@ def projection_shapes(config: ModelConfig) -> list[tuple[int, int]]:
 
 
 def linear_attention_shapes(config: ModelConfig) -> list[tuple[int, int]]:
-    """One Gated DeltaNet layer's [out, in] projection weights: fused in (q, k, v | z | b | a), out, fused
-    gate-up, down."""
+    """One Gated DeltaNet layer's [out, in] projection weights in the weight format: fused in (q, k, v | z),
+    out, fused gate-up, down. (Its b | a projection stays float: `linear_attention_float_elements`.)"""
     linear, hidden, inter = config.linear, config.hidden_size, config.intermediate_size
     assert linear is not None, "only a hybrid model has linear-attention layers"
-    in_rows = linear.conv_dim + linear.value_dim + 2 * linear.num_value_heads
+    in_rows = linear.conv_dim + linear.value_dim
     return [(in_rows, hidden), (hidden, linear.value_dim), (2 * inter, hidden), (hidden, inter)]
+
+
+def linear_attention_float_elements(config: ModelConfig) -> int:
+    """One Gated DeltaNet layer's float elements besides its norms' weights: the b | a projection (float in
+    every weight format), the conv's taps, dt_bias and A_log per value head, the gated norm's weight."""
+    linear = config.linear
+    assert linear is not None, "only a hybrid model has linear-attention layers"
+    heads = linear.num_value_heads
+    return (
+        2 * heads * config.hidden_size
+        + linear.conv_dim * linear.conv_kernel
+        + 2 * heads
+        + linear.value_head_dim
+    )
 
 
 def count_weights(config: ModelConfig, precision: Precision) -> WeightCount:
@@ -124,12 +138,7 @@ def count_weights(config: ModelConfig, precision: Precision) -> WeightCount:
     element = dtype.itemsize
     qk_norms = 2 * config.head_dim if config.qk_norm else 0
     norm_elements = config.num_layers * 2 * config.hidden_size + num_attention * qk_norms + config.hidden_size
-    recurrent_elements = 0
-    if config.linear is not None and num_linear:
-        # Per layer: the conv's taps, the decay's A_log and dt_bias per value head, the gated norm's weight.
-        lin = config.linear
-        per_layer = lin.conv_dim * lin.conv_kernel + 2 * lin.num_value_heads + lin.value_head_dim
-        recurrent_elements = num_linear * per_layer
+    recurrent_elements = num_linear * linear_attention_float_elements(config) if num_linear else 0
     qkv_out = projection_shapes(config)[0][0]
     embedding = config.vocab_size * config.hidden_size * element
     return WeightCount(
