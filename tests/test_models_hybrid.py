@@ -1,8 +1,9 @@
 """Qwen3.5 hybrids (Gated DeltaNet + gated attention): logits and greedy parity with transformers, loading.
 
 The float64 reference is transformers with its float32 casts lifted (`float64_throughout`), so float64
-parity is tight (1e-9; it agrees to ~1e-13). In float32 both implementations sit ~1e-4 from those exact
-logits on this model (random weights, logits up to ~10), so float32 parity is judged against that noise.
+parity is tight (1e-9; the two agree to ~1e-13). In float32 the two round alike: at 150 tokens both sit
+~2e-3 from the exact logits (random weights, logits up to ~8) yet within ~1.5e-4 of each other. So float32
+parity is 5e-4 to transformers' float32, and no further from exact than twice transformers' own distance.
 """
 
 from __future__ import annotations
@@ -25,16 +26,20 @@ from swarmkv.models.loader import LoadedModel, load_model
 from tiny_models import (
     edit_config,
     float64_throughout,
+    lengthen_recurrent_memory,
     make_tiny_checkpoint,
     make_tiny_qwen3_5_multimodal_checkpoint,
 )
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 FLOAT64_TOLERANCE = 1e-9
-FLOAT32_TOLERANCE = 5e-4  # transformers' own float32 logits are up to ~3e-4 from exact here
+FLOAT32_TOLERANCE = 5e-4
 PROMPT_LENGTHS = [1, 7, 64, 65, 150]  # one token, under a chunk, a chunk, just past it, several
 ALTERNATING = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 GREEDY_TOKENS = 8
+# The tokenizer's first ids only: an LM head over all 151k would be most of these tests' time, and has
+# nothing to do with the hybrid layers (test_models.py runs whole-vocabulary checkpoints).
+VOCAB = 1024
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -84,8 +89,13 @@ def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
 def swarmkv_greedy(loaded: LoadedModel, ids: list[int], num_tokens: int) -> list[int]:
     """Greedy continuation recomputing the whole sequence per token (no cache, no state carried)."""
     tokens = list(ids)
-    for _ in range(num_tokens):
-        tokens.append(int(swarmkv_logits(loaded, tokens)[-1].argmax()))
+    with torch.inference_mode():
+        for _ in range(num_tokens):
+            positions = torch.arange(len(tokens), device=loaded.device)
+            hidden = loaded.model(
+                torch.tensor(tokens, device=loaded.device), positions, CausalSelfAttention()
+            )
+            tokens.append(int(loaded.model.lm_head(hidden[-1:]).argmax()))
     return tokens[len(ids) :]
 
 
@@ -100,32 +110,35 @@ def hf_greedy(model: Any, ids: list[int], num_tokens: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The tiny Qwen3.5 as a CausalLM repo, as a ConditionalGeneration repo, and with alternating layers."""
+    """The tiny Qwen3.5 as a CausalLM repo, as a ConditionalGeneration repo, and with alternating layers
+    whose states decay slowly (transformers' init forgets within a token or two: the other two)."""
     root = tmp_path_factory.mktemp("qwen3_5")
     return {
-        "causal": make_tiny_checkpoint(root / "causal", "qwen3_5"),
-        "multimodal": make_tiny_qwen3_5_multimodal_checkpoint(root / "multimodal"),
-        "alternating": make_tiny_checkpoint(root / "alternating", "qwen3_5", layer_types=ALTERNATING),
+        "causal": make_tiny_checkpoint(root / "causal", "qwen3_5", vocab_size=VOCAB),
+        "multimodal": make_tiny_qwen3_5_multimodal_checkpoint(root / "multimodal", vocab_size=VOCAB),
+        "alternating": lengthen_recurrent_memory(
+            make_tiny_checkpoint(root / "alternating", "qwen3_5", layer_types=ALTERNATING, vocab_size=VOCAB)
+        ),
     }
 
 
 @pytest.fixture(scope="module")
-def ours(folders: dict[str, Path]) -> dict[tuple[str, str], LoadedModel]:
-    """swarmkv's reading of the causal folder in both dtypes."""
-    return {("causal", d): load_model(folders["causal"], dtype=d) for d in DTYPES}
+def ours(folders: dict[str, Path]) -> dict[str, LoadedModel]:
+    """swarmkv's reading of the CausalLM folder in both dtypes."""
+    return {d: load_model(folders["causal"], dtype=d) for d in DTYPES}
 
 
 @pytest.fixture(scope="module")
 def theirs(folders: dict[str, Path]) -> dict[str, Any]:
-    """transformers' reading of the causal folder in both dtypes."""
+    """transformers' reading of the CausalLM folder in both dtypes."""
     return {d: hf_model(folders["causal"], dtype) for d, dtype in DTYPES.items()}
 
 
 @pytest.mark.parametrize("length", PROMPT_LENGTHS)
 def test_float64_logits_match_transformers(
-    length: int, ours: dict[tuple[str, str], LoadedModel], theirs: dict[str, Any]
+    length: int, ours: dict[str, LoadedModel], theirs: dict[str, Any]
 ) -> None:
-    loaded = ours[("causal", "float64")]
+    loaded = ours["float64"]
     ids = random_ids(length, seed=length)
 
     mine, reference = swarmkv_logits(loaded, ids), hf_logits(theirs["float64"], ids)
@@ -139,12 +152,12 @@ def test_float64_logits_match_transformers(
 
 @pytest.mark.parametrize("length", PROMPT_LENGTHS)
 def test_float32_logits_match_transformers(
-    length: int, ours: dict[tuple[str, str], LoadedModel], theirs: dict[str, Any]
+    length: int, ours: dict[str, LoadedModel], theirs: dict[str, Any]
 ) -> None:
     ids = random_ids(length, seed=length)
     exact = hf_logits(theirs["float64"], ids)
 
-    mine, reference = swarmkv_logits(ours[("causal", "float32")], ids), hf_logits(theirs["float32"], ids)
+    mine, reference = swarmkv_logits(ours["float32"], ids), hf_logits(theirs["float32"], ids)
 
     assert mine.dtype == reference.dtype == torch.float32
     assert (mine - reference).abs().max().item() <= FLOAT32_TOLERANCE
@@ -170,11 +183,11 @@ def test_float64_reference_is_tighter_than_float32(theirs: dict[str, Any]) -> No
 @pytest.mark.parametrize("length", [1, 7, 65])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_greedy_decode_matches_transformers_generate(
-    dtype: str, length: int, ours: dict[tuple[str, str], LoadedModel], theirs: dict[str, Any]
+    dtype: str, length: int, ours: dict[str, LoadedModel], theirs: dict[str, Any]
 ) -> None:
     ids = random_ids(length, seed=100 + length)
 
-    tokens = swarmkv_greedy(ours[("causal", dtype)], ids, GREEDY_TOKENS)
+    tokens = swarmkv_greedy(ours[dtype], ids, GREEDY_TOKENS)
 
     assert tokens == hf_greedy(theirs[dtype], ids, GREEDY_TOKENS)
     assert len(set(tokens)) > 1  # a model stuck on one token would hide a wrong state
@@ -209,8 +222,9 @@ def test_multimodal_config_is_its_text_config(folders: dict[str, Path]) -> None:
 
 
 def test_multimodal_checkpoint_loads_its_text_model(
-    folders: dict[str, Path], ours: dict[tuple[str, str], LoadedModel]
+    folders: dict[str, Path], ours: dict[str, LoadedModel]
 ) -> None:
+    """The same seeded weights as the CausalLM repo, stored the released repos' way."""
     weights = load_file(folders["multimodal"] / "model.safetensors")
     assert any(name.startswith("model.visual.") for name in weights)
     assert any(name.startswith("model.language_model.layers.") for name in weights)
@@ -220,33 +234,32 @@ def test_multimodal_checkpoint_loads_its_text_model(
 
     assert loaded.config.architecture == "qwen3_5"
     assert not any("visual" in name for name, _ in loaded.model.named_parameters())
-    assert torch.equal(swarmkv_logits(loaded, ids), swarmkv_logits(ours[("causal", "float64")], ids))
+    assert torch.equal(swarmkv_logits(loaded, ids), swarmkv_logits(ours["float64"], ids))
 
 
-def test_alternating_layer_types_match_transformers(folders: dict[str, Path]) -> None:
+def test_alternating_layers_with_long_memory_match_transformers(folders: dict[str, Path]) -> None:
+    """The states carry tens of tokens, so what crosses the delta rule's 64-token chunks counts."""
     loaded = load_model(folders["alternating"], dtype="float64")
     reference = hf_model(folders["alternating"], torch.float64)
-    ids = random_ids(70, seed=5)
-
     assert loaded.config.layer_types == tuple(ALTERNATING)
     assert loaded.config.num_attention_layers == 2
-    assert (swarmkv_logits(loaded, ids) - hf_logits(reference, ids)).abs().max().item() <= 1e-9
+
+    for length in (65, 150):
+        ids = random_ids(length, seed=5 + length)
+        assert (
+            swarmkv_logits(loaded, ids) - hf_logits(reference, ids)
+        ).abs().max().item() <= FLOAT64_TOLERANCE
+    ids = random_ids(70, seed=5)
     assert swarmkv_greedy(loaded, ids, GREEDY_TOKENS) == hf_greedy(reference, ids, GREEDY_TOKENS)
 
 
 # ---- refusals -----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A valid tiny Qwen3.5 with a small vocabulary, cheap to copy; tests damage their own copies."""
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("pristine") / "qwen3_5", "qwen3_5", vocab_size=1024)
-
-
 @pytest.fixture
-def checkpoint(pristine: Path, tmp_path: Path) -> Path:
-    """A private copy of the small checkpoint, free to damage."""
-    return Path(shutil.copytree(pristine, tmp_path / "qwen3_5"))
+def checkpoint(folders: dict[str, Path], tmp_path: Path) -> Path:
+    """A private copy of the CausalLM checkpoint, free to damage."""
+    return Path(shutil.copytree(folders["causal"], tmp_path / "qwen3_5"))
 
 
 def test_the_pristine_checkpoint_loads(checkpoint: Path) -> None:
@@ -275,8 +288,8 @@ def test_missing_tensor_is_named(checkpoint: Path, name: str) -> None:
         load_model(checkpoint, dtype="float32")
 
 
-def test_missing_tensor_of_a_multimodal_checkpoint_is_named(tmp_path: Path) -> None:
-    folder = make_tiny_qwen3_5_multimodal_checkpoint(tmp_path / "multimodal", vocab_size=1024)
+def test_missing_tensor_of_a_multimodal_checkpoint_is_named(folders: dict[str, Path], tmp_path: Path) -> None:
+    folder = Path(shutil.copytree(folders["multimodal"], tmp_path / "multimodal"))
     path = folder / "model.safetensors"
     tensors = load_file(path)
     del tensors["model.language_model.layers.2.linear_attn.in_proj_a.weight"]

@@ -1,11 +1,13 @@
-"""Tiny random Hugging Face checkpoints (Llama, Qwen2, Qwen3, Qwen3.5) that tests build with transformers itself.
+"""Tiny random Hugging Face checkpoints (Llama, Qwen2, Qwen3, Qwen3.5) that tests build with transformers.
 
 `make_tiny_checkpoint(folder, "qwen3")` writes config.json, model.safetensors (or shards plus
 model.safetensors.index.json) and the Qwen3 tokenizer files, so the folder loads like a real model
 repo in both swarmkv and transformers. Weights are random but seeded, drawn wider than transformers'
 default init so attention is peaked, and biases and norm weights are random too, so a wrong rotary,
-bias or norm shows in the logits. `make_tiny_qwen3_5_multimodal_checkpoint` rewrites a Qwen3.5 checkpoint
-into the layout of the released Qwen3.5 repos (text weights under `model.language_model.`, a vision tower).
+bias or norm shows in the logits. For Qwen3.5: `make_tiny_qwen3_5_multimodal_checkpoint` writes the
+layout of the released repos (text weights under `model.language_model.`, a vision tower),
+`lengthen_recurrent_memory` slows the states' decay so a lost state shows, and `float64_throughout` makes
+transformers' float64 model an exact reference.
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ def make_tiny_checkpoint(
     """Save a seeded random `arch` model with the Qwen3 tokenizer into `folder`; return `folder`.
 
     `overrides` go to the transformers config (e.g. tie_word_embeddings=True, rope_parameters={...},
-    layer_types=[...] for qwen3_5, which also sets the layer count); `max_shard_size` (e.g. "2MB") splits the weights into shards with an index file.
+    layer_types=[...] for qwen3_5, which also sets the layer count); `max_shard_size` (e.g. "2MB")
+    splits the weights into shards with an index file.
     """
     from transformers import AutoModelForCausalLM
 
@@ -122,8 +125,8 @@ def _randomise_constant_init(model: torch.nn.Module) -> None:
     """Give biases (zeros) and norm weights (constant) random values, so a mis-loaded one changes the logits.
 
     Norm weights are drawn around their initial value: ones, or zeros where the model scales by 1 + weight
-    (Qwen3.5's RMSNorm). Qwen3.5's A_log and dt_bias keep transformers' init, which keeps the recurrent
-    decay -exp(A_log) * softplus(a + dt_bias) negative and of a trained model's size.
+    (Qwen3.5's RMSNorm). Qwen3.5's A_log and dt_bias keep transformers' init, so the recurrent decay
+    -exp(A_log) * softplus(a + dt_bias) stays negative (`lengthen_recurrent_memory` makes it slower).
     """
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -174,6 +177,28 @@ def make_tiny_qwen3_5_multimodal_checkpoint(folder: Path, *, seed: int = 0, **ov
         "transformers_version": text_config.get("transformers_version"),
     }
     config_path.write_text(json.dumps(multimodal, indent=2))
+    return folder
+
+
+def lengthen_recurrent_memory(folder: Path, max_rate: float = 0.1, seed: int = 0) -> Path:
+    """Redraw the A_log of every linear-attention layer in `folder`'s Qwen3.5 weights so that A = exp(A_log)
+    is uniform in [0.01, max_rate]; return `folder`.
+
+    transformers' init draws A from [0.01, 16]: with dt_bias 1 a state decays by exp(-A * softplus(a + 1))
+    per token, so most heads forget within a token or two, and a state lost or mixed up between requests
+    barely shows in greedy outputs. Rates up to 0.1 keep a half-life of some 5 to 50 tokens, and the decay
+    stays negative.
+    """
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    generator = torch.Generator().manual_seed(seed)
+    for name, tensor in tensors.items():
+        if name.endswith("linear_attn.A_log"):
+            rates = torch.empty(tensor.shape, dtype=torch.float64).uniform_(
+                0.01, max_rate, generator=generator
+            )
+            tensors[name] = rates.log().to(tensor.dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
     return folder
 
 
