@@ -13,7 +13,7 @@ when copying them there and back costs less than computing them again.
 For a hybrid model a prefix hit needs a state snapshot at its end, so a prefill chunk is cut where a snapshot
 pays: where the request leaves the cached tree (a branch point, once a second request diverges there) and
 where it stops sharing tokens with another queued or running request (a cold swarm's common head, computed
-once while the followers wait for it). The state is snapshotted after such a chunk.
+once while the followers wait for it). The state is snapshotted after such a chunk, and at each prompt's end.
 """
 
 from __future__ import annotations
@@ -151,7 +151,9 @@ class Scheduler:
                 if id(seq) in scheduled:
                     continue
                 num_tokens = min(seq.num_uncomputed_tokens, budget)
-                cut = self._snapshot_cut(seq, seq.num_computed_tokens, num_tokens, seq.branch_tokens)
+                cut = self._snapshot_cut(
+                    seq, seq.num_computed_tokens, num_tokens, seq.branch_tokens, seq.snapshot_tokens
+                )
                 num_tokens = cut or num_tokens
                 if self._reserve(seq, num_tokens, plan, scheduled):
                     scheduled.add(id(seq))
@@ -197,9 +199,14 @@ class Scheduler:
         end = start + num_tokens
         return Chunk(seq, start, seq.token_ids[start:end], kind, end == seq.num_tokens, snapshot)
 
-    def _snapshot_cut(self, seq: Sequence, start: int, num_tokens: int, branch_tokens: int) -> int | None:
+    def _snapshot_cut(
+        self, seq: Sequence, start: int, num_tokens: int, branch_tokens: int, snapshot_tokens: int
+    ) -> int | None:
         """Hybrids: the tokens of a prefill chunk from `start` of at most `num_tokens` that ends at the first
-        point worth a state snapshot (see the module docstring); None when no such point falls in it."""
+        point worth a state snapshot (see the module docstring); None when no such point falls in it. After a
+        turn snapshot (`snapshot_tokens`: the end of the request's own previous turn), a point must lie
+        `MIN_SNAPSHOT_TOKENS` past it: a turn that branches a few tokens into the history it continues is not
+        worth a cut and a slot."""
         states = self.kv.states
         if states is None or not self.kv.prefix_caching:
             return None
@@ -211,7 +218,8 @@ class Scheduler:
             if other is not seq and other.cache_salt == seq.cache_salt:
                 # The other resumes at most before its last token, which it computes to sample.
                 points.add(min(_common_prefix(tokens, other.token_ids), other.num_tokens - 1))
-        for point in sorted(p for p in points if start < p <= end and p >= MIN_SNAPSHOT_TOKENS):
+        floor = max(start, snapshot_tokens + MIN_SNAPSHOT_TOKENS - 1)
+        for point in sorted(p for p in points if floor < p <= end and p >= MIN_SNAPSHOT_TOKENS):
             if not states.has(tokens[:point], seq.cache_salt):
                 return point - start
         return None
@@ -241,7 +249,8 @@ class Scheduler:
         if hit.partial is None and self._prefix_in_flight(seq, hit):
             return 0
         num_tokens = min(seq.num_tokens - hit.num_tokens, budget)
-        cut = self._snapshot_cut(seq, hit.num_tokens, num_tokens, hit.branch_tokens)
+        snapshot_tokens = hit.num_tokens if hit.snapshot_kind == "turn" else 0
+        cut = self._snapshot_cut(seq, hit.num_tokens, num_tokens, hit.branch_tokens, snapshot_tokens)
         num_tokens = cut or num_tokens
         pages = self.kv.allocate(seq, hit, num_tokens)
         if pages is None:
@@ -253,6 +262,7 @@ class Scheduler:
         self._count_hit(seq, hit)
         seq.num_computed_tokens = hit.num_tokens
         seq.branch_tokens = hit.branch_tokens
+        seq.snapshot_tokens = snapshot_tokens
         seq.status = Status.RUNNING
         self.running.append(seq)
         plan.chunks.append(self._chunk(seq, num_tokens, "prefill", snapshot=cut is not None))
@@ -316,6 +326,15 @@ class Scheduler:
             self.kv.commit(seq, end)
             if chunk.snapshot:
                 self.kv.snapshot(seq)
+            elif (
+                chunk.samples
+                and chunk.kind == "prefill"
+                and self.kv.states is not None
+                and self.kv.prefix_caching
+            ):
+                # The prompt's end: the next turn always continues it, even when the reply it goes on with
+                # re-tokenizes differently from the tokens generated (the turn's end would not match then).
+                self.kv.snapshot(seq, "turn")
 
     def _count_work(self, seq: Sequence, start: int, end: int) -> None:
         """Positions this request processed before are recomputed; new prompt positions are first-time

@@ -36,9 +36,8 @@ class Sequence:
     num_processed_tokens: int = 0  # high-water mark of positions ever computed or served from cache
     num_preemptions: int = 0
     num_starved_steps: int = 0  # consecutive steps it waited for prefill compute and got none
-    branch_tokens: int = (
-        0  # hybrids: tokens the cached pages matched at admission (its state is snapshotted there)
-    )
+    branch_tokens: int = 0  # hybrids: tokens the cached pages matched at admission (a branch point)
+    snapshot_tokens: int = 0  # hybrids: where the turn snapshot it resumed from (its previous turn) ends
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
 

@@ -37,7 +37,7 @@ from swarmkv.kv.host_tier import HostTier, PageMover
 from swarmkv.kv.page_pool import PagePool, pages_for
 from swarmkv.kv.radix_index import Node, PartialHit, RadixIndex, Salt
 from swarmkv.kv.retention import Retention
-from swarmkv.kv.state_index import MIN_SNAPSHOT_TOKENS, StateIndex, StateMover
+from swarmkv.kv.state_index import MIN_SNAPSHOT_TOKENS, SnapshotKind, StateIndex, StateMover
 
 
 class KVRequest(Protocol):
@@ -70,6 +70,7 @@ class Hit:
     host_pages: tuple[int, ...] = ()
     snapshot: int | None = None  # hybrids: the state slot to resume from, after num_tokens tokens
     branch_tokens: int = 0  # hybrids: tokens the cached pages match, where the request leaves the tree
+    snapshot_kind: SnapshotKind | None = None  # hybrids: what the snapshot resumed from was taken at
 
     @property
     def num_loads(self) -> int:
@@ -184,7 +185,9 @@ class KVCacheManager:
         if snapshot.position < branch:
             hit = self._page_hit(tokens[: snapshot.position], salt)
         assert hit.num_tokens == snapshot.position, "the pages before a snapshot are not all cached"
-        return Hit(hit.pages, hit.partial, hit.num_tokens, hit.host_pages, snapshot.slot, branch)
+        return Hit(
+            hit.pages, hit.partial, hit.num_tokens, hit.host_pages, snapshot.slot, branch, snapshot.kind
+        )
 
     def _page_hit(self, tokens: Sequence[int], salt: Salt) -> Hit:
         pages, host_pages, partial = self.index.lookup(tokens, salt)
@@ -287,17 +290,18 @@ class KVCacheManager:
         assert self.states is not None
         return self.states.slot(request_id)
 
-    def snapshot(self, request: KVRequest) -> bool:
+    def snapshot(self, request: KVRequest, kind: SnapshotKind = "branch") -> bool:
         """Keep the running request's state after its computed tokens (a point the scheduler cut its prefill
-        at), with a cached copy of its partly filled last page when no cached page holds those tokens yet, so
-        every request sharing them resumes there. Whether a snapshot was stored."""
+        at, a "branch", or its prompt's end, a "turn"). At a branch, also cache a copy of its partly filled last
+        page when no cached page holds those tokens yet, so every request sharing them resumes there at once
+        (a turn's page is cached when the request stops). Whether a snapshot was stored."""
         assert self.states is not None
         table = self._tables[request.request_id]
         computed = request.num_computed_tokens
         self.commit(request, computed)
-        stored = self._store_state(request, computed)
+        stored = self._store_state(request, computed, kind)
         full, rest = divmod(computed, self.page_size)
-        if not stored or not rest or len(table.path) < full:
+        if not stored or kind == "turn" or not rest or len(table.path) < full:
             return stored
         tokens = request.token_ids
         if self._page_hit(tokens[:computed], table.salt).num_tokens >= computed:
@@ -316,11 +320,11 @@ class KVCacheManager:
             self.pool.free([page])
         return stored
 
-    def _store_state(self, request: KVRequest, num_tokens: int) -> bool:
+    def _store_state(self, request: KVRequest, num_tokens: int, kind: SnapshotKind) -> bool:
         assert self.states is not None
         if num_tokens < MIN_SNAPSHOT_TOKENS:
             return False
-        slot = self.states.store(request.token_ids[:num_tokens], request.cache_salt)
+        slot = self.states.store(request.token_ids[:num_tokens], request.cache_salt, kind)
         if slot is None:
             return False
         if self._state_mover is not None:
@@ -444,7 +448,7 @@ class KVCacheManager:
         computed = request.num_computed_tokens
         if self.states is not None:
             if keep_partial and keep_state and self.prefix_caching:
-                self._store_state(request, computed)
+                self._store_state(request, computed, "turn")
             self.states.release(rid)
         self.commit(request, computed)
         full, rest = divmod(computed, self.page_size)

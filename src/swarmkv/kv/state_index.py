@@ -14,13 +14,17 @@ import itertools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from swarmkv.kv.radix_index import Salt
 
 # Snapshots are taken at positions of at least this many tokens: a shorter prefix costs a whole state slot
 # to spare little compute.
 MIN_SNAPSHOT_TOKENS = 32
+
+# "turn": a prompt's or a stopped request's end, which its own next turn resumes from; "branch": a point where
+# requests part (a branch of the tree, a cold swarm's common head), which others resume from.
+SnapshotKind = Literal["turn", "branch"]
 
 
 class StateMover(Protocol):
@@ -41,6 +45,7 @@ class Snapshot:
     salt: Salt
     key: tuple[int, ...]
     last_access: int
+    kind: SnapshotKind = "branch"
 
     @property
     def position(self) -> int:
@@ -133,7 +138,7 @@ class StateIndex:
         self._by_slot[slot].last_access = next(self._clock)
         self.counters.hits += 1
 
-    def store(self, tokens: Sequence[int], salt: Salt) -> int | None:
+    def store(self, tokens: Sequence[int], salt: Salt, kind: SnapshotKind) -> int | None:
         """A slot to copy the state after `tokens` into, now keyed by them: a free slot or the least recently
         used snapshot's. None when that state is kept already (it is touched) or no slot can be had."""
         key = (salt, tuple(tokens))
@@ -144,7 +149,7 @@ class StateIndex:
         if not self._free and not self._snapshots:
             return None
         slot = self._free.pop() if self._free else self._drop_lru()
-        snapshot = self._snapshots[key] = Snapshot(slot, salt, key[1], next(self._clock))
+        snapshot = self._snapshots[key] = Snapshot(slot, salt, key[1], next(self._clock), kind)
         self._by_slot[slot] = snapshot
         self._positions.setdefault(salt, Counter())[len(tokens)] += 1
         self.counters.stores += 1
