@@ -13,11 +13,12 @@ Register = Callable[[argparse._SubParsersAction], None]
 
 def _registrars() -> list[Register]:
     from swarmkv.generate_cli import register as generate
+    from swarmkv.lint.cli import register as lint
     from swarmkv.plan.cli import register as plan
     from swarmkv.server.cli import register as serve
     from swarmkv.swarm.cli import register as swarm
 
-    return [generate, swarm, plan, serve]
+    return [generate, swarm, plan, serve, lint]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,156 @@
+"""Prefix breaks in a request log: each request against the earlier ones, in log order.
+
+A request is compared with the earlier prompt (of its cache salt) it shares the most tokens with, its own
+session's newest prompt on a tie. It breaks when it does not continue that prompt, and either belongs to a
+session it should continue, or (a session's first request) parts from it inside the shared head (system
+messages and tools) or at a date, time or random id. A first request that parts after the head is a new
+agent with its own task: no break.
+
+When the break is a volatile value, the request is matched again as if the heads' values were equal
+(`hidden.py`), and compared with that prompt given its values one by one: this shows the breaks the first
+one hides (more values, then one agent's reordered tools, say), up to the first that is not a value.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from swarmkv.lint.causes import Break, RenderedPrompt, classify, common_chars, divergence, head_chars
+from swarmkv.lint.hidden import MaskedHead, align, mask
+from swarmkv.lint.patterns import VolatileScanner, volatile_at
+from swarmkv.lint.prefix_index import Match, PrefixIndex
+from swarmkv.lint.render import RenderedRequest
+from swarmkv.lint.sessions import Sessions
+from swarmkv.tokenizer import Tokenizer
+
+VOLATILE_CAUSES = ("timestamp", "random_id")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A request's session, its break, and the breaks behind it if the first is a volatile value."""
+
+    rendered: RenderedRequest
+    session: str
+    brk: Break | None
+    hidden: tuple[Break, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Seen:
+    request: RenderedRequest
+    session: str
+    masked: MaskedHead
+    masked_ids: list[int]
+
+
+class BreakFinder:
+    """Feeds requests in log order; each `add` returns the request's finding."""
+
+    def __init__(self, tokenizer: Tokenizer, encode: Callable[[str], list[int]] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self._encode = encode or tokenizer.encode
+        # Per cache salt (salts never share KV): the prompts' tokens, and their tokens with values masked.
+        self._indexes: dict[str | None, tuple[PrefixIndex, PrefixIndex]] = {}
+        self._seen: list[_Seen] = []
+        self._sessions = Sessions()
+        self._heads: dict[str, int] = {}
+        self._scanner = VolatileScanner()
+
+    def add(self, request: RenderedRequest) -> Finding:
+        """The request's finding; it then counts as seen for later requests."""
+        prompt = request.prompt
+        raw, masked_index = self._indexes.setdefault(request.cache_salt, (PrefixIndex(), PrefixIndex()))
+        masked = mask(prompt.text, self._head(prompt) if prompt.messages else 0, self._scanner)
+        masked_ids = self._encode(masked.text) if masked.values else prompt.token_ids
+        match = raw.match(prompt.token_ids)
+        extends = match.extends
+        if extends is not None and len(self._seen[extends].request.prompt.token_ids) == len(prompt.token_ids):
+            extends = None  # the same prompt again says nothing about whose it is
+        session = self._sessions.assign(
+            request.session_id,
+            request.user,
+            prompt.messages,
+            None if extends is None else self._seen[extends].session,
+        )
+        previous = self._sessions.newest(session)
+        if previous is not None and self._seen[previous].request.cache_salt != request.cache_salt:
+            previous = None
+        brk: Break | None = None
+        hidden: tuple[Break, ...] = ()
+        if match.key is not None:
+            earlier = self._reference(match, previous, prompt.token_ids, masked=False)
+            brk = self._break(earlier.request.prompt, prompt, match.num_tokens, previous is not None)
+        seen = _Seen(request, session, masked, masked_ids)
+        if brk is not None and brk.cause in VOLATILE_CAUSES and masked.values:
+            hidden = self._hidden(masked_index.match(masked_ids), seen, previous, brk)
+        number = len(self._seen)
+        raw.add(number, prompt.token_ids)
+        masked_index.add(number, masked_ids)
+        self._seen.append(seen)
+        self._sessions.remember(number, session, prompt.messages)
+        return Finding(request, session, brk, hidden)
+
+    def _reference(self, match: Match, previous: int | None, tokens: list[int], masked: bool) -> _Seen:
+        """The earlier prompt to compare with: the session's newest if it shares the most, else the newest
+        that does."""
+        assert match.key is not None
+        if previous is not None:
+            seen = self._seen[previous]
+            theirs = seen.masked_ids if masked else seen.request.prompt.token_ids
+            if divergence(theirs, tokens) == match.num_tokens:
+                return seen
+        return self._seen[match.key]
+
+    def _break(
+        self, earlier: RenderedPrompt, later: RenderedPrompt, offset: int, continues_session: bool
+    ) -> Break | None:
+        if offset >= len(earlier.token_ids):
+            return None  # it continues the earlier prompt
+        if not continues_session and not self._parts_in_head(earlier, later):
+            return None
+        return classify(earlier, later, offset, self.tokenizer)
+
+    def _hidden(self, match: Match, later: _Seen, previous: int | None, first: Break) -> tuple[Break, ...]:
+        """The breaks behind `first` (a volatile value): against the most similar earlier prompt with values
+        masked, given the later prompt's values one by one."""
+        if match.key is None:
+            return ()
+        earlier = self._reference(match, previous, later.masked_ids, masked=True)
+        prompt, found = later.request.prompt, [first]
+        values = (earlier.masked.values, later.masked.values)
+        for num_values in range(1, len(later.masked.values) + 1):
+            aligned = align(earlier.request.prompt, values[0], prompt, values[1], num_values, self._encode)
+            if aligned is None:
+                break
+            offset = divergence(aligned.token_ids, prompt.token_ids)
+            if offset >= len(aligned.token_ids):
+                break  # with these values equal it continues the earlier prompt
+            if offset <= found[-1].offset:
+                continue  # this value was equal already
+            brk = self._break(aligned, prompt, offset, previous is not None)
+            if brk is None:
+                break
+            found.append(brk)
+            if brk.cause not in VOLATILE_CAUSES:
+                break
+        return tuple(found[1:])
+
+    def _parts_in_head(self, earlier: RenderedPrompt, later: RenderedPrompt) -> bool:
+        """Whether two prompts differ inside the head, or at a volatile value."""
+        differ = common_chars(earlier.text, later.text)
+        if volatile_at(later.text, differ) or volatile_at(earlier.text, differ):
+            return True
+        if not earlier.messages or not later.messages:
+            return False
+        return differ < max(self._head(earlier), self._head(later))
+
+    def _head(self, prompt: RenderedPrompt) -> int:
+        # Keyed by what the head is rendered from; later system messages only make the key longer.
+        system = [m for m in prompt.messages if m.get("role") == "system"]
+        key = json.dumps([system, prompt.tools], sort_keys=True, ensure_ascii=False)
+        if key not in self._heads:
+            self._heads[key] = head_chars(prompt, self.tokenizer)
+        return self._heads[key]

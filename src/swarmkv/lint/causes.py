@@ -1,0 +1,172 @@
+"""Why a prompt stopped sharing an earlier one's tokens: the cause of a prefix break, with evidence.
+
+`classify` looks at the first character where two rendered prompts differ, in this order: a date or time
+there (`timestamp`), a UUID, hex string or nonce there (`random_id`), the tools (the break moves on when
+the later prompt is rendered with the earlier one's tools: `tool_order` for the same set, else
+`tool_set`), then where it falls. In the head (system messages and tools) it is `private_before_shared`
+when more system-prompt text is shared after the break than before it, else `system_edit`; after the
+head it is `history_rewrite` (an earlier turn rendered differently). A completion prompt's is `other`.
+
+This module needs only the tokenizer and `patterns`, so the server can classify breaks as it sees them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from swarmkv.errors import InvalidRequestError
+from swarmkv.lint.patterns import volatile_at
+from swarmkv.tokenizer import Tokenizer
+
+CAUSES: tuple[str, ...] = (
+    "timestamp",
+    "random_id",
+    "tool_order",
+    "tool_set",
+    "system_edit",
+    "history_rewrite",
+    "private_before_shared",
+    "other",
+)
+
+MAX_EVIDENCE_CHARS = 80
+# A user message no prompt contains: rendering the head followed by it shows where the head ends.
+_PROBE = "\u0000swarmkv-lint-probe\u0000"
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A prompt as the engine sees it: token ids, the template's text, and what the template was given."""
+
+    token_ids: list[int]
+    text: str  # the template's rendered text
+    messages: list[dict[str, Any]]  # as given to the template
+    tools: list[dict[str, Any]] | None
+
+
+@dataclass(frozen=True)
+class Break:
+    """Where a prompt stopped sharing an earlier one's tokens, and why."""
+
+    offset: int  # tokens shared with the earlier prompt: the first diverging token's index
+    cause: str  # one of CAUSES
+    text: str  # evidence: a short snippet of the later prompt's text at the divergence
+
+
+def divergence(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    x, y = list(a), list(b)
+    low, high = 0, min(len(x), len(y))
+    while low < high:  # binary search over slice comparisons, which run in C
+        mid = (low + high + 1) // 2
+        if x[:mid] == y[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def common_chars(a: str, b: str) -> int:
+    """Length of the common prefix of two strings."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def char_offset(prompt: RenderedPrompt, offset: int, tokenizer: Tokenizer) -> int | None:
+    """Characters of `prompt.text` before token `offset`; None when the tokens do not spell the text."""
+    prefix = tokenizer.decode(prompt.token_ids[:offset], skip_special_tokens=False)
+    # Byte-level BPE: a token may end inside a multi-byte character, which decodes to U+FFFD.
+    for candidate in (prefix, prefix.rstrip("\ufffd")):
+        if prompt.text.startswith(candidate):
+            return len(candidate)
+    return None
+
+
+def head_chars(prompt: RenderedPrompt, tokenizer: Tokenizer) -> int:
+    """Characters of the rendered head: the leading system messages and the tools, up to the first turn."""
+    messages = prompt.messages
+    num_system = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
+    if not messages or num_system == len(messages):
+        return len(prompt.text)
+    probe = [*messages[:num_system], {"role": "user", "content": _PROBE}]
+    try:
+        text = tokenizer.apply_chat_template(probe, tools=prompt.tools, add_generation_prompt=False)
+    except InvalidRequestError:
+        return 0
+    return common_chars(text, prompt.text)
+
+
+def classify(earlier: RenderedPrompt, later: RenderedPrompt, offset: int, tokenizer: Tokenizer) -> Break:
+    """Why `later` shares only `offset` tokens of `earlier`: the cause, with the later text there."""
+    differ = common_chars(earlier.text, later.text)  # the first character that differs
+    start = char_offset(later, offset, tokenizer)
+    start = differ if start is None else min(start, differ)
+    value = volatile_at(later.text, differ)
+    if value is not None:
+        return Break(offset, value.kind, _evidence(later.text, min(start, value.start)))
+    value = volatile_at(earlier.text, differ)  # a value the later prompt dropped
+    if value is not None:
+        return Break(offset, value.kind, _evidence(later.text, start))
+    evidence = _evidence(later.text, start)
+    tools = _tools_cause(earlier, later, differ, tokenizer)
+    if tools is not None:
+        return Break(offset, tools, evidence)
+    if not later.messages or not earlier.messages:
+        return Break(offset, "other", evidence)
+    head_end = max(head_chars(earlier, tokenizer), head_chars(later, tokenizer))
+    if differ < head_end:
+        shared_after = _shared_system_lines(earlier, later, differ, head_end)
+        cause = "private_before_shared" if shared_after > differ else "system_edit"
+        return Break(offset, cause, evidence)
+    return Break(offset, "history_rewrite", evidence)
+
+
+def _tools_cause(
+    earlier: RenderedPrompt, later: RenderedPrompt, differ: int, tokenizer: Tokenizer
+) -> str | None:
+    """`tool_order` or `tool_set` when the later prompt, given the earlier tools, shares more of it."""
+    if not later.messages or _canonical(earlier.tools) == _canonical(later.tools):
+        return None
+    try:
+        swapped = tokenizer.apply_chat_template(later.messages, tools=earlier.tools)
+    except InvalidRequestError:
+        return None
+    if common_chars(swapped, earlier.text) <= differ:
+        return None
+    same_set = sorted(_canonical(earlier.tools)) == sorted(_canonical(later.tools))
+    return "tool_order" if same_set else "tool_set"
+
+
+def _canonical(tools: list[dict[str, Any]] | None) -> list[str]:
+    return [json.dumps(tool, sort_keys=True) for tool in tools or []]
+
+
+def _shared_system_lines(earlier: RenderedPrompt, later: RenderedPrompt, differ: int, head_end: int) -> int:
+    """Characters of system-prompt lines both heads have after the line the break is on (tools, which
+    the template may place after the system text, do not count: an edit above them is no private text)."""
+    system = {
+        line
+        for m in later.messages
+        if m.get("role") == "system" and isinstance(m.get("content"), str)
+        for line in m["content"].splitlines()
+        if line.strip()
+    }
+    earlier_lines = set(earlier.text[differ:head_end].splitlines())
+    later_lines = later.text[differ:head_end].splitlines()[1:]
+    return sum(len(line) for line in later_lines if line in system and line in earlier_lines)
+
+
+def _evidence(text: str, start: int) -> str:
+    """Up to MAX_EVIDENCE_CHARS of `text` from `start`, ending at a line break past its first 20 chars."""
+    snippet = text[start : start + MAX_EVIDENCE_CHARS]
+    cut = snippet.find("\n", 20)
+    return snippet[:cut] if cut > 0 else snippet

@@ -1,0 +1,113 @@
+"""Request logs as `swarmkv serve --log-requests` writes them: one JSON object a line, read and written back.
+
+A line is `{"time": unix seconds, "session_id": str | null, "route": "/v1/chat/completions" |
+"/v1/completions", "body": {...}}`, or a bare request body (no "body" key), whose route follows from its
+fields ("messages": chat, "prompt": completions).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from swarmkv.errors import SwarmkvError
+from swarmkv.server.completions import CHAT_ROUTE, COMPLETIONS_ROUTE
+
+ROUTES = (CHAT_ROUTE, COMPLETIONS_ROUTE)
+
+
+class LintInputError(SwarmkvError, ValueError):
+    """The request log cannot be linted: missing, empty, or malformed where `--strict` refuses it."""
+
+
+@dataclass(frozen=True)
+class LoggedRequest:
+    """One request of the log, in log order."""
+
+    index: int  # among the log's requests, from 0
+    line: int  # in the file, from 1
+    route: str
+    body: dict[str, Any]
+    session_id: str | None = None
+    time: float | None = None
+    bare: bool = False  # the line was the body alone
+
+    @property
+    def is_chat(self) -> bool:
+        """Whether it went to /v1/chat/completions."""
+        return self.route == CHAT_ROUTE
+
+    def with_body(self, body: dict[str, Any]) -> LoggedRequest:
+        """The same request with another body (a rewrite of it)."""
+        return replace(self, body=body)
+
+    def to_json(self) -> dict[str, Any]:
+        """The line as the server writes it (the body alone when it was read so)."""
+        if self.bare:
+            return self.body
+        return {"time": self.time, "session_id": self.session_id, "route": self.route, "body": self.body}
+
+
+@dataclass(frozen=True)
+class LogProblem:
+    """A line that was skipped, and why."""
+
+    line: int
+    message: str
+
+
+def read_log(path: str | Path, strict: bool = False) -> tuple[list[LoggedRequest], list[LogProblem]]:
+    """The log's requests and its malformed lines; with `strict` the first malformed line raises."""
+    requests: list[LoggedRequest] = []
+    problems: list[LogProblem] = []
+    with Path(path).open(encoding="utf-8", errors="replace") as file:
+        for number, raw in enumerate(file, start=1):
+            if not raw.strip():
+                continue
+            try:
+                requests.append(_parse_line(raw, len(requests), number))
+            except ValueError as exc:
+                if strict:
+                    raise LintInputError(f"{path}:{number}: {exc}") from exc
+                problems.append(LogProblem(number, str(exc)))
+    return requests, problems
+
+
+def write_log(path: str | Path, requests: list[LoggedRequest]) -> None:
+    """Write requests in the log's line format."""
+    with Path(path).open("w", encoding="utf-8") as file:
+        for request in requests:
+            file.write(json.dumps(request.to_json(), ensure_ascii=False, separators=(",", ":")) + "\n")
+
+
+def _parse_line(raw: str, index: int, line: int) -> LoggedRequest:
+    try:
+        record = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {exc}") from exc
+    if not isinstance(record, dict):
+        raise ValueError("a line must be a JSON object")
+    if "body" not in record:
+        return LoggedRequest(index, line, _route_of(record), record, bare=True)
+    body, route, session_id = record["body"], record.get("route"), record.get("session_id")
+    if not isinstance(body, dict):
+        raise ValueError("'body' must be a JSON object")
+    route = _route_of(body) if route is None else route
+    if route not in ROUTES:
+        raise ValueError(f"'route' must be one of {', '.join(ROUTES)}, got {route!r}")
+    if session_id is not None and not isinstance(session_id, str):
+        raise ValueError("'session_id' must be a string or null")
+    when = record.get("time")
+    if when is not None and (not isinstance(when, int | float) or isinstance(when, bool)):
+        raise ValueError("'time' must be a number")
+    return LoggedRequest(index, line, route, body, session_id, None if when is None else float(when))
+
+
+def _route_of(body: dict[str, Any]) -> str:
+    if "messages" in body:
+        return CHAT_ROUTE
+    if "prompt" in body:
+        return COMPLETIONS_ROUTE
+    raise ValueError("a request body needs 'messages' (chat) or 'prompt' (completions)")

@@ -1,0 +1,115 @@
+"""Request bodies -> the token ids the server computes for them, parsed by the server's own parsers.
+
+Rendering follows `swarmkv.server.completions`: a chat body goes through `parse_chat_request`, the model's
+template (tools unless tool_choice is "none") plus the forced tool-call prefix, then `encode` without
+special tokens; a completions body is encoded with them, or taken as ids.
+
+Tokenizing dominates a lint, and a session's turns repeat their history, so the text is encoded in
+pieces split at the special tokens (the tokenizer splits there first itself, so the ids are the same)
+and each distinct piece is encoded once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from swarmkv.errors import InvalidRequestError
+from swarmkv.lint.causes import RenderedPrompt
+from swarmkv.lint.log_file import LoggedRequest
+from swarmkv.server.chat_request import parse_chat_request
+from swarmkv.server.protocol import APIError, parse_completion_request
+from swarmkv.tokenizer import Tokenizer
+
+
+class RenderError(InvalidRequestError):
+    """A logged request the server would have refused, or the template cannot render."""
+
+
+@dataclass(frozen=True)
+class RenderedRequest:
+    """A logged request with its prompt, as the engine would have received it."""
+
+    request: LoggedRequest
+    prompt: RenderedPrompt
+    cache_salt: str | None
+    session_id: str | None  # the log's, else the body's
+    user: str | None  # the body's `user` field
+
+
+class Renderer:
+    """Renders logged requests with one tokenizer, caching texts and encoded pieces."""
+
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int | None = None) -> None:
+        """`max_model_len`: refuse prompts that leave no room for the reply in it, as the server does."""
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        special = [
+            token.content
+            for token in tokenizer.backend.get_added_tokens_decoder().values()
+            if token.special and not (token.lstrip or token.rstrip or token.single_word or token.normalized)
+        ]
+        # Longest first, as the tokenizer matches them.
+        pattern = "|".join(re.escape(t) for t in sorted(special, key=len, reverse=True))
+        self._special = re.compile(f"({pattern})") if special else None
+        self._pieces: dict[str, list[int]] = {}
+        self._prompts: dict[str, RenderedPrompt] = {}
+
+    def render(self, request: LoggedRequest) -> RenderedRequest:
+        """The request's prompt; RenderError when the server would refuse the body or cannot render it."""
+        try:
+            if request.is_chat:
+                chat = parse_chat_request(request.body)
+                options = chat.options
+                tools = chat.tools if chat.tool_choice.mode != "none" else None
+                prompt = self._chat(chat.messages, tools, chat.forced_prefix())
+                stop, param = chat.forced_stop(), "messages"
+            else:
+                completion = parse_completion_request(request.body)
+                options = completion.options
+                prompt = self._completion(completion.prompt)
+                stop, param = (), "prompt"
+            if self.max_model_len is not None:
+                options.sampling_params(len(prompt.token_ids), self.max_model_len, param, stop)
+        except APIError as exc:
+            raise RenderError(exc.message) from exc
+        except InvalidRequestError as exc:
+            raise RenderError(str(exc)) from exc
+        session = request.session_id if request.session_id is not None else options.session_id
+        user = request.body.get("user")
+        return RenderedRequest(
+            request, prompt, options.cache_salt, session, user if isinstance(user, str) else None
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """`tokenizer.encode(text, add_special_tokens=False)`, from cached pieces."""
+        if self._special is None:
+            return self.tokenizer.encode(text)
+        ids: list[int] = []
+        for piece in self._special.split(text):
+            if not piece:
+                continue
+            cached = self._pieces.get(piece)
+            if cached is None:
+                cached = self._pieces[piece] = self.tokenizer.encode(piece)
+            ids += cached
+        return ids
+
+    def _chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, forced: str
+    ) -> RenderedPrompt:
+        key = json.dumps([messages, tools, forced], sort_keys=True, ensure_ascii=False)
+        prompt = self._prompts.get(key)
+        if prompt is None:
+            text = self.tokenizer.apply_chat_template(messages, tools=tools) + forced
+            prompt = self._prompts[key] = RenderedPrompt(self.encode(text), text, messages, tools)
+        return prompt
+
+    def _completion(self, prompt: str | list[int]) -> RenderedPrompt:
+        if isinstance(prompt, str):
+            return RenderedPrompt(self.tokenizer.encode(prompt, add_special_tokens=True), prompt, [], None)
+        return RenderedPrompt(
+            list(prompt), self.tokenizer.decode(prompt, skip_special_tokens=False), [], None
+        )

@@ -1,0 +1,125 @@
+"""The lint's building blocks: the prefix index against brute force, rendering against the server's path,
+volatile values, the log file's round trip, and the fix's rewrites."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest_tokenizer_helpers import CORPUS
+from lint_logs import Breakers, agent_requests, write_log
+from swarmkv.lint.fix import fix_log
+from swarmkv.lint.log_file import LoggedRequest, read_log
+from swarmkv.lint.patterns import volatile_at, volatile_spans
+from swarmkv.lint.prefix_index import PrefixIndex
+from swarmkv.lint.render import Renderer, RenderError
+from swarmkv.server.chat_request import parse_chat_request
+from swarmkv.tokenizer import Tokenizer
+
+
+def brute_shared(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 60), st.lists(st.integers(0, 2), max_size=40)), min_size=1, max_size=25)
+)
+def test_prefix_index_matches_brute_force(recipe: list[tuple[int, list[int]]]) -> None:
+    """Each prompt continues a cut of the previous ones' common stem, so prompts share prefixes of every length."""
+    stem = [i % 3 for i in range(60)]
+    index, prompts = PrefixIndex(), []
+    for key, (cut, tail) in enumerate(recipe):
+        tokens = stem[:cut] + tail
+        match = index.match(tokens)
+        if prompts:
+            shared = [brute_shared(p, tokens) for p in prompts]
+            best = max(shared)
+            contained = [(len(p), k) for k, p in enumerate(prompts) if shared[k] == len(p)]
+            assert match.num_tokens == best
+            assert match.key == max(k for k, s in enumerate(shared) if s == best)
+            assert match.extends == (max(contained)[1] if contained else None)
+        else:
+            assert (match.num_tokens, match.key, match.extends) == (0, None, None)
+        index.add(key, tokens)
+        prompts.append(tokens)
+
+
+def test_rendering_matches_the_server_path(smol: Tokenizer, qwen: Tokenizer) -> None:
+    """Pieces encoded apart and cached give the ids of the whole text encoded at once, as the server does."""
+    records = agent_requests(3, 4, Breakers(timestamp=True, think=True))
+    texts = list(CORPUS.values())
+    for i, record in enumerate(records):  # every kind of text in the turns, special-token look-alikes too
+        record["body"]["messages"][-1]["content"] += "\n" + texts[i % len(texts)]
+    for tok in (smol, qwen):
+        renderer = Renderer(tok)
+        for i, record in enumerate(records):
+            rendered = renderer.render(LoggedRequest(i, i + 1, record["route"], record["body"]))
+            chat = parse_chat_request(record["body"])
+            text = tok.apply_chat_template(chat.messages, tools=chat.tools)
+            assert rendered.prompt.text == text
+            assert rendered.prompt.token_ids == tok.encode(text, add_special_tokens=False)
+
+
+def test_prompts_the_server_refuses(smol: Tokenizer) -> None:
+    record = agent_requests(1, 1)[0]
+    request = LoggedRequest(0, 1, record["route"], record["body"])
+    assert len(Renderer(smol, max_model_len=4096).render(request).prompt.token_ids) > 100
+    with pytest.raises(RenderError, match="maximum context length is 100 tokens"):
+        Renderer(smol, max_model_len=100).render(request)
+    no_template = LoggedRequest(1, 2, record["route"], {"messages": [], "max_tokens": 1})
+    with pytest.raises(RenderError, match="non-empty array"):
+        Renderer(smol).render(no_template)
+
+
+def test_volatile_values() -> None:
+    text = "Now: 2025-03-14T09:26:53Z, id 3f1c2a9e-8b7d-4c6f-9e1a-2b3c4d5e6f70, nonce=k3J9xQ2mP8vL1nR5."
+    kinds = [(v.kind, text[v.start : v.end]) for v in volatile_spans(text)]
+    assert kinds == [
+        ("timestamp", "2025-03-14T09:26:53Z"),
+        ("random_id", "3f1c2a9e-8b7d-4c6f-9e1a-2b3c4d5e6f70"),
+        ("random_id", "nonce=k3J9xQ2mP8vL1nR5"),
+    ]
+    for plain in ("SmolLM2-135M-Instruct", "Market 5 times", "sha256 of the file", "version 3.11"):
+        assert volatile_spans(plain) == [], plain
+    assert volatile_at("Date: Mon, January 6, 2025 at 3:45 PM.", 20) is not None
+    assert volatile_at("Date: today", 8) is None
+
+
+def test_the_log_round_trips(tmp_path: Path) -> None:
+    records = agent_requests(2, 2)
+    lines = [json.dumps(r) for r in records] + [json.dumps(records[0]["body"])]
+    path = tmp_path / "log.jsonl"
+    path.write_text("\n".join(lines) + "\n\n")
+    requests, problems = read_log(path)
+    assert not problems and [r.line for r in requests] == [1, 2, 3, 4, 5]
+    assert [r.to_json() for r in requests] == [*records, records[0]["body"]]
+    assert (
+        requests[-1].bare and requests[0].session_id == "agent-0" and requests[0].time == records[0]["time"]
+    )
+
+
+def test_the_fix_moves_values_and_names_and_keeps_history(tmp_path: Path) -> None:
+    records = agent_requests(3, 3, Breakers(timestamp=True, private_before_shared=True, tool_reorder=True))
+    requests, _ = read_log(write_log(tmp_path / "log.jsonl", records))
+    fixed = [r.body for r in fix_log(requests, {r.index: r.session_id or "" for r in requests})]
+    names = [t["function"]["name"] for t in fixed[4]["tools"]]
+    assert names == sorted(names)
+    systems = {b["messages"][0]["content"] for b in fixed}
+    assert (
+        len(systems) == 1
+        and "Current time" not in next(iter(systems))
+        and "Your name" not in next(iter(systems))
+    )
+    agent0 = [fixed[i]["messages"] for i in (0, 3, 6)]
+    for earlier, later in zip(agent0, agent0[1:], strict=False):
+        assert later[: len(earlier)] == earlier  # each turn repeats the last one's messages exactly
+    assert agent0[0][1]["content"].startswith("Your name is Ada-0")
+    assert agent0[0][-1]["content"].endswith(records[0]["body"]["messages"][0]["content"].split("\n")[0])
