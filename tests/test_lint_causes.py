@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from conftest_tokenizer_helpers import SEARCH_TOOL, WEATHER_TOOL
-from swarmkv.lint.causes import (
+from swarmkv.breaks.causes import (
     CAUSES,
     MAX_EVIDENCE_CHARS,
     Break,

@@ -11,10 +11,10 @@ import pytest
 
 from conftest_tokenizer_helpers import smol_metadata, smol_tokenizer
 from lint_logs import Breakers, agent_requests, write_log
+from swarmkv.breaks.causes import CAUSES
 from swarmkv.cli import main
 from swarmkv.config import ModelConfig
 from swarmkv.lint import model as lint_model
-from swarmkv.lint.causes import CAUSES
 
 CLASSIC = Breakers(timestamp=True, tool_reorder=True)
 SUMMARY_KEYS = {

@@ -17,9 +17,9 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from swarmkv.lint.causes import Break, RenderedPrompt, classify, common_chars, divergence, head_chars
+from swarmkv.breaks.causes import Break, RenderedPrompt, classify, common_chars, divergence, head_chars
+from swarmkv.breaks.patterns import VolatileScanner, volatile_at
 from swarmkv.lint.hidden import MaskedHead, align, mask
-from swarmkv.lint.patterns import VolatileScanner, volatile_at
 from swarmkv.lint.prefix_index import Match, PrefixIndex
 from swarmkv.lint.render import RenderedRequest
 from swarmkv.lint.sessions import Sessions

@@ -20,8 +20,8 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
+from swarmkv.breaks.patterns import volatile_spans
 from swarmkv.lint.log_file import LoggedRequest
-from swarmkv.lint.patterns import volatile_spans
 
 _SYSTEM_ROLES = ("system", "developer")
 _REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from swarmkv.lint.causes import RenderedPrompt
-from swarmkv.lint.patterns import Volatile, VolatileScanner
+from swarmkv.breaks.causes import RenderedPrompt
+from swarmkv.breaks.patterns import Volatile, VolatileScanner
 
 Encode = Callable[[str], list[int]]
 

@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from swarmkv.breaks.causes import RenderedPrompt
 from swarmkv.errors import InvalidRequestError
-from swarmkv.lint.causes import RenderedPrompt
 from swarmkv.lint.log_file import LoggedRequest
 from swarmkv.server.chat_request import parse_chat_request
 from swarmkv.server.protocol import APIError, parse_completion_request

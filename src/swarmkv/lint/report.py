@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from swarmkv.lint.causes import Break
+from swarmkv.breaks.causes import Break
 from swarmkv.lint.run import LintResult
 
 MAX_ROWS_PER_CAUSE = 8

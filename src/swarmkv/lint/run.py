@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from swarmkv.breaks.causes import CAUSES, Break, divergence
 from swarmkv.lint.analyze import BreakFinder
-from swarmkv.lint.causes import CAUSES, Break, divergence
 from swarmkv.lint.fix import fix_log
 from swarmkv.lint.log_file import LoggedRequest, LogProblem
 from swarmkv.lint.render import RenderedRequest, Renderer, RenderError

@@ -22,7 +22,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from swarmkv.lint.causes import CAUSES, Break, RenderedPrompt, classify, divergence
+from swarmkv.breaks.causes import CAUSES, Break, RenderedPrompt, classify, divergence
 from swarmkv.server.prompt_history import PromptHistory, StoredPrompt, common_prefix
 from swarmkv.tokenizer import Tokenizer
 

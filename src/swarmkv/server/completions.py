@@ -10,9 +10,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from swarmkv.breaks.causes import Break, RenderedPrompt
 from swarmkv.engine.sampling_params import SamplingParams
 from swarmkv.errors import InvalidRequestError
-from swarmkv.lint.causes import Break, RenderedPrompt
 from swarmkv.server.cache_breaks import with_diagnostics
 from swarmkv.server.chat_request import ChatRequest, parse_chat_request
 from swarmkv.server.context import ServerContext

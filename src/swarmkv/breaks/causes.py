@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from swarmkv.breaks.patterns import volatile_at
 from swarmkv.errors import InvalidRequestError
-from swarmkv.lint.patterns import volatile_at
 from swarmkv.tokenizer import Tokenizer
 
 CAUSES: tuple[str, ...] = (
