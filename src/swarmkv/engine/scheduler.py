@@ -204,15 +204,17 @@ class Scheduler:
     ) -> int | None:
         """Hybrids: the tokens of a prefill chunk from `start` of at most `num_tokens` that ends at the first
         point worth a state snapshot (see the module docstring); None when no such point falls in it. After a
-        turn snapshot (`snapshot_tokens`: the end of the request's own previous turn), a point must lie
-        `MIN_SNAPSHOT_TOKENS` past it: a turn that branches a few tokens into the history it continues is not
-        worth a cut and a slot."""
+        turn snapshot (`snapshot_tokens`: the end of the request's own previous turn), where it leaves the tree
+        is not such a point, and another must lie `MIN_SNAPSHOT_TOKENS` past it: a turn continuing its own
+        history is not split for a snapshot nobody else would use."""
         states = self.kv.states
         if states is None or not self.kv.prefix_caching:
             return None
         end = start + num_tokens
         tokens = seq.token_ids
-        points = {branch_tokens}
+        # Past its own previous turn the tree holds that turn's history, re-rendered: leaving it there is no
+        # branch another request will resume from.
+        points = {branch_tokens} if not snapshot_tokens else set()
         others = itertools.chain(itertools.islice(self.waiting, _MAX_WAITING_CONSIDERED), self.running)
         for other in others:
             if other is not seq and other.cache_salt == seq.cache_salt:
