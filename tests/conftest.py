@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Triton reads TRITON_INTERPRET when it is first imported, and importing transformers' Qwen3.5 model imports it;
+# those test modules are collected before the kernel tests, so the CPU interpreter is chosen here, first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from conftest_tokenizer_helpers import qwen_tokenizer, smol_tokenizer
 from swarmkv.tokenizer import Tokenizer

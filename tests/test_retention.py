@@ -171,3 +171,12 @@ def test_a_request_id_reused_in_another_session_keeps_both_books() -> None:
     assert books.kv.retention.release("s")
     assert evicted_in_order(books), "eviction must not trip over the released session's books"
     assert books.kv.retention.release("t")
+
+
+def test_a_released_sessions_partial_tail_ranks_as_released() -> None:
+    books = Books()
+    books.turn([*HEAD, 7, 8, 9], "gone")  # 7 tokens: the last page is partial when the turn stops
+    assert books.kv.retention.release("gone")
+    tail = books.kv.index.path([*HEAD, 7, 8, 9], None)[-1]
+    assert len(tail.key) < PAGE and tail.owners == {"gone"}
+    assert books.kv.retention.key(tail)[0] is Rank.RELEASED

@@ -464,6 +464,7 @@ class KVCacheManager:
             # If an identical partial page is cached already, ours is not indexed and is freed below.
             partial = self.index.insert(table.salt, parent, key, table.pages[full])
             self.host.free(self.index.take_superseded_host())
+            self.retention.tag([self.index.node(partial)], request.session_id)  # ranks as its session's page
             path = [*table.path, partial]
         else:
             path = table.path

@@ -89,6 +89,10 @@ class StateIndex:
         """Slots holding snapshots."""
         return len(self._snapshots)
 
+    def count(self, kind: SnapshotKind) -> int:
+        """Snapshots of one kind."""
+        return sum(1 for s in self._snapshots.values() if s.kind == kind)
+
     @property
     def num_free(self) -> int:
         """Slots holding nothing."""

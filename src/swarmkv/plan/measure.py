@@ -237,8 +237,9 @@ def measure_row(
 
 
 def _state_counts(kv: KVCacheManager) -> tuple[int, int]:
-    """(snapshots, running states) in the manager's state pool; (0, 0) without one."""
-    return (kv.states.num_snapshots, kv.states.num_running) if kv.states is not None else (0, 0)
+    """(branch snapshots, running states) in the manager's state pool; (0, 0) without one. Each agent's
+    prompt-end snapshot is its own state, which a per-slot engine keeps in its slot too: not counted."""
+    return (kv.states.count("branch"), kv.states.num_running) if kv.states is not None else (0, 0)
 
 
 def measure_rows(
