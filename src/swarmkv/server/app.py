@@ -1,4 +1,4 @@
-"""The ASGI app: OpenAI routes, the cache view, /health, /metrics, API-key check and OpenAI-shaped errors."""
+"""The ASGI app: OpenAI and Anthropic Messages routes, the cache view, /health, /metrics, API-key check and OpenAI-shaped errors."""
 
 from __future__ import annotations
 
@@ -23,9 +23,12 @@ from swarmkv.engine.llm import LLM
 from swarmkv.server.async_engine import AsyncEngine
 from swarmkv.server.cache_breaks import CacheBreaks
 from swarmkv.server.cache_view import cache_page, cache_tree
+from swarmkv.server.cli import DEFAULT_MAX_REQUEST_BYTES
 from swarmkv.server.completions import chat_completions, completions
 from swarmkv.server.context import ServerContext
 from swarmkv.server.disconnect import STATUS_CLIENT_GONE
+from swarmkv.server.messages import count_tokens, messages
+from swarmkv.server.messages_responses import anthropic_error, is_messages_route
 from swarmkv.server.metrics import ServerMetrics
 from swarmkv.server.pins import create_pin, delete_pin, get_pin
 from swarmkv.server.protocol import APIError
@@ -43,7 +46,11 @@ def default_model_name(llm: LLM) -> str:
 
 
 def create_app(
-    llm: LLM, api_key: str | None = None, model_name: str | None = None, log_requests: Path | None = None
+    llm: LLM,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    log_requests: Path | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> Starlette:
     """An app serving `llm`; its engine loop runs while the app's lifespan does. One app per LLM.
 
@@ -59,6 +66,7 @@ def create_app(
         metrics=metrics,
         breaks=CacheBreaks(llm.tokenizer, metrics.cache_breaks),
         request_log=RequestLog(log_requests) if log_requests is not None else None,
+        max_request_bytes=max_request_bytes,
     )
 
     @asynccontextmanager
@@ -74,6 +82,8 @@ def create_app(
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         # `path`: a session id may hold "/" (sent percent-encoded).
         Route("/v1/sessions/{session_id:path}/release", release_session, methods=["POST"]),
@@ -133,26 +143,31 @@ async def metrics_route(request: Request) -> Response:
     return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def _error_response(error: APIError) -> JSONResponse:
+def _error_response(error: APIError, path: str) -> JSONResponse:
+    # The Anthropic routes answer errors in Anthropic's shape, so its clients raise their typed errors.
+    if is_messages_route(path):
+        status, body = anthropic_error(error)
+        return JSONResponse(body, status_code=status)
     return JSONResponse(error.to_json(), status_code=error.status)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return _error_response(exc)
+    return _error_response(exc, request.url.path)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = "not_found" if exc.status_code == 404 else None
     return _error_response(
-        APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
+        APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code),
+        request.url.path,
     )
 
 
 async def _engine_unavailable(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, EngineUnavailableError)
-    return _error_response(APIError(exc.status, str(exc), error_type="server_error"))
+    return _error_response(APIError(exc.status, str(exc), error_type="server_error"), request.url.path)
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
@@ -162,11 +177,13 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     log.error("unhandled error on %s", request.url.path, exc_info=exc)
-    return _error_response(APIError(500, "the server failed on this request", error_type="server_error"))
+    error = APIError(500, "the server failed on this request", error_type="server_error")
+    return _error_response(error, request.url.path)
 
 
 class _Gate:
-    """Counts every answer by route and status, and requires `Authorization: Bearer KEY` on /v1/ routes."""
+    """Counts every answer by route and status; on /v1/ routes requires `Authorization: Bearer KEY` or
+    Anthropic's `x-api-key: KEY`."""
 
     def __init__(
         self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics, routes: list[Route]
@@ -197,10 +214,10 @@ class _Gate:
             if path.startswith("/v1/") and not self._authorized(scope):
                 error = APIError(
                     401,
-                    "a valid API key is required: send 'Authorization: Bearer <key>'",
+                    "a valid API key is required: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                     code="invalid_api_key",
                 )
-                await _error_response(error)(scope, receive, counting_send)
+                await _error_response(error, path)(scope, receive, counting_send)
             else:
                 await self.app(scope, receive, counting_send)
         finally:
@@ -210,8 +227,10 @@ class _Gate:
         if self.api_key is None:
             return True
         headers: dict[bytes, Any] = dict(scope["headers"])
+        key = self.api_key.encode()
+        x_api_key = headers.get(b"x-api-key")
+        if x_api_key is not None and hmac.compare_digest(bytes(x_api_key).strip(), key):
+            return True
         given = headers.get(b"authorization", b"").decode("latin-1")
         scheme, _, token = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
-        )
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)

@@ -12,6 +12,7 @@ from pathlib import Path
 from swarmkv.options import add_engine_arguments, add_model_arguments, engine_kwargs, model_kwargs
 
 API_KEY_ENV = "SWARMKV_API_KEY"
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # here, not in body.py, so `swarmkv --help` imports no server
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on /v1/ routes (default: ${API_KEY_ENV}, else none)",
+        help=f"require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1/ routes (default: ${API_KEY_ENV}, else none)",
     )
     parser.add_argument(
         "--served-model-name", default=None, help="the `model` clients send (default: file stem)"
@@ -35,6 +36,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="FILE.jsonl",
         help="append every chat and completions request body to FILE, one JSON line each (for `swarmkv lint`)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help=f"refuse request bodies larger than this with a 400 (default {DEFAULT_MAX_REQUEST_BYTES}, 32 MiB)",
     )
     parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
@@ -51,12 +58,18 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
     if not args.api_key and not _is_loopback(args.host):
         print(f"swarmkv serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     _show_swarmkv_logs(args.log_level)
     llm = LLM(**model_kwargs(args), **engine_kwargs(args))
     app = create_app(
-        llm, api_key=args.api_key or None, model_name=args.served_model_name, log_requests=args.log_requests
+        llm,
+        api_key=args.api_key or None,
+        model_name=args.served_model_name,
+        log_requests=args.log_requests,
+        max_request_bytes=args.max_request_bytes,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

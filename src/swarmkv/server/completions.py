@@ -24,7 +24,6 @@ from swarmkv.server.protocol import (
     Options,
     bad_request,
     parse_completion_request,
-    parse_json_body,
     resolve_session_id,
 )
 from swarmkv.server.request_stream import EngineUnavailableError, RequestStream, StepOutput
@@ -35,7 +34,7 @@ CHAT_ROUTE = "/v1/chat/completions"
 COMPLETIONS_ROUTE = "/v1/completions"
 
 
-class _Latency:
+class Latency:
     """Observes time to first token and inter-token latency of one request as its outputs arrive."""
 
     def __init__(self, metrics: ServerMetrics, arrival_s: float) -> None:
@@ -86,40 +85,74 @@ async def _submit(
         raise bad_request(str(exc)) from exc
 
 
-async def chat_completions(request: Request) -> Response:
-    """POST /v1/chat/completions."""
-    arrival_s = time.perf_counter()
-    ctx: ServerContext = request.app.state.ctx
-    payload = parse_json_body(await request.body())
-    req = parse_chat_request(payload)
-    ctx.check_model(req.options.model)
-    session_id = _session_id(request, req.options)
-    ctx.log_request(CHAT_ROUTE, session_id, payload)
+def render_chat(ctx: ServerContext, req: ChatRequest) -> RenderedPrompt:
+    """The chat prompt as the engine will see it: messages and tools through the chat template, then the
+    forced prefix of a required tool call."""
     tools = req.tools if req.tool_choice.mode != "none" else None
     try:
         text = ctx.tokenizer.apply_chat_template(req.messages, tools=tools) + req.forced_prefix()
     except InvalidRequestError as exc:
         raise bad_request(str(exc), param="messages") from exc
-    prompt_ids = ctx.tokenizer.encode(text, add_special_tokens=False)
-    params = req.options.sampling_params(len(prompt_ids), ctx.max_model_len, "messages", req.forced_stop())
-    stream = await _submit(ctx, "chatcmpl", prompt_ids, params, req.options, session_id, arrival_s)
-    rendered = RenderedPrompt(prompt_ids, text, req.messages, tools)
-    found = ctx.breaks.watch(session_id, req.options.cache_salt, rendered)
+    return RenderedPrompt(ctx.tokenizer.encode(text, add_special_tokens=False), text, req.messages, tools)
+
+
+async def start_chat(
+    ctx: ServerContext, req: ChatRequest, session_id: str | None, arrival_s: float, id_prefix: str
+) -> tuple[RequestStream, RenderedPrompt, Awaitable[Break | None]]:
+    """Render and submit a chat request; its stream, its prompt, and the cache break it causes (if any)."""
+    rendered = render_chat(ctx, req)
+    params = req.options.sampling_params(
+        len(rendered.token_ids), ctx.max_model_len, "messages", req.forced_stop()
+    )
+    stream = await _submit(ctx, id_prefix, rendered.token_ids, params, req.options, session_id, arrival_s)
+    return stream, rendered, ctx.breaks.watch(session_id, req.options.cache_salt, rendered)
+
+
+def parse_whole_reply(req: ChatRequest, outputs: list[StepOutput]) -> ParsedDelta:
+    """A finished reply's text and tool calls."""
+    body = "".join(o.text for o in outputs)
+    return (
+        parse_tool_calls(req.forced_prefix() + body) if req.parses_tool_calls else ParsedDelta(content=body)
+    )
+
+
+async def chat_deltas(
+    req: ChatRequest, stream: RequestStream, latency: Latency
+) -> AsyncIterator[tuple[StepOutput, ParsedDelta]]:
+    """Each engine output with the content and complete tool calls it added."""
+    parser = StreamingToolParser() if req.parses_tool_calls else None
+    if parser is not None:
+        parser.feed(req.forced_prefix())  # opens the forced call; yields nothing by itself
+    async for out in stream:
+        latency.observe(out)
+        parsed = ParsedDelta(content=out.text) if parser is None else parser.feed(out.text)
+        if parser is not None and out.finished:
+            tail = parser.finish()
+            parsed = ParsedDelta(parsed.content + tail.content, parsed.tool_calls + tail.tool_calls)
+        yield out, parsed
+
+
+async def chat_completions(request: Request) -> Response:
+    """POST /v1/chat/completions."""
+    arrival_s = time.perf_counter()
+    ctx: ServerContext = request.app.state.ctx
+    payload = await ctx.read_body(request)
+    req = parse_chat_request(payload)
+    ctx.check_model(req.options.model)
+    session_id = _session_id(request, req.options)
+    ctx.log_request(CHAT_ROUTE, session_id, payload)
+    stream, _, found = await start_chat(ctx, req, session_id, arrival_s, "chatcmpl")
     env = Envelope(stream.request_id, int(time.time()), ctx.model_name)
-    latency = _Latency(ctx.metrics, arrival_s)
+    latency = Latency(ctx.metrics, arrival_s)
     if req.options.stream:
-        return _EventStream(
+        return EventStream(
             _chat_events(env, req, stream, latency, found), lambda: ctx.engine.abort(stream.request_id)
         )
-    outputs = await _collect_unless_disconnected(request, ctx, stream, latency)
+    outputs = await collect_unless_disconnected(request, ctx, stream, latency)
     if outputs is None:
         return Response(status_code=STATUS_CLIENT_GONE)
     last = outputs[-1] if outputs else None
-    body = "".join(o.text for o in outputs)
-    if req.parses_tool_calls:
-        parsed = parse_tool_calls(req.forced_prefix() + body)
-    else:
-        parsed = ParsedDelta(content=body)
+    parsed = parse_whole_reply(req, outputs)
     content = parsed.content if parsed.content or not parsed.tool_calls else None
     reason = _finish_reason(last, len(parsed.tool_calls))
     totals = with_diagnostics(_usage(last), await found) if req.diagnostics else _usage(last)
@@ -127,24 +160,16 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _chat_events(
-    env: Envelope, req: ChatRequest, stream: RequestStream, latency: _Latency, found: Awaitable[Break | None]
+    env: Envelope, req: ChatRequest, stream: RequestStream, latency: Latency, found: Awaitable[Break | None]
 ) -> AsyncIterator[str]:
     # Diagnostics travel in the usage chunk, so asking for them asks for that chunk too.
     with_usage = req.options.include_usage or req.diagnostics
     yield sse(env.chat_chunk({"role": "assistant", "content": ""}, with_usage_field=with_usage))
-    parser = StreamingToolParser() if req.parses_tool_calls else None
-    if parser is not None:
-        parser.feed(req.forced_prefix())  # opens the forced call; yields nothing by itself
     calls: list[ToolCall] = []
     last: StepOutput | None = None
     try:
-        async for out in stream:
-            latency.observe(out)
+        async for out, parsed in chat_deltas(req, stream, latency):
             last = out
-            parsed = ParsedDelta(content=out.text) if parser is None else parser.feed(out.text)
-            if parser is not None and out.finished:
-                tail = parser.finish()
-                parsed = ParsedDelta(parsed.content + tail.content, parsed.tool_calls + tail.tool_calls)
             if parsed.content:
                 yield sse(env.chat_chunk({"content": parsed.content}, with_usage_field=with_usage))
             for call in parsed.tool_calls:
@@ -165,7 +190,7 @@ async def completions(request: Request) -> Response:
     """POST /v1/completions."""
     arrival_s = time.perf_counter()
     ctx: ServerContext = request.app.state.ctx
-    body = parse_json_body(await request.body())
+    body = await ctx.read_body(request)
     req = parse_completion_request(body)
     ctx.check_model(req.options.model)
     session_id = _session_id(request, req.options)
@@ -177,11 +202,11 @@ async def completions(request: Request) -> Response:
     params = req.options.sampling_params(len(prompt_ids), ctx.max_model_len, "prompt")
     stream = await _submit(ctx, "cmpl", prompt_ids, params, req.options, session_id, arrival_s)
     env = Envelope(stream.request_id, int(time.time()), ctx.model_name)
-    latency = _Latency(ctx.metrics, arrival_s)
+    latency = Latency(ctx.metrics, arrival_s)
     if req.options.stream:
         events = _completion_events(env, req.options.include_usage, stream, latency)
-        return _EventStream(events, lambda: ctx.engine.abort(stream.request_id))
-    outputs = await _collect_unless_disconnected(request, ctx, stream, latency)
+        return EventStream(events, lambda: ctx.engine.abort(stream.request_id))
+    outputs = await collect_unless_disconnected(request, ctx, stream, latency)
     if outputs is None:
         return Response(status_code=STATUS_CLIENT_GONE)
     last = outputs[-1] if outputs else None
@@ -190,7 +215,7 @@ async def completions(request: Request) -> Response:
 
 
 async def _completion_events(
-    env: Envelope, with_usage: bool, stream: RequestStream, latency: _Latency
+    env: Envelope, with_usage: bool, stream: RequestStream, latency: Latency
 ) -> AsyncIterator[str]:
     last: StepOutput | None = None
     try:
@@ -209,8 +234,8 @@ async def _completion_events(
     yield sse("[DONE]")
 
 
-async def _collect_unless_disconnected(
-    request: Request, ctx: ServerContext, stream: RequestStream, latency: _Latency
+async def collect_unless_disconnected(
+    request: Request, ctx: ServerContext, stream: RequestStream, latency: Latency
 ) -> list[StepOutput] | None:
     """Every output of a non-streamed request; None (and the request aborted) if the client disconnects first."""
 
@@ -228,7 +253,7 @@ async def _collect_unless_disconnected(
         return None
 
 
-class _EventStream(StreamingResponse):
+class EventStream(StreamingResponse):
     """Server-sent events that abort their request however the response ends (done, error, disconnect)."""
 
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:

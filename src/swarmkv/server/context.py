@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.requests import Request
+
 from swarmkv.server.async_engine import AsyncEngine
+from swarmkv.server.body import read_json_body
 from swarmkv.server.cache_breaks import CacheBreaks
+from swarmkv.server.cli import DEFAULT_MAX_REQUEST_BYTES
 from swarmkv.server.metrics import ServerMetrics
 from swarmkv.server.protocol import APIError
 from swarmkv.server.request_log import RequestLog
@@ -24,6 +28,11 @@ class ServerContext:
     metrics: ServerMetrics
     breaks: CacheBreaks
     request_log: RequestLog | None = None  # `--log-requests`
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # `--max-request-bytes`
+
+    async def read_body(self, request: Request) -> dict[str, Any]:
+        """The request's body as a JSON object, under the size cap, or a 400."""
+        return await read_json_body(request, self.max_request_bytes)
 
     def log_request(self, route: str, session_id: str | None, body: dict[str, Any]) -> None:
         """Append the request's body to the request log, when there is one."""

@@ -20,7 +20,7 @@ from swarmkv.errors import InvalidRequestError, PinLimitError
 from swarmkv.server.context import ServerContext
 from swarmkv.server.disconnect import STATUS_CLIENT_GONE, ClientDisconnected, unless_disconnected
 from swarmkv.server.pin_request import parse_pin_request, pin_token_ids
-from swarmkv.server.protocol import APIError, bad_request, parse_json_body
+from swarmkv.server.protocol import APIError, bad_request
 
 
 def pin_json(info: PinInfo) -> dict[str, Any]:
@@ -43,7 +43,7 @@ def _not_found(pin_id: str) -> APIError:
 async def create_pin(request: Request) -> Response:
     """POST /v1/cache/pin: pin `messages` (+ `tools`) or `prompt_token_ids` for `ttl_s` seconds."""
     ctx: ServerContext = request.app.state.ctx
-    req = parse_pin_request(parse_json_body(await request.body()))
+    req = parse_pin_request(await ctx.read_body(request))
     ctx.check_model(req.model)
     ids = pin_token_ids(ctx.tokenizer, req)
     pin_id = f"pin-{uuid.uuid4().hex}"

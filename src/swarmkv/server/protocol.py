@@ -76,6 +76,8 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # the decoder recurses once per nesting level
+        raise bad_request("the request body's JSON is nested too deeply") from exc
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type_name(body)}")
     return body

@@ -1,0 +1,156 @@
+"""POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages API over the chat pipeline.
+
+The body becomes a chat request (messages_request.py), runs through the same template, engine, tool
+parser and stream as a chat completion, and its outputs are dressed as Anthropic's message and events.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from swarmkv.errors import InvalidRequestError
+from swarmkv.server.completions import (
+    CHAT_ROUTE,
+    EventStream,
+    Latency,
+    chat_deltas,
+    collect_unless_disconnected,
+    parse_whole_reply,
+    render_chat,
+    start_chat,
+)
+from swarmkv.server.context import ServerContext
+from swarmkv.server.disconnect import STATUS_CLIENT_GONE
+from swarmkv.server.messages_request import Breakpoint, MessagesRequest, parse_messages_request
+from swarmkv.server.messages_responses import (
+    CacheTokens,
+    anthropic_error,
+    anthropic_event,
+    message_json,
+    stop_reason,
+    tool_use_block,
+)
+from swarmkv.server.pin_request import PinRequest, pin_token_ids
+from swarmkv.server.protocol import SESSION_HEADER, APIError, resolve_session_id
+from swarmkv.server.request_stream import EngineUnavailableError, RequestStream, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+async def messages(request: Request) -> Response:
+    """POST /v1/messages."""
+    arrival_s = time.perf_counter()
+    ctx: ServerContext = request.app.state.ctx
+    payload = await ctx.read_body(request)
+    req = parse_messages_request(payload)
+    ctx.check_model(req.chat.options.model)
+    session_id = resolve_session_id(req.user_id, request.headers.get(SESSION_HEADER))
+    ctx.log_request(CHAT_ROUTE, session_id, req.chat_body)  # logged as the chat request it runs as
+    num_pinned = await _pin_breakpoints(ctx, req)
+    stream, rendered, _ = await start_chat(ctx, req.chat, session_id, arrival_s, "msg")
+    msg_id = f"msg_{stream.request_id.removeprefix('msg-')}"
+    latency = Latency(ctx.metrics, arrival_s)
+    if req.chat.options.stream:
+        events = _events(ctx, req, stream, latency, msg_id, len(rendered.token_ids), num_pinned)
+        return EventStream(events, lambda: ctx.engine.abort(stream.request_id))
+    outputs = await collect_unless_disconnected(request, ctx, stream, latency)
+    if outputs is None:
+        return Response(status_code=STATUS_CLIENT_GONE)
+    last = outputs[-1] if outputs else None
+    parsed = parse_whole_reply(req.chat, outputs)
+    content = [{"type": "text", "text": parsed.content}] if parsed.content else []
+    content += [tool_use_block(call) for call in parsed.tool_calls]
+    usage = CacheTokens.of(last, num_pinned).usage(last.num_output_tokens if last else 0)
+    reason = stop_reason(last, len(parsed.tool_calls))
+    return JSONResponse(message_json(msg_id, ctx.model_name, content, reason, usage))
+
+
+async def count_tokens(request: Request) -> Response:
+    """POST /v1/messages/count_tokens: the prompt's length as /v1/messages would render it, nothing generated."""
+    ctx: ServerContext = request.app.state.ctx
+    req = parse_messages_request(await ctx.read_body(request), needs_max_tokens=False)
+    ctx.check_model(req.chat.options.model)
+    return JSONResponse({"input_tokens": len(render_chat(ctx, req.chat).token_ids)})
+
+
+async def _pin_breakpoints(ctx: ServerContext, req: MessagesRequest) -> int:
+    """Pin each cache_control mark's prefix; the number of tokens newly pinned (refreshed pins count 0)."""
+    num_new_tokens = 0
+    for mark in req.breakpoints:
+        num_new_tokens += await _pin(ctx, req, mark)
+    return num_new_tokens
+
+
+async def _pin(ctx: ServerContext, req: MessagesRequest, mark: Breakpoint) -> int:
+    tools = req.chat.tools if req.chat.tool_choice.mode != "none" else None
+    salt = req.chat.options.cache_salt
+    ids = pin_token_ids(ctx.tokenizer, PinRequest(None, mark.messages, tools, None, mark.ttl_s, salt))
+    # The id follows from the prefix and salt, so a repeated request refreshes its pin instead of adding one.
+    digest = hashlib.sha256(f"{salt}\0{ids}".encode()).hexdigest()[:32]
+    pin_id = f"pin-msg-{digest}"
+    refreshed = await ctx.engine.unpin(pin_id)
+    try:
+        info = await ctx.engine.pin(pin_id, ids, mark.ttl_s, salt)
+    except InvalidRequestError as exc:  # over --max-pinned-memory, or a concurrent twin holds the id
+        # A cache hint must not fail the message: answer it unpinned.
+        log.info("cache_control prefix of %d tokens not pinned: %s", len(ids), exc)
+        return 0
+    return 0 if refreshed or info is None else info.num_tokens
+
+
+async def _events(
+    ctx: ServerContext,
+    req: MessagesRequest,
+    stream: RequestStream,
+    latency: Latency,
+    msg_id: str,
+    num_prompt_tokens: int,
+    num_pinned: int,
+) -> AsyncIterator[str]:
+    start_usage = CacheTokens(num_prompt_tokens, 0, 0).usage(0)
+    yield anthropic_event(
+        "message_start", {"message": message_json(msg_id, ctx.model_name, [], None, start_usage)}
+    )
+    yield anthropic_event("ping", {})
+    index = 0
+    text_open = False
+    num_calls = 0
+    last: StepOutput | None = None
+    try:
+        async for out, parsed in chat_deltas(req.chat, stream, latency):
+            last = out
+            if parsed.content:
+                if not text_open:
+                    opening = {"type": "text", "text": ""}
+                    yield anthropic_event("content_block_start", {"index": index, "content_block": opening})
+                    text_open = True
+                text = {"type": "text_delta", "text": parsed.content}
+                yield anthropic_event("content_block_delta", {"index": index, "delta": text})
+            for call in parsed.tool_calls:
+                if text_open:
+                    yield anthropic_event("content_block_stop", {"index": index})
+                    index, text_open = index + 1, False
+                # A call arrives whole from the parser, so its JSON goes out in one input_json_delta.
+                block = {**tool_use_block(call), "input": {}}
+                yield anthropic_event("content_block_start", {"index": index, "content_block": block})
+                arguments = {"type": "input_json_delta", "partial_json": call.arguments}
+                yield anthropic_event("content_block_delta", {"index": index, "delta": arguments})
+                yield anthropic_event("content_block_stop", {"index": index})
+                index += 1
+                num_calls += 1
+    except EngineUnavailableError as exc:
+        _, body = anthropic_error(APIError(exc.status, str(exc), error_type="server_error"))
+        yield anthropic_event("error", {"error": body["error"]})
+        return
+    if text_open:
+        yield anthropic_event("content_block_stop", {"index": index})
+    usage = CacheTokens.of(last, num_pinned).usage(last.num_output_tokens if last else 0)
+    end = {"stop_reason": stop_reason(last, num_calls), "stop_sequence": None}
+    yield anthropic_event("message_delta", {"delta": end, "usage": usage})
+    yield anthropic_event("message_stop", {})

@@ -1,0 +1,102 @@
+"""The JSON objects the Anthropic Messages API answers with: messages, stream events, usage and errors."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from swarmkv.server.messages_request import tool_input
+from swarmkv.server.protocol import APIError
+from swarmkv.server.request_stream import StepOutput
+from swarmkv.server.tool_parser import ToolCall
+
+MESSAGES_ROUTE = "/v1/messages"
+
+# Anthropic's error types by HTTP status; an unavailable engine is its 529 "overloaded".
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
+
+
+def is_messages_route(path: str) -> bool:
+    """Whether `path` is an Anthropic route, whose errors take Anthropic's shape."""
+    return path == MESSAGES_ROUTE or path.startswith(MESSAGES_ROUTE + "/")
+
+
+def anthropic_error(error: APIError) -> tuple[int, dict[str, Any]]:
+    """The status and body of `error` in Anthropic's shape."""
+    status = 529 if error.status == 503 else error.status
+    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return status, {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def anthropic_event(kind: str, data: dict[str, Any]) -> str:
+    """One server-sent event of Anthropic's stream: a named event carrying a JSON object."""
+    payload = json.dumps({"type": kind, **data}, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {kind}\ndata: {payload}\n\n"
+
+
+def stop_reason(out: StepOutput | None, num_calls: int) -> str:
+    """Anthropic's stop_reason for a reply's last output and its number of tool calls."""
+    if num_calls:
+        return "tool_use"
+    if out is not None and out.finish_reason == "length":
+        return "max_tokens"
+    return "end_turn"
+
+
+@dataclass(frozen=True)
+class CacheTokens:
+    """A request's prompt tokens split as Anthropic counts them; the three add up to the prompt."""
+
+    input_tokens: int  # computed for this request
+    cache_read_input_tokens: int  # served from the prefix cache
+    cache_creation_input_tokens: int  # newly pinned by this request's cache_control marks
+
+    @staticmethod
+    def of(out: StepOutput | None, num_pinned_tokens: int) -> CacheTokens:
+        """Split `out`'s prompt; the request's own pins ran first, so the tokens they created are among its hits."""
+        if out is None:
+            return CacheTokens(0, 0, 0)
+        created = min(num_pinned_tokens, out.num_cached_tokens)
+        return CacheTokens(
+            out.num_prompt_tokens - out.num_cached_tokens, out.num_cached_tokens - created, created
+        )
+
+    def usage(self, num_output_tokens: int) -> dict[str, int]:
+        """Anthropic's usage object."""
+        return {
+            "input_tokens": self.input_tokens,
+            "output_tokens": num_output_tokens,
+            "cache_read_input_tokens": self.cache_read_input_tokens,
+            "cache_creation_input_tokens": self.cache_creation_input_tokens,
+        }
+
+
+def tool_use_block(call: ToolCall) -> dict[str, Any]:
+    """A parsed tool call as a tool_use content block."""
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": tool_input(call.arguments)}
+
+
+def message_json(
+    msg_id: str, model: str, content: list[dict[str, Any]], reason: str | None, usage: dict[str, int]
+) -> dict[str, Any]:
+    """The message object (empty content and no stop_reason at a stream's start)."""
+    return {
+        "id": msg_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": None,
+        "usage": usage,
+    }
