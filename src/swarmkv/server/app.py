@@ -1,4 +1,4 @@
-"""The ASGI app: OpenAI and Anthropic Messages routes, the cache view, /health, /metrics, API-key check and OpenAI-shaped errors."""
+"""The ASGI app: OpenAI (chat, completions, Responses) and Anthropic Messages routes, the cache view, /health, /metrics, API-key check and OpenAI-shaped errors."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from swarmkv.engine.llm import LLM
 from swarmkv.server.async_engine import AsyncEngine
 from swarmkv.server.cache_breaks import CacheBreaks
 from swarmkv.server.cache_view import cache_page, cache_tree
-from swarmkv.server.cli import DEFAULT_MAX_REQUEST_BYTES
+from swarmkv.server.cli import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_RESPONSES_STORE_MAX
 from swarmkv.server.completions import chat_completions, completions
 from swarmkv.server.context import ServerContext
 from swarmkv.server.disconnect import STATUS_CLIENT_GONE
@@ -34,6 +34,8 @@ from swarmkv.server.pins import create_pin, delete_pin, get_pin
 from swarmkv.server.protocol import APIError
 from swarmkv.server.request_log import RequestLog
 from swarmkv.server.request_stream import EngineUnavailableError
+from swarmkv.server.responses_api import count_input_tokens, create_response, delete_response, get_response
+from swarmkv.server.responses_store import ResponseStore
 from swarmkv.server.sessions import release_session
 
 log = logging.getLogger(__name__)
@@ -51,10 +53,12 @@ def create_app(
     model_name: str | None = None,
     log_requests: Path | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    responses_store_max: int = DEFAULT_RESPONSES_STORE_MAX,
 ) -> Starlette:
     """An app serving `llm`; its engine loop runs while the app's lifespan does. One app per LLM.
 
     `log_requests`: a JSON-lines file every generation request's body is appended to (see request_log.py).
+    `responses_store_max`: how many stored /v1/responses responses `previous_response_id` can continue.
     """
     engine = AsyncEngine(llm.engine)
     metrics = ServerMetrics(engine.stats)
@@ -67,6 +71,7 @@ def create_app(
         breaks=CacheBreaks(llm.tokenizer, metrics.cache_breaks),
         request_log=RequestLog(log_requests) if log_requests is not None else None,
         max_request_bytes=max_request_bytes,
+        responses=ResponseStore(responses_store_max),
     )
 
     @asynccontextmanager
@@ -84,6 +89,10 @@ def create_app(
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/responses/input_tokens", count_input_tokens, methods=["POST"]),
+        Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
         Route("/v1/models", models, methods=["GET"]),
         # `path`: a session id may hold "/" (sent percent-encoded).
         Route("/v1/sessions/{session_id:path}/release", release_session, methods=["POST"]),

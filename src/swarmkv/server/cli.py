@@ -13,6 +13,7 @@ from swarmkv.options import add_engine_arguments, add_model_arguments, engine_kw
 
 API_KEY_ENV = "SWARMKV_API_KEY"
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # here, not in body.py, so `swarmkv --help` imports no server
+DEFAULT_RESPONSES_STORE_MAX = 1000  # stored Responses API responses, for `previous_response_id`
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -44,6 +45,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"refuse request bodies larger than this with a 400 (default {DEFAULT_MAX_REQUEST_BYTES}, 32 MiB)",
     )
     parser.add_argument(
+        "--responses-store-max",
+        type=int,
+        default=DEFAULT_RESPONSES_STORE_MAX,
+        help="keep at most this many stored /v1/responses responses for previous_response_id, each at most "
+        f"an hour (default {DEFAULT_RESPONSES_STORE_MAX}; 0 stores none)",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
     parser.set_defaults(run=run)
@@ -60,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
+    if args.responses_store_max < 0:
+        raise ValueError(f"--responses-store-max must be at least 0, got {args.responses_store_max}")
     if not args.api_key and not _is_loopback(args.host):
         print(f"swarmkv serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     _show_swarmkv_logs(args.log_level)
@@ -70,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         model_name=args.served_model_name,
         log_requests=args.log_requests,
         max_request_bytes=args.max_request_bytes,
+        responses_store_max=args.responses_store_max,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

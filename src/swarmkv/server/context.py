@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -10,10 +10,11 @@ from starlette.requests import Request
 from swarmkv.server.async_engine import AsyncEngine
 from swarmkv.server.body import read_json_body
 from swarmkv.server.cache_breaks import CacheBreaks
-from swarmkv.server.cli import DEFAULT_MAX_REQUEST_BYTES
+from swarmkv.server.cli import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_RESPONSES_STORE_MAX
 from swarmkv.server.metrics import ServerMetrics
 from swarmkv.server.protocol import APIError
 from swarmkv.server.request_log import RequestLog
+from swarmkv.server.responses_store import ResponseStore
 from swarmkv.tokenizer import Tokenizer
 
 
@@ -29,6 +30,8 @@ class ServerContext:
     breaks: CacheBreaks
     request_log: RequestLog | None = None  # `--log-requests`
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # `--max-request-bytes`
+    # Stored Responses API responses (`--responses-store-max`); mutable, shared by the routes of one app.
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_RESPONSES_STORE_MAX))
 
     async def read_body(self, request: Request) -> dict[str, Any]:
         """The request's body as a JSON object, under the size cap, or a 400."""
