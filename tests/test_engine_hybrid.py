@@ -19,7 +19,10 @@ import pytest
 import torch
 
 from swarmkv import LLM, SamplingParams
+from swarmkv.config import ModelConfig
+from swarmkv.engine.config import EngineConfig
 from swarmkv.engine.engine import LLMEngine
+from swarmkv.errors import CapacityError, ConfigError, UnsupportedModelError
 from swarmkv.kv.state_index import MIN_SNAPSHOT_TOKENS
 from swarmkv.models.loader import LoadedModel, load_model
 from tiny_models import float64_throughout, lengthen_recurrent_memory, make_tiny_checkpoint
@@ -269,3 +272,24 @@ def test_state_stats_are_consistent(loaded: LoadedModel, prefix_caching: bool) -
     # States and pages share the one pool.
     kv_bytes = stats["kv_pages_total"] * stats["kv_bytes_per_token"] * BLOCK
     assert stats["state_bytes_total"] + kv_bytes <= llm.engine.config.kv_cache_bytes
+
+
+def test_a_state_pool_under_two_states_is_refused(loaded: LoadedModel) -> None:
+    per_state = hybrid_llm(loaded).engine.stats()["state_bytes_per_sequence"]
+    with pytest.raises(CapacityError, match="at least 2"):
+        hybrid_llm(loaded, state_memory=per_state + 1)
+
+
+def test_state_memory_must_leave_room_for_pages() -> None:
+    with pytest.raises(ValueError, match="state_memory"):
+        EngineConfig(kv_cache_memory="8MiB", state_memory="8MiB")
+
+
+def test_the_triton_backend_refuses_a_hybrid(loaded: LoadedModel) -> None:
+    with pytest.raises(ConfigError, match="hybrid"):
+        hybrid_llm(loaded, attention_backend="triton")
+
+
+def test_a_qwen35_gguf_is_refused_with_the_reason() -> None:
+    with pytest.raises(UnsupportedModelError, match="safetensors"):
+        ModelConfig.from_gguf_metadata({"general.architecture": "qwen35"})

@@ -19,6 +19,7 @@ from typing import Any
 
 from swarmkv.breaks.patterns import volatile_at
 from swarmkv.errors import InvalidRequestError
+from swarmkv.prefix import common_prefix_length
 from swarmkv.tokenizer import Tokenizer
 
 CAUSES: tuple[str, ...] = (
@@ -58,27 +59,12 @@ class Break:
 
 def divergence(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the common prefix of two token lists."""
-    x, y = list(a), list(b)
-    low, high = 0, min(len(x), len(y))
-    while low < high:  # binary search over slice comparisons, which run in C
-        mid = (low + high + 1) // 2
-        if x[:mid] == y[:mid]:
-            low = mid
-        else:
-            high = mid - 1
-    return low
+    return common_prefix_length(list(a), list(b))
 
 
 def common_chars(a: str, b: str) -> int:
     """Length of the common prefix of two strings."""
-    low, high = 0, min(len(a), len(b))
-    while low < high:
-        mid = (low + high + 1) // 2
-        if a[:mid] == b[:mid]:
-            low = mid
-        else:
-            high = mid - 1
-    return low
+    return common_prefix_length(a, b)
 
 
 def char_offset(prompt: RenderedPrompt, offset: int, tokenizer: Tokenizer) -> int | None:

@@ -32,6 +32,7 @@ from swarmkv.engine.stats import EngineCounters
 from swarmkv.errors import CapacityError, InvalidRequestError
 from swarmkv.kv import KVCacheManager, Retention, pages_for
 from swarmkv.models.loader import LoadedModel
+from swarmkv.prefix import common_prefix_length
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestDelta"]
 
@@ -182,11 +183,7 @@ class LLMEngine:
         repeats count as the session's own: computing them again is recomputation, not new prompt."""
         previous = self._last_turn.get(session_id)
         if previous is not None:
-            common = 0
-            for a, b in zip(previous.token_ids, seq.prompt_token_ids, strict=False):
-                if a != b:
-                    break
-                common += 1
+            common = common_prefix_length(previous.token_ids, seq.prompt_token_ids)
             seq.num_processed_tokens = min(
                 common, previous.num_processed_tokens, len(seq.prompt_token_ids) - 1
             )

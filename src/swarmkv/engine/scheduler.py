@@ -27,6 +27,7 @@ from swarmkv.engine.sequence import Sequence, Status
 from swarmkv.engine.stats import EngineCounters
 from swarmkv.kv import NO_HIT, Hit, KVCacheManager
 from swarmkv.kv.state_index import MIN_SNAPSHOT_TOKENS
+from swarmkv.prefix import common_prefix_length
 
 ChunkKind = Literal["prefill", "decode"]
 
@@ -219,7 +220,7 @@ class Scheduler:
         for other in others:
             if other is not seq and other.cache_salt == seq.cache_salt:
                 # The other resumes at most before its last token, which it computes to sample.
-                points.add(min(_common_prefix(tokens, other.token_ids), other.num_tokens - 1))
+                points.add(min(common_prefix_length(tokens, other.token_ids), other.num_tokens - 1))
         floor = max(start, snapshot_tokens + MIN_SNAPSHOT_TOKENS - 1)
         for point in sorted(p for p in points if floor < p <= end and p >= MIN_SNAPSHOT_TOKENS):
             if not states.has(tokens[:point], seq.cache_salt):
@@ -308,7 +309,7 @@ class Scheduler:
         for other in self.running:
             if other.cache_salt != seq.cache_salt or other.num_uncomputed_tokens <= 1:
                 continue
-            shared = min(_common_prefix(seq.token_ids, other.prompt_token_ids), limit)
+            shared = min(common_prefix_length(seq.token_ids, other.prompt_token_ids), limit)
             if (
                 shared >= MIN_SNAPSHOT_TOKENS
                 and shared > hit.num_tokens
@@ -415,19 +416,6 @@ STARVATION_STEPS = 16
 def _fed(seq: Sequence) -> bool:
     """False for a request starved long enough to go first (False sorts before True)."""
     return seq.num_starved_steps < STARVATION_STEPS
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists (binary search over slice comparisons, which
-    run in C)."""
-    low, high = 0, min(len(a), len(b))
-    while low < high:
-        mid = (low + high + 1) // 2
-        if a[:mid] == b[:mid]:
-            low = mid
-        else:
-            high = mid - 1
-    return low
 
 
 def _uncached_head(seq: Sequence) -> list[int]:

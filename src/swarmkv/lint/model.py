@@ -9,8 +9,7 @@ from pathlib import Path
 import torch
 
 from swarmkv.config import ModelConfig
-from swarmkv.errors import ModelLoadError
-from swarmkv.models.loader import resolve_model_path
+from swarmkv.models.loader import checkpoint_file_or_dir
 from swarmkv.tokenizer import Tokenizer
 
 # Pages are sized at float16, whatever the weights: the figure a GPU deployment holds.
@@ -32,14 +31,7 @@ class LintModel:
 
 def load_lint_model(path: str | Path | None) -> LintModel:
     """The tokenizer and config of a HF directory or GGUF file (the embedded default model when None)."""
-    resolved = resolve_model_path(path)
-    if resolved.is_dir() and not (resolved / "config.json").is_file():
-        ggufs = sorted(resolved.glob("*.gguf"))
-        if not ggufs:
-            raise ModelLoadError(
-                f"no model in {resolved}: expected config.json and tokenizer.json, or a .gguf file"
-            )
-        resolved = ggufs[0]
+    resolved = checkpoint_file_or_dir(path)
     if resolved.is_file():
         from swarmkv.models.gguf_file import open_gguf  # the gguf package: only for GGUF files
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from swarmkv.prefix import common_prefix_length
+
 CHUNK_TOKENS = 16
 
 
@@ -69,20 +71,11 @@ class PrefixIndex:
             return Match(0, None, None)
         best_len, best_key = 0, node.latest
         for chunk, child in node.children.items():
-            shared = _common(chunk, rest)
+            shared = common_prefix_length(chunk, rest)
             if shared > best_len or (shared == best_len and child.latest > best_key):
                 best_len, best_key = shared, child.latest
         for end, key in node.ends.items():
-            shared = _common(end, rest)
+            shared = common_prefix_length(end, rest)
             if shared > best_len or (shared == best_len and key > best_key):
                 best_len, best_key = shared, key
         return Match(depth + best_len, best_key, extends)
-
-
-def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

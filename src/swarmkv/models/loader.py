@@ -48,6 +48,20 @@ def resolve_model_path(path: str | Path | None) -> Path:
     return resolved
 
 
+def checkpoint_file_or_dir(path: str | Path | None) -> Path:
+    """The checkpoint `path` names: an HF directory with config.json, or a GGUF file (a folder without
+    config.json: its first .gguf); the embedded default model when None."""
+    resolved = resolve_model_path(path)
+    if resolved.is_dir() and not (resolved / "config.json").is_file():
+        ggufs = sorted(resolved.glob("*.gguf"))
+        if not ggufs:
+            raise ModelLoadError(
+                f"no model in {resolved}: expected config.json with *.safetensors weights, or a .gguf file"
+            )
+        resolved = ggufs[0]
+    return resolved
+
+
 def load_model(
     path: str | Path | None = None,
     dtype: str | torch.dtype = "auto",
@@ -57,16 +71,9 @@ def load_model(
     """Load a Hugging Face directory or a GGUF file (the default model when `path` is None), its projections
     in `weights`: auto keeps a GGUF's Q4_0/Q4_1 as int4 and requantizes other quants to int8; safetensors
     stay float unless int8 or int4 is asked for."""
-    resolved = resolve_model_path(path)
+    resolved = checkpoint_file_or_dir(path)
     device = torch.device(device)
     compute_dtype = resolve_dtype(dtype, device)
-    if resolved.is_dir() and not (resolved / "config.json").is_file():
-        ggufs = sorted(resolved.glob("*.gguf"))
-        if not ggufs:
-            raise ModelLoadError(
-                f"no model in {resolved}: expected config.json with *.safetensors weights, or a .gguf file"
-            )
-        resolved = ggufs[0]
     if resolved.is_file():
         from swarmkv.models.gguf_file import open_gguf  # the gguf package: only for GGUF files
 

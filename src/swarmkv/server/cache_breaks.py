@@ -23,7 +23,8 @@ from typing import Any
 from prometheus_client import Counter
 
 from swarmkv.breaks.causes import CAUSES, Break, RenderedPrompt, classify, divergence
-from swarmkv.server.prompt_history import PromptHistory, StoredPrompt, common_prefix
+from swarmkv.prefix import common_prefix_length
+from swarmkv.server.prompt_history import PromptHistory, StoredPrompt
 from swarmkv.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class CacheBreaks:
         self, earlier: list[StoredPrompt], ids: array, prompt: RenderedPrompt, session_id: str | None
     ) -> Break | None:
         # The newest of the most similar prompts: `earlier` is newest first, and max keeps the first.
-        best = max(earlier, key=lambda p: common_prefix(p.token_ids, ids), default=None)
+        best = max(earlier, key=lambda p: common_prefix_length(p.token_ids, ids), default=None)
         if best is None:
             return None
         before = RenderedPrompt(list(best.token_ids), best.text, best.messages, best.tools)

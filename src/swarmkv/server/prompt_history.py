@@ -27,18 +27,6 @@ class StoredPrompt:
     tools: list[dict[str, Any]] | None
 
 
-def common_prefix(a: array, b: array) -> int:
-    """How many leading token ids `a` and `b` share; slice comparisons run in C, so long prompts are cheap."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:  # invariant: a[:lo] == b[:lo], and they differ somewhere in [lo, hi] unless hi is the end
-        mid = (lo + hi + 1) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 class PromptHistory:
     """Key (a session or a salt) -> its newest prompts, least recently used keys forgotten first."""
 
