@@ -2,7 +2,9 @@
 
 Writes a log of N agents x T turns (tests/lint_logs.py: a timestamp on top of every system prompt, one
 agent's tools reordered), then runs the command's steps in process and prints the seconds each took: the
-model's tokenizer and config, the lint itself (render, breaks, both replays, the fix), and the whole.
+model's tokenizer and config, the lint itself (render, breaks, both replays, the fix), and the whole. The
+baseline, measured in the same run: rendering and tokenizing every request once with a fresh renderer, which any
+tool reading this log through the model's template must do; the ratio says what the lint adds on top.
 
     .venv/bin/python bench/lint.py [--agents 50] [--turns 20] [--filler-lines 80] [--reply-lines 4]
 """
@@ -10,6 +12,7 @@ model's tokenizer and config, the lint itself (render, breaks, both replays, the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import time
@@ -20,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from lint_logs import Breakers, agent_requests, write_log  # noqa: E402
 from swarmkv.lint.log_file import read_log  # noqa: E402
 from swarmkv.lint.model import load_lint_model  # noqa: E402
+from swarmkv.lint.render import Renderer, RenderError  # noqa: E402
 from swarmkv.lint.run import lint_log  # noqa: E402
 
 
@@ -46,6 +50,11 @@ def main() -> None:
         requests, _ = read_log(path)
         result = lint_log(requests, model.tokenizer, 16, model.page_bytes(16))
         done = time.perf_counter()
+        renderer = Renderer(model.tokenizer)
+        for request in requests:
+            with contextlib.suppress(RenderError):  # the lint skips these too
+                renderer.render(request)
+        rendered = time.perf_counter()
     num_tokens = sum(r.prompt_tokens for r in result.requests)
     print(
         f"{len(result.requests)} requests, {num_tokens / len(result.requests):,.0f} prompt tokens on average"
@@ -56,6 +65,9 @@ def main() -> None:
     print(f"model files: {loaded - start:.1f} s")
     print(f"lint:        {done - loaded:.1f} s")
     print(f"total:       {done - start:.1f} s")
+    print(
+        f"baseline, rendering alone: {rendered - done:.1f} s; lint / rendering: {(done - loaded) / (rendered - done):.2f}x"
+    )
 
 
 if __name__ == "__main__":
