@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +156,74 @@ def test_cache_control_pins_then_reads(served: Served) -> None:
     assert second.usage.cache_creation_input_tokens == 0  # the same pin, refreshed
     tool = {**WEATHER, "cache_control": {"type": "ephemeral", "ttl": "1h"}}
     served.create(tools=[tool], messages=_user("Hi."), max_tokens=1)
+
+
+def test_a_stop_sequence_is_reported(served: Served) -> None:
+    kwargs: dict[str, Any] = {"messages": _user("Name three colors."), "max_tokens": 16, "extra_body": GREEDY}
+    text = served.create(**kwargs).content[0].text
+    words = text.split()
+    assert len(words) >= 3, text
+    stop = words[2]  # the reply stops where the third word first appears
+    cut = text[: text.index(stop)]
+    reply = served.create(stop_sequences=["never-written-9f2", stop], **kwargs)
+    assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", stop)
+    assert "".join(b.text for b in reply.content) == cut
+    with served.client().messages.stream(model=served.model, stop_sequences=[stop], **kwargs) as stream:
+        streamed = stream.get_final_message()
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
+    assert "".join(b.text for b in streamed.content) == cut
+
+
+def test_tool_input_streams_in_pieces(served: Served) -> None:
+    body = {
+        "model": served.model,
+        "messages": _user("What is the weather in Paris?"),
+        "tools": [WEATHER],
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+        "max_tokens": 48,
+        "temperature": 0,
+    }
+    whole = httpx.post(f"{served.url}/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=60)
+    (call,) = whole.json()["content"]
+    raw = httpx.post(
+        f"{served.url}/v1/messages", json={**body, "stream": True}, headers={"x-api-key": API_KEY}, timeout=60
+    )
+    events = [json.loads(line[6:]) for line in raw.text.splitlines() if line.startswith("data: ")]
+    pieces = [
+        e["delta"]["partial_json"]
+        for e in events
+        if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta"
+    ]
+    assert len(pieces) > 1, pieces  # token by token, not the whole object at the end
+    assert json.loads("".join(pieces)) == call["input"]
+    starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+    assert [(b["type"], b["name"], b["input"]) for b in starts] == [("tool_use", "get_weather", {})]
+
+
+def test_a_cache_control_pin_is_released_when_its_ttl_passes(served: Served) -> None:
+    offset = [0.0]
+    engine = served.ctx.engine
+
+    def with_clock(clock: Any) -> None:
+        engine.call(lambda e: setattr(e.pins, "_clock", clock)).result(timeout=30)
+
+    with_clock(lambda: time.monotonic() + offset[0])
+    try:
+        system = [{"type": "text", "text": f"TTL test. {SYSTEM}", "cache_control": {"type": "ephemeral"}}]
+        offset[0] = 3601.0  # past every earlier test's pins, an hour's included
+        before = engine.call(lambda e: (e.pins.expire(), e.kv.num_pinned)[1]).result(timeout=30)
+        first = served.create(system=system, messages=_user("Hello."), max_tokens=1)
+        assert first.usage.cache_creation_input_tokens > 0
+        held = engine.call(lambda e: e.kv.num_pinned).result(timeout=30)
+        assert held > before
+        offset[0] += 299.0  # inside the default 5 minutes: the pin holds
+        assert engine.call(lambda e: (e.pins.expire(), e.kv.num_pinned)[1]).result(timeout=30) == held
+        offset[0] += 2.0
+        assert engine.call(lambda e: (e.pins.expire(), e.kv.num_pinned)[1]).result(timeout=30) < held
+        again = served.create(system=system, messages=_user("Hello."), max_tokens=1)
+        assert again.usage.cache_creation_input_tokens > 0  # pinned anew, not refreshed
+    finally:
+        with_clock(time.monotonic)
 
 
 @pytest.mark.parametrize(

@@ -156,6 +156,22 @@ def test_tool_choice_forces_a_call_prefix_and_a_stop() -> None:
     assert not off.parses_tool_calls and off.forced_prefix() == ""
 
 
+@pytest.mark.parametrize(
+    ("parameters", "opening"),
+    [
+        ({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, '{"city": "'),
+        ({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n", "m"]}, '{"n": '),
+        ({"type": "object", "properties": {"n": {"type": "integer"}}}, ""),  # nothing required
+        ({"type": "object", "required": ["x"]}, ""),  # a required key without a schema
+        ({"type": "object", "properties": {"é": {"type": "string"}}, "required": ["é"]}, '{"é": "'),
+    ],
+)
+def test_a_named_call_opens_with_its_first_required_key(parameters: dict[str, Any], opening: str) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    req = parse_chat_request({"messages": USER, "tools": [tool], "tool_choice": "required"})
+    assert req.forced_prefix() == '<tool_call>\n{"name": "f", "arguments": ' + opening
+
+
 def test_completion_prompts() -> None:
     assert parse_completion_request({"prompt": "hello"}).prompt == "hello"
     assert parse_completion_request({"prompt": ["hello"]}).prompt == "hello"

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from swarmkv.server.tool_call_stream import CallPiece
 from swarmkv.server.tool_parser import ParsedDelta, StreamingToolParser, ToolCall, parse_tool_calls
 
 
@@ -22,14 +23,29 @@ def _parse(text: str) -> ParsedDelta:
 
 
 def _stream(pieces: list[str]) -> tuple[str, list[ToolCall]]:
+    content, calls, _ = _stream_with_pieces(pieces)
+    return content, calls
+
+
+def _stream_with_pieces(pieces: list[str]) -> tuple[str, list[ToolCall], list[CallPiece]]:
     parser = StreamingToolParser(new_id=_ids())
-    content, calls = "", []
+    out = ParsedDelta()
     for piece in pieces:
-        out = parser.feed(piece)
-        content += out.content
-        calls += out.tool_calls
-    out = parser.finish()
-    return content + out.content, calls + out.tool_calls
+        out = out.then(parser.feed(piece))
+    out = out.then(parser.finish())
+    return out.content, out.tool_calls, out.pieces
+
+
+def _assemble(pieces: list[CallPiece]) -> list[tuple[str, str, str]]:
+    """What a client rebuilds from streamed pieces: (id, name, arguments) per call, in order."""
+    calls: dict[int, list[str]] = {}
+    for piece in pieces:
+        if piece.name is not None:
+            assert piece.index not in calls, "a call opened twice"
+            calls[piece.index] = [piece.id, piece.name, ""]
+        calls[piece.index][2] += piece.arguments
+    assert sorted(calls) == list(range(len(calls)))
+    return [(c[0], c[1], c[2]) for _, c in sorted(calls.items())]
 
 
 def test_one_call_becomes_a_tool_call_without_content() -> None:
@@ -148,3 +164,46 @@ def test_any_reply_streams_like_it_parses_whole(parts: list[str], cuts: list[int
     assert (content, calls) == (whole.content, whole.tool_calls)
     if not whole.tool_calls:
         assert content == reply  # without calls, nothing the model wrote is lost
+    _, _, pieces = _stream_with_pieces(pieces)
+    assert [(i, n) for i, n, _ in _assemble(pieces)] == [(c.id, c.name) for c in calls]
+    for (_, _, streamed), call in zip(_assemble(pieces), calls, strict=True):
+        if _is_json(call.arguments):
+            assert json.loads(streamed) == json.loads(call.arguments)
+        else:
+            assert streamed == call.arguments
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def test_arguments_stream_before_the_block_closes() -> None:
+    parser = StreamingToolParser(new_id=_ids())
+    opened = parser.feed('Sure.<tool_call>\n{"name": "grep", "arguments": {"pattern": "def ma')
+    assert opened.tool_calls == []
+    assert [(p.id, p.name) for p in opened.pieces] == [("call_0", "grep"), ("call_0", None)]
+    assert "".join(p.arguments for p in opened.pieces) == '{"pattern": "def ma'
+    more = parser.feed('in", "path": "src/</')  # "</" may open the closing tag: held back
+    assert "".join(p.arguments for p in more.pieces) == 'in", "path": "src/'
+    end = parser.feed('x"}}\n</tool_call>')
+    assert "".join(p.arguments for p in end.pieces) == '</x"}'  # not the call's own closing brace
+    (call,) = end.tool_calls
+    assert json.loads(call.arguments) == {"pattern": "def main", "path": "src/</x"}
+
+
+def test_a_forgotten_closing_brace_comes_as_the_last_piece() -> None:
+    _, calls, pieces = _stream_with_pieces(
+        ['<tool_call>{"name": "f", "arguments": {"a": {"b": 1}', "</tool_call>"]
+    )
+    ((_, _, streamed),) = _assemble(pieces)
+    assert json.loads(streamed) == json.loads(calls[0].arguments) == {"a": {"b": 1}}
+
+
+def test_a_call_whose_arguments_never_parse_keeps_them_raw() -> None:
+    parsed = _parse('<tool_call>{"name": "f", "arguments": {"a": nope}</tool_call> after')
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("f", '{"a": nope}')]
+    assert parsed.content == " after"

@@ -24,6 +24,7 @@ class RequestDelta:
     finished: bool
     finish_reason: FinishReason | None
     error: str | None = None
+    stop_string: str | None = None  # the stop string that finished the request, if one did
 
 
 @dataclass
@@ -62,9 +63,10 @@ class OutputProcessor:
             state.text += state.detokenizer.step(output_token_ids)
         if reason is not None:
             state.text += state.detokenizer.flush(output_token_ids)
-        if self._cut_at_stop_string(state):
+        stop_string = self._cut_at_stop_string(state)
+        if stop_string is not None:
             reason = "stop"
-        return self._delta(request_id, state, new_token_ids, reason)
+        return self._delta(request_id, state, new_token_ids, reason, stop_string)
 
     def fail(self, request_id: str, error: str) -> RequestDelta:
         """The request ended in a failed step: no more text, the error instead."""
@@ -75,21 +77,28 @@ class OutputProcessor:
         """Forget an aborted request."""
         self._states.pop(request_id, None)
 
-    def _cut_at_stop_string(self, state: _TextState) -> bool:
+    def _cut_at_stop_string(self, state: _TextState) -> str | None:
+        """Cut the text before the first stop string in it; returns that string, or None if none is there."""
         stops = state.params.stop
         if not stops:
-            return False
+            return None
         # A stop string may straddle the checked text and the new piece: back up by the longest one.
         start = max(0, state.num_text_checked - max(len(s) for s in stops) + 1)
         state.num_text_checked = len(state.text)
-        hits = [i for s in stops if (i := state.text.find(s, start)) >= 0]
+        hits = [(i, s) for s in stops if (i := state.text.find(s, start)) >= 0]
         if not hits:
-            return False
-        state.text = state.text[: min(hits)]
-        return True
+            return None
+        at, stop = min(hits, key=lambda hit: hit[0])
+        state.text = state.text[:at]
+        return stop
 
     def _delta(
-        self, request_id: str, state: _TextState, tokens: list[int], reason: FinishReason | None
+        self,
+        request_id: str,
+        state: _TextState,
+        tokens: list[int],
+        reason: FinishReason | None,
+        stop_string: str | None,
     ) -> RequestDelta:
         finished = reason is not None
         # Hold back a possible stop-string prefix until the request finishes, so streamed text is never retracted.
@@ -99,4 +108,4 @@ class OutputProcessor:
         state.num_text_emitted = upto
         if finished:
             del self._states[request_id]
-        return RequestDelta(request_id, tokens, new_text, finished, reason)
+        return RequestDelta(request_id, tokens, new_text, finished, reason, stop_string=stop_string)

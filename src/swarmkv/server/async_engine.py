@@ -238,6 +238,7 @@ class AsyncEngine:
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=len(seq.output_token_ids),
             emitted_at_s=now,
+            stop_string=delta.stop_string,
         )
         if delta.finished:
             del self._live[delta.request_id]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -40,13 +41,16 @@ class ChatRequest:
 
         Without constrained decoding, "required" and a named tool are honoured by starting the reply
         inside a Hermes tool-call block (naming the tool when it is named or the only one); the block's
-        end stops generation, so the reply is one call.
+        end stops generation, so the reply is one call. A named call's arguments open with what its schema
+        fixes, the first required property's key, which keeps small models to the schema's names.
         """
         name = self.tool_choice.name
         if self.tool_choice.mode == "required" and self.tools and len(self.tools) == 1:
             name = self.tools[0]["function"]["name"]
         if name is not None:
-            return f'{OPEN_TAG}\n{{"name": {json.dumps(name)}, "arguments": '
+            tool = next((t["function"] for t in self.tools or () if t["function"]["name"] == name), {})
+            opening = _arguments_opening(tool.get("parameters"))
+            return f'{OPEN_TAG}\n{{"name": {json.dumps(name)}, "arguments": {opening}'
         if self.tool_choice.mode == "required":
             return f'{OPEN_TAG}\n{{"name": "'
         return ""
@@ -54,6 +58,21 @@ class ChatRequest:
     def forced_stop(self) -> tuple[str, ...]:
         """Stop strings added to the client's for a forced call."""
         return (CLOSE_TAG,) if self.forced_prefix() else ()
+
+
+def _arguments_opening(schema: Any) -> str:
+    """The start of a call's arguments that its JSON schema fixes: the first required property's key, and
+    the opening quote of a string value; nothing when the schema requires nothing."""
+    if not isinstance(schema, dict):
+        return ""
+    required, properties = schema.get("required"), schema.get("properties")
+    if not (isinstance(required, list) and required and isinstance(properties, dict)):
+        return ""
+    key = required[0]
+    if not isinstance(key, str) or not isinstance(properties.get(key), dict):
+        return ""
+    quote = '"' if properties[key].get("type") == "string" else ""
+    return f"{{{json.dumps(key, ensure_ascii=False)}: {quote}"
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
@@ -137,11 +156,10 @@ def _history_call(where: str, call: Any) -> dict[str, Any]:
         raise bad_request(f"{where} must be {{'type': 'function', 'function': {{'name': ...}}}}", param=where)
     arguments: Any = function.get("arguments", {})
     if isinstance(arguments, str):
-        # Templates expect a mapping (transformers' convention); OpenAI clients send a JSON string.
-        try:
+        # Templates expect a mapping (transformers' convention); OpenAI clients send a JSON string. Arguments
+        # a model wrote that are not JSON come back as they were written, and templates render the string.
+        with contextlib.suppress(ValueError):
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError as exc:
-            raise bad_request(f"{where}.function.arguments is not valid JSON", param=where) from exc
     out: dict[str, Any] = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
     if isinstance(call.get("id"), str):
         out["id"] = call["id"]

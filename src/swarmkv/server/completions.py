@@ -121,14 +121,14 @@ async def chat_deltas(
 ) -> AsyncIterator[tuple[StepOutput, ParsedDelta]]:
     """Each engine output with the content and complete tool calls it added."""
     parser = StreamingToolParser() if req.parses_tool_calls else None
-    if parser is not None:
-        parser.feed(req.forced_prefix())  # opens the forced call; yields nothing by itself
+    # A forced call's prefix opens its block and may open the call itself: that goes out with the first output.
+    opening = parser.feed(req.forced_prefix()) if parser is not None else ParsedDelta()
     async for out in stream:
         latency.observe(out)
-        parsed = ParsedDelta(content=out.text) if parser is None else parser.feed(out.text)
+        parsed = ParsedDelta(content=out.text) if parser is None else opening.then(parser.feed(out.text))
+        opening = ParsedDelta()
         if parser is not None and out.finished:
-            tail = parser.finish()
-            parsed = ParsedDelta(parsed.content + tail.content, parsed.tool_calls + tail.tool_calls)
+            parsed = parsed.then(parser.finish())
         yield out, parsed
 
 
@@ -172,9 +172,9 @@ async def _chat_events(
             last = out
             if parsed.content:
                 yield sse(env.chat_chunk({"content": parsed.content}, with_usage_field=with_usage))
-            for call in parsed.tool_calls:
-                yield sse(env.chat_chunk(tool_call_delta(len(calls), call), with_usage_field=with_usage))
-                calls.append(call)
+            for piece in parsed.pieces:
+                yield sse(env.chat_chunk(tool_call_delta(piece), with_usage_field=with_usage))
+            calls += parsed.tool_calls
     except EngineUnavailableError as exc:
         yield sse(APIError(exc.status, str(exc), error_type="server_error").to_json())
         yield sse("[DONE]")

@@ -30,8 +30,10 @@ from swarmkv.server.disconnect import STATUS_CLIENT_GONE
 from swarmkv.server.messages_request import Breakpoint, MessagesRequest, parse_messages_request
 from swarmkv.server.messages_responses import (
     CacheTokens,
+    ContentBlocks,
     anthropic_error,
     anthropic_event,
+    matched_stop,
     message_json,
     stop_reason,
     tool_use_block,
@@ -68,7 +70,8 @@ async def messages(request: Request) -> Response:
     content += [tool_use_block(call) for call in parsed.tool_calls]
     usage = CacheTokens.of(last, num_pinned).usage(last.num_output_tokens if last else 0)
     reason = stop_reason(last, len(parsed.tool_calls))
-    return JSONResponse(message_json(msg_id, ctx.model_name, content, reason, usage))
+    body = message_json(msg_id, ctx.model_name, content, reason, usage, matched_stop(last, reason))
+    return JSONResponse(body)
 
 
 async def count_tokens(request: Request) -> Response:
@@ -118,39 +121,21 @@ async def _events(
         "message_start", {"message": message_json(msg_id, ctx.model_name, [], None, start_usage)}
     )
     yield anthropic_event("ping", {})
-    index = 0
-    text_open = False
-    num_calls = 0
+    blocks = ContentBlocks()
     last: StepOutput | None = None
     try:
         async for out, parsed in chat_deltas(req.chat, stream, latency):
             last = out
-            if parsed.content:
-                if not text_open:
-                    opening = {"type": "text", "text": ""}
-                    yield anthropic_event("content_block_start", {"index": index, "content_block": opening})
-                    text_open = True
-                text = {"type": "text_delta", "text": parsed.content}
-                yield anthropic_event("content_block_delta", {"index": index, "delta": text})
-            for call in parsed.tool_calls:
-                if text_open:
-                    yield anthropic_event("content_block_stop", {"index": index})
-                    index, text_open = index + 1, False
-                # A call arrives whole from the parser, so its JSON goes out in one input_json_delta.
-                block = {**tool_use_block(call), "input": {}}
-                yield anthropic_event("content_block_start", {"index": index, "content_block": block})
-                arguments = {"type": "input_json_delta", "partial_json": call.arguments}
-                yield anthropic_event("content_block_delta", {"index": index, "delta": arguments})
-                yield anthropic_event("content_block_stop", {"index": index})
-                index += 1
-                num_calls += 1
+            for event in blocks.add(parsed):
+                yield event
     except EngineUnavailableError as exc:
         _, body = anthropic_error(APIError(exc.status, str(exc), error_type="server_error"))
         yield anthropic_event("error", {"error": body["error"]})
         return
-    if text_open:
-        yield anthropic_event("content_block_stop", {"index": index})
+    for event in blocks.close_text():
+        yield event
     usage = CacheTokens.of(last, num_pinned).usage(last.num_output_tokens if last else 0)
-    end = {"stop_reason": stop_reason(last, num_calls), "stop_sequence": None}
+    reason = stop_reason(last, blocks.num_calls)
+    end = {"stop_reason": reason, "stop_sequence": matched_stop(last, reason)}
     yield anthropic_event("message_delta", {"delta": end, "usage": usage})
     yield anthropic_event("message_stop", {})

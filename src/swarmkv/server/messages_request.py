@@ -45,6 +45,12 @@ def parse_messages_request(body: dict[str, Any], needs_max_tokens: bool = True) 
         raise bad_request("'max_tokens' is required", param="max_tokens")
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if body.get("thread") is not None:
+        # A continued thread would send only its new messages: answering those alone would lose the history.
+        raise bad_request(
+            "message threads are not supported: send the whole conversation (the SDK's tool runner: thread=False)",
+            param="thread",
+        )
     metadata = get_field(body, "metadata", dict, "an object", {})
     user_id = _session_of(metadata.get("user_id"))
     builder = _Builder()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from swarmkv.server.messages_request import tool_input
 from swarmkv.server.protocol import APIError
 from swarmkv.server.request_stream import StepOutput
-from swarmkv.server.tool_parser import ToolCall
+from swarmkv.server.tool_parser import ParsedDelta, ToolCall
 
 MESSAGES_ROUTE = "/v1/messages"
 
@@ -50,7 +51,14 @@ def stop_reason(out: StepOutput | None, num_calls: int) -> str:
         return "tool_use"
     if out is not None and out.finish_reason == "length":
         return "max_tokens"
+    if out is not None and out.stop_string is not None:
+        return "stop_sequence"
     return "end_turn"
+
+
+def matched_stop(out: StepOutput | None, reason: str) -> str | None:
+    """The stop sequence that ended the reply, when `reason` says one did."""
+    return out.stop_string if out is not None and reason == "stop_sequence" else None
 
 
 @dataclass(frozen=True)
@@ -87,7 +95,12 @@ def tool_use_block(call: ToolCall) -> dict[str, Any]:
 
 
 def message_json(
-    msg_id: str, model: str, content: list[dict[str, Any]], reason: str | None, usage: dict[str, int]
+    msg_id: str,
+    model: str,
+    content: list[dict[str, Any]],
+    reason: str | None,
+    usage: dict[str, int],
+    stop_sequence: str | None = None,
 ) -> dict[str, Any]:
     """The message object (empty content and no stop_reason at a stream's start)."""
     return {
@@ -97,6 +110,57 @@ def message_json(
         "model": model,
         "content": content,
         "stop_reason": reason,
-        "stop_sequence": None,
+        "stop_sequence": stop_sequence,
         "usage": usage,
     }
+
+
+class ContentBlocks:
+    """A streamed reply's content blocks as Anthropic's events: text blocks, and tool_use blocks whose
+    input JSON arrives in pieces. A call open when a delta arrives ends before that delta's text begins."""
+
+    def __init__(self) -> None:
+        self.index = 0  # the open block's, or the next one's
+        self.text_open = False
+        self.call_open = False
+        self.num_calls = 0
+
+    def add(self, parsed: ParsedDelta) -> Iterator[str]:
+        """The events for one parsed delta."""
+        if self.call_open:
+            yield from self._calls(parsed)
+            yield from self._text(parsed.content)
+        else:
+            yield from self._text(parsed.content)
+            yield from self._calls(parsed)
+
+    def close_text(self) -> Iterator[str]:
+        """End an open text block."""
+        if self.text_open:
+            yield anthropic_event("content_block_stop", {"index": self.index})
+            self.index, self.text_open = self.index + 1, False
+
+    def _text(self, content: str) -> Iterator[str]:
+        if not content:
+            return
+        if not self.text_open:
+            opening = {"type": "text", "text": ""}
+            yield anthropic_event("content_block_start", {"index": self.index, "content_block": opening})
+            self.text_open = True
+        delta = {"type": "text_delta", "text": content}
+        yield anthropic_event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def _calls(self, parsed: ParsedDelta) -> Iterator[str]:
+        for piece in parsed.pieces:
+            if piece.name is not None:
+                yield from self.close_text()
+                block = {"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}}
+                yield anthropic_event("content_block_start", {"index": self.index, "content_block": block})
+                self.call_open = True
+            if piece.arguments:
+                delta = {"type": "input_json_delta", "partial_json": piece.arguments}
+                yield anthropic_event("content_block_delta", {"index": self.index, "delta": delta})
+        for _ in parsed.tool_calls:
+            yield anthropic_event("content_block_stop", {"index": self.index})
+            self.index, self.call_open = self.index + 1, False
+            self.num_calls += 1

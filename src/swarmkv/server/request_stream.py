@@ -33,6 +33,7 @@ class StepOutput:
     num_cached_tokens: int  # prompt tokens the prefix cache served at admission
     num_output_tokens: int
     emitted_at_s: float  # time.perf_counter() on the loop thread
+    stop_string: str | None = None  # the stop string that finished the request, if one did
 
 
 class RequestStream:

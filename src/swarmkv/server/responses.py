@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from swarmkv.server.tool_call_stream import CallPiece
 from swarmkv.server.tool_parser import ToolCall
 
 
@@ -76,6 +77,9 @@ class Envelope:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
 
-def tool_call_delta(index: int, call: ToolCall) -> dict[str, Any]:
-    """A streamed tool call, whole in one delta: OpenAI clients accumulate it like a fragmented one."""
-    return {"tool_calls": [{"index": index, **call.to_openai()}]}
+def tool_call_delta(piece: CallPiece) -> dict[str, Any]:
+    """A streamed piece of a tool call: the first carries its id and name, the rest only argument text."""
+    if piece.name is None:
+        return {"tool_calls": [{"index": piece.index, "function": {"arguments": piece.arguments}}]}
+    opening = ToolCall(piece.id, piece.name, piece.arguments).to_openai()
+    return {"tool_calls": [{"index": piece.index, **opening}]}

@@ -36,7 +36,6 @@ from swarmkv.server.responses_objects import (
     is_incomplete,
     message_item,
     new_id,
-    text_part,
     usage,
 )
 from swarmkv.server.responses_request import (
@@ -47,6 +46,7 @@ from swarmkv.server.responses_request import (
     previous_response_id,
 )
 from swarmkv.server.responses_store import StoredResponse
+from swarmkv.server.responses_stream import OutputItems
 
 # Called with the finished response object and its output items, to store them.
 OnDone = Callable[[dict[str, Any], list[Item]], None]
@@ -154,60 +154,21 @@ async def _events(
     emit = EventWriter()
     yield emit("response.created", {"response": head.body("in_progress", [], None)})
     yield emit("response.in_progress", {"response": head.body("in_progress", [], None)})
-    output: list[Item] = []
-    text: str | None = None  # the open message's text, None when no message is open
-    msg_id = ""
-    num_calls = 0
+    items = OutputItems(emit)
     last: StepOutput | None = None
     try:
         async for out, parsed in chat_deltas(req.chat, stream, latency):
             last = out
-            if parsed.content:
-                if text is None:
-                    msg_id, text = new_id("msg"), ""
-                    opening = message_item(msg_id, "", "in_progress")
-                    yield emit("response.output_item.added", {"output_index": len(output), "item": opening})
-                    where = {"item_id": msg_id, "output_index": len(output), "content_index": 0}
-                    yield emit("response.content_part.added", {**where, "part": text_part("")})
-                text += parsed.content
-                where = {"item_id": msg_id, "output_index": len(output), "content_index": 0}
-                yield emit("response.output_text.delta", {**where, "delta": parsed.content, "logprobs": []})
-            for call in parsed.tool_calls:
-                if text is not None:
-                    for event in _close_text(emit, msg_id, len(output), text):
-                        yield event
-                    output.append(message_item(msg_id, text))
-                    text = None
-                # A call arrives whole from the parser, so its arguments go out in one delta.
-                index, item_id = len(output), new_id("fc")
-                opening = function_call_item(item_id, call, "in_progress")
-                yield emit("response.output_item.added", {"output_index": index, "item": opening})
-                where = {"item_id": item_id, "output_index": index}
-                yield emit("response.function_call_arguments.delta", {**where, "delta": call.arguments})
-                done = {**where, "name": call.name, "arguments": call.arguments}
-                yield emit("response.function_call_arguments.done", done)
-                item = function_call_item(item_id, call)
-                yield emit("response.output_item.done", {"output_index": index, "item": item})
-                output.append(item)
-                num_calls += 1
+            for event in items.add(parsed):
+                yield event
     except EngineUnavailableError as exc:
         yield emit("error", {"code": "server_error", "message": str(exc), "param": None})
         return
-    if text is not None:
-        for event in _close_text(emit, msg_id, len(output), text):
-            yield event
-        output.append(message_item(msg_id, text))
-    body = _finished(head, output, last, num_calls)
+    for event in items.close_text():
+        yield event
+    output = items.output
+    body = _finished(head, output, last, items.num_calls)
     on_done(body, output)
     # Always response.completed (the body's status says "incomplete"): the openai client's stream helpers
     # finish on that event alone.
     yield emit("response.completed", {"response": body})
-
-
-def _close_text(emit: EventWriter, msg_id: str, index: int, text: str) -> list[str]:
-    where = {"item_id": msg_id, "output_index": index, "content_index": 0}
-    return [
-        emit("response.output_text.done", {**where, "text": text, "logprobs": []}),
-        emit("response.content_part.done", {**where, "part": text_part(text)}),
-        emit("response.output_item.done", {"output_index": index, "item": message_item(msg_id, text)}),
-    ]

@@ -4,8 +4,13 @@ The parser is incremental so that streamed chat completions and whole ones parse
 reply is one `feed()` followed by `finish()`. Text outside the tags is the message content; text that
 might still become a tag (a trailing "<tool_" while streaming) is held back until the next piece decides.
 Whitespace just before a tool call, or trailing a reply that made calls, is dropped, so a reply made only
-of calls has no content, as OpenAI's replies do (a reply without calls keeps every character). A block whose body is not a JSON object with a string `name` (after supplying up
-to MAX_MISSING_BRACES closing braces) stays in the content verbatim: nothing the model wrote is lost.
+of calls has no content, as OpenAI's replies do (a reply without calls keeps every character).
+
+A block is a call once its body starts with a whole header, `{"name": ..., "arguments": {`; its arguments
+then stream in pieces (`tool_call_stream.py`), and they stay its arguments even if they never parse. A block
+without that header is decided when it closes: one whose body is not a JSON object with a string `name`
+(after supplying up to MAX_MISSING_BRACES closing braces) stays in the content verbatim, so nothing the
+model wrote is lost.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from swarmkv.server.tool_call_stream import MAX_MISSING_BRACES, ArgumentStream, CallPiece
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
@@ -39,10 +46,18 @@ class ToolCall:
 
 @dataclass
 class ParsedDelta:
-    """What one piece of model text added: message content and complete tool calls."""
+    """What one piece of model text added: message content, complete tool calls, and the pieces of calls
+    as they stream (every call in `tool_calls` had its pieces, in this delta or earlier ones)."""
 
     content: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
+    pieces: list[CallPiece] = field(default_factory=list)
+
+    def then(self, later: ParsedDelta) -> ParsedDelta:
+        """This delta followed by `later`, as one."""
+        return ParsedDelta(
+            self.content + later.content, self.tool_calls + later.tool_calls, self.pieces + later.pieces
+        )
 
 
 def new_call_id() -> str:
@@ -63,11 +78,6 @@ def call_from_json(body: Any, call_id: str) -> ToolCall | None:
             return None
         return ToolCall(call_id, body["name"], arguments)
     return ToolCall(call_id, body["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-# Small models often close the arguments object but forget the outer one: up to this many missing
-# closing braces are supplied, never any other character.
-MAX_MISSING_BRACES = 2
 
 
 def _decode(text: str, whole: bool) -> tuple[Any, str] | None:
@@ -116,6 +126,9 @@ class StreamingToolParser:
         self._buffer = ""  # text not yet classified
         self._in_call = False  # whether `_buffer` is the body of an open <tool_call>
         self._pending_space = ""  # trailing whitespace of the content, held until more content follows
+        self._call: tuple[str, ArgumentStream] | None = (
+            None  # the open block's call, once its header is whole
+        )
         self.num_calls = 0
 
     def feed(self, text: str) -> ParsedDelta:
@@ -126,6 +139,10 @@ class StreamingToolParser:
             if self._in_call:
                 end = self._buffer.find(CLOSE_TAG)
                 if end < 0:
+                    # Text that may begin the closing tag is not the body's until the next piece decides.
+                    self._stream_body(
+                        self._buffer[: len(self._buffer) - _held_tag_prefix(self._buffer, CLOSE_TAG)], out
+                    )
                     return out
                 body, self._buffer = self._buffer[:end], self._buffer[end + len(CLOSE_TAG) :]
                 self._in_call = False
@@ -155,8 +172,33 @@ class StreamingToolParser:
         self._pending_space = ""
         return out
 
+    def _stream_body(self, body: str, out: ParsedDelta) -> None:
+        """Open the block's call once its header is whole, and send the arguments text the body adds."""
+        if self._call is None:
+            stream = ArgumentStream.open(body)
+            if stream is None:
+                return
+            self._call = (self._new_id(), stream)
+            out.pieces.append(CallPiece(self.num_calls, self._call[0], stream.name, ""))
+        call_id, stream = self._call
+        piece = stream.advance(body)
+        if piece:
+            out.pieces.append(CallPiece(self.num_calls, call_id, None, piece))
+
     def _close_block(self, body: str, terminated: bool, out: ParsedDelta) -> None:
-        call, rest = _parse_block(body, self._new_id(), terminated)
+        self._stream_body(body, out)
+        opened, self._call = self._call, None
+        call, rest = _parse_block(body, opened[0] if opened else self._new_id(), terminated)
+        if opened is not None:
+            call_id, stream = opened
+            if call is None:
+                # The header made it a call: arguments that do not parse are still its arguments, as
+                # OpenAI's models may write invalid JSON; nothing after them is content.
+                call, rest = ToolCall(call_id, stream.name, stream.text), ""
+            elif missing := stream.completion():
+                out.pieces.append(CallPiece(self.num_calls, call_id, None, missing))
+        elif call is not None:
+            out.pieces.append(CallPiece(self.num_calls, call.id, call.name, call.arguments))
         if call is None:
             suffix = CLOSE_TAG if terminated else ""
             self._emit(OPEN_TAG + body + suffix, out)
@@ -179,6 +221,4 @@ class StreamingToolParser:
 def parse_tool_calls(text: str, new_id: Callable[[], str] = new_call_id) -> ParsedDelta:
     """Parse a whole reply at once: its content and its tool calls."""
     parser = StreamingToolParser(new_id)
-    first = parser.feed(text)
-    rest = parser.finish()
-    return ParsedDelta(first.content + rest.content, first.tool_calls + rest.tool_calls)
+    return parser.feed(text).then(parser.finish())

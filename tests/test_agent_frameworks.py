@@ -1,0 +1,178 @@
+"""Agent frameworks end to end against `swarmkv serve`, run as their users run them: the OpenAI Agents SDK
+on the Responses API and the Anthropic client's tool runner on the Messages API, each looping over two tools.
+
+The embedded SmolLM2-135M seldom calls a tool by itself, so each turn names the tool it must call (the
+frameworks' own `tool_choice`), moved on by the framework's hooks: first get_weather, then get_time, then
+none, which ends the loop with a text answer. Greedy decoding makes every run the same. The tools accept
+keys beyond their schema's, as small models add some.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+from agents import (
+    Agent,
+    ModelSettings,
+    OpenAIResponsesModel,
+    RunHooks,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
+from anthropic import beta_tool
+
+from swarmkv.engine.llm import LLM
+from swarmkv.server import create_app
+from swarmkv.server.background import BackgroundServer
+from swarmkv.server.context import ServerContext
+
+API_KEY = "test-key"
+QUESTION = "What is the weather and the time in Paris?"
+INSTRUCTIONS = "You answer questions about cities using the tools. Answer in one short sentence."
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "description": "The city"}},
+    "required": ["city"],
+}
+# The tool each turn must call, after the named one ran; "none" lets the model answer.
+NEXT_TOOL = {"get_weather": "get_time", "get_time": "none"}
+
+
+@dataclass(frozen=True)
+class Served:
+    url: str
+    ctx: ServerContext
+
+    @property
+    def model(self) -> str:
+        return self.ctx.model_name
+
+    def cached_tokens(self) -> int:
+        return self.ctx.engine.call(lambda e: e.stats()["prefix_hit_tokens"]).result(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
+    llm = LLM(kv_cache_memory="96MiB", max_model_len=2048, max_num_seqs=8)
+    app = create_app(llm, api_key=API_KEY)
+    with BackgroundServer(app) as server:
+        ctx: ServerContext = app.state.ctx
+        yield Served(server.url, ctx)
+        ctx.engine.call(lambda engine: engine.check_integrity()).result(timeout=30)
+
+
+def _agents_sdk_tools(calls: list[tuple[str, str]]) -> list[Any]:
+    @function_tool(strict_mode=False)
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        calls.append(("get_weather", city))
+        return "Sunny, 21 C"
+
+    @function_tool(strict_mode=False)
+    def get_time(city: str) -> str:
+        """Get the local time in a city."""
+        calls.append(("get_time", city))
+        return "14:05"
+
+    return [get_weather, get_time]
+
+
+class _NextTool(RunHooks):
+    """Moves the agent's tool_choice on after each tool runs, as an application steering its agent would."""
+
+    async def on_tool_end(self, context: Any, agent: Agent[Any], tool: Any, result: str) -> None:
+        agent.model_settings = agent.model_settings.resolve(ModelSettings(tool_choice=NEXT_TOOL[tool.name]))
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_openai_agents_sdk_runs_a_two_tool_loop(served: Served, streamed: bool) -> None:
+    calls: list[tuple[str, str]] = []
+    client = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    agent = Agent(
+        name="city-helper",
+        instructions=INSTRUCTIONS,
+        tools=_agents_sdk_tools(calls),
+        model=OpenAIResponsesModel(model=served.model, openai_client=client),
+        model_settings=ModelSettings(tool_choice="get_weather", temperature=0, max_tokens=128),
+        reset_tool_choice=False,
+    )
+
+    async def run() -> Any:
+        if not streamed:
+            return await Runner.run(agent, QUESTION, hooks=_NextTool(), max_turns=5)
+        result = Runner.run_streamed(agent, QUESTION, hooks=_NextTool(), max_turns=5)
+        kinds = {event.type async for event in result.stream_events()}
+        assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
+        return result
+
+    before = served.cached_tokens()
+    result = asyncio.run(run())
+    assert calls == [("get_weather", "Paris"), ("get_time", "Paris")]
+    assert isinstance(result.final_output, str) and result.final_output
+    assert len(result.raw_responses) == 3
+    # Each turn resends the conversation; its head is served from the prefix cache.
+    later = [r.usage.input_tokens_details.cached_tokens for r in result.raw_responses[1:]]
+    assert all(cached > 0 for cached in later), later
+    assert served.cached_tokens() - before >= sum(later)
+
+
+def _anthropic_tools(calls: list[tuple[str, str]]) -> list[Any]:
+    @beta_tool(name="get_weather", description="Get the current weather in a city.", input_schema=CITY)
+    def get_weather(city: str, **_: object) -> str:
+        calls.append(("get_weather", city))
+        return "Sunny, 21 C"
+
+    @beta_tool(name="get_time", description="Get the local time in a city.", input_schema=CITY)
+    def get_time(city: str, **_: object) -> str:
+        calls.append(("get_time", city))
+        return "14:05"
+
+    return [get_weather, get_time]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_anthropic_tool_runner_runs_a_two_tool_loop(served: Served, streamed: bool) -> None:
+    calls: list[tuple[str, str]] = []
+    client = anthropic.Anthropic(base_url=served.url, api_key=API_KEY, max_retries=0, timeout=120)
+    runner: Any = client.beta.messages.tool_runner(
+        model=served.model,
+        max_tokens=64,
+        tools=_anthropic_tools(calls),
+        messages=[{"role": "user", "content": QUESTION}],
+        system=INSTRUCTIONS,
+        tool_choice={"type": "tool", "name": "get_weather"},
+        thread=False,  # send the whole history each turn; swarmkv has no server-side message threads
+        stream=streamed,
+        extra_body={"temperature": 0},
+    )
+    replies = []
+    for turn in runner:
+        reply = turn.get_final_message() if streamed else turn
+        replies.append(reply)
+        if reply.stop_reason == "tool_use":
+            (block,) = reply.content
+            nxt = NEXT_TOOL[block.name]
+            choice = {"type": "none"} if nxt == "none" else {"type": "tool", "name": nxt}
+            runner.set_messages_params(lambda params, choice=choice: {**params, "tool_choice": choice})
+    assert calls == [("get_weather", "Paris"), ("get_time", "Paris")]
+    assert [r.stop_reason for r in replies] == ["tool_use", "tool_use", "end_turn"]
+    assert all(r.usage.cache_read_input_tokens > 0 for r in replies[1:])
+
+
+def test_a_threaded_request_is_refused_plainly(served: Served) -> None:
+    client = anthropic.Anthropic(base_url=served.url, api_key=API_KEY, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match="message threads are not supported"):
+        client.messages.create(
+            model=served.model,
+            max_tokens=4,
+            messages=[{"role": "user", "content": "Hi"}],
+            extra_body={"thread": {"type": "create"}},
+        )
