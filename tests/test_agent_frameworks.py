@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 from agents import (
@@ -149,7 +150,7 @@ def test_anthropic_tool_runner_runs_a_two_tool_loop(served: Served, streamed: bo
         messages=[{"role": "user", "content": QUESTION}],
         system=INSTRUCTIONS,
         tool_choice={"type": "tool", "name": "get_weather"},
-        thread=False,  # send the whole history each turn; swarmkv has no server-side message threads
+        thread=False,  # swarmkv has no server-side message threads: each turn sends the whole history
         stream=streamed,
         extra_body={"temperature": 0},
     )
@@ -167,12 +168,35 @@ def test_anthropic_tool_runner_runs_a_two_tool_loop(served: Served, streamed: bo
     assert all(r.usage.cache_read_input_tokens > 0 for r in replies[1:])
 
 
-def test_a_threaded_request_is_refused_plainly(served: Served) -> None:
-    client = anthropic.Anthropic(base_url=served.url, api_key=API_KEY, max_retries=0)
-    with pytest.raises(anthropic.BadRequestError, match="message threads are not supported"):
-        client.messages.create(
-            model=served.model,
-            max_tokens=4,
-            messages=[{"role": "user", "content": "Hi"}],
-            extra_body={"thread": {"type": "create"}},
-        )
+def test_the_default_threaded_tool_runner_falls_back_to_whole_histories(served: Served) -> None:
+    # The client threads by default; swarmkv's refusal carries the error code that makes it go on unthreaded.
+    calls: list[tuple[str, str]] = []
+    client = anthropic.Anthropic(base_url=served.url, api_key=API_KEY, max_retries=0, timeout=120)
+    runner: Any = client.beta.messages.tool_runner(
+        model=served.model,
+        max_tokens=64,
+        tools=_anthropic_tools(calls)[:1],
+        messages=[{"role": "user", "content": QUESTION}],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body={"temperature": 0},
+    )
+    replies = []
+    for reply in runner:
+        replies.append(reply)
+        runner.set_messages_params(lambda params: {**params, "tool_choice": {"type": "none"}})
+    assert calls == [("get_weather", "Paris")]
+    assert [r.stop_reason for r in replies] == ["tool_use", "end_turn"]
+    refused = httpx.post(
+        f"{served.url}/v1/messages",
+        json={
+            "model": served.model,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "thread": {"type": "create"},
+        },
+        headers={"x-api-key": API_KEY},
+        timeout=60,
+    )
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["details"] == {"error_code": "thread_unsupported_request", "unsupported": ["thread"]}

@@ -48,7 +48,9 @@ class ChatRequest:
         if self.tool_choice.mode == "required" and self.tools and len(self.tools) == 1:
             name = self.tools[0]["function"]["name"]
         if name is not None:
-            tool = next((t["function"] for t in self.tools or () if t["function"]["name"] == name), {})
+            tool: dict[str, Any] = next(
+                (t["function"] for t in self.tools or () if t["function"]["name"] == name), {}
+            )
             opening = _arguments_opening(tool.get("parameters"))
             return f'{OPEN_TAG}\n{{"name": {json.dumps(name)}, "arguments": {opening}'
         if self.tool_choice.mode == "required":

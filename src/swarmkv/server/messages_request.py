@@ -14,10 +14,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmkv.server.chat_request import ChatRequest, Message, parse_chat_request, parse_messages, parse_tools
-from swarmkv.server.protocol import MAX_SESSION_ID_CHARS, bad_request, check_session_id, get_field, type_name
+from swarmkv.server.protocol import (
+    MAX_SESSION_ID_CHARS,
+    APIError,
+    bad_request,
+    check_session_id,
+    get_field,
+    type_name,
+)
 
 MAX_BREAKPOINTS = 4  # Anthropic's limit on cache_control blocks per request
 TTL_S = {"5m": 300.0, "1h": 3600.0}
+THREAD_UNSUPPORTED = "thread_unsupported_request"
 
 
 @dataclass(frozen=True)
@@ -47,9 +55,13 @@ def parse_messages_request(body: dict[str, Any], needs_max_tokens: bool = True) 
         raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     if body.get("thread") is not None:
         # A continued thread would send only its new messages: answering those alone would lose the history.
-        raise bad_request(
-            "message threads are not supported: send the whole conversation (the SDK's tool runner: thread=False)",
+        # This error code tells Anthropic's clients to go on without a thread, sending the whole history.
+        raise APIError(
+            400,
+            "message threads are not supported: send the whole conversation",
             param="thread",
+            code=THREAD_UNSUPPORTED,
+            details={"error_code": THREAD_UNSUPPORTED, "unsupported": ["thread"]},
         )
     metadata = get_field(body, "metadata", dict, "an object", {})
     user_id = _session_of(metadata.get("user_id"))

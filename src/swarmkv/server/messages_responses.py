@@ -36,7 +36,10 @@ def anthropic_error(error: APIError) -> tuple[int, dict[str, Any]]:
     """The status and body of `error` in Anthropic's shape."""
     status = 529 if error.status == 503 else error.status
     kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return status, {"type": "error", "error": {"type": kind, "message": error.message}}
+    body: dict[str, Any] = {"type": kind, "message": error.message}
+    if error.details is not None:
+        body["details"] = error.details
+    return status, {"type": "error", "error": body}
 
 
 def anthropic_event(kind: str, data: dict[str, Any]) -> str:

@@ -24,6 +24,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         error_type: str = "invalid_request_error",
+        details: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -31,6 +32,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.error_type = error_type
+        self.details = details  # machine-readable specifics, for APIs whose errors carry them (Anthropic's)
 
     def to_json(self) -> dict[str, Any]:
         """The OpenAI error object."""
