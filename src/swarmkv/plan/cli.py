@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from swarmkv.cluster.routing import DEFAULT_IMBALANCE, DEFAULT_MIN_MATCH, POLICIES
 from swarmkv.config import DTYPES
 from swarmkv.engine.config import EngineConfig
 from swarmkv.engine.kv_cache import KV_CACHE_DTYPES
@@ -15,6 +16,7 @@ from swarmkv.plan.flags import resolve_checkpoint
 from swarmkv.plan.hybrid import hybrid_rows
 from swarmkv.plan.measure import measure_rows
 from swarmkv.plan.report import report, to_json
+from swarmkv.plan.report_cluster import DEFAULT_REPLICA_KV, run_cluster
 from swarmkv.plan.reserve import DEFAULT_WORKSPACE, RuntimeReserve, runtime_reserve
 from swarmkv.plan.result import Plan
 from swarmkv.plan.shape import element_bytes
@@ -107,7 +109,44 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="each agent's private tail after the prefix, for a hybrid's totals and --measure (default 100)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object, all figures in bytes")
+    _register_cluster(parser)
     parser.set_defaults(run=run)
+
+
+def _register_cluster(parser: argparse.ArgumentParser) -> None:
+    """The cluster simulator's flags: with --replicas, plan replays a multi-swarm trace instead."""
+    sim = parser.add_argument_group(
+        "cluster simulator (--replicas; the shape defaults to 40 layers x 8 KV heads x 128, fp16; reuses --agents)"
+    )
+    sim.add_argument("--replicas", default=None, help="comma-separated replica counts, e.g. 1,2,4,8,16,32,64")
+    sim.add_argument(
+        "--swarms", type=int, default=256, help="swarms in the trace, each its own head (default 256)"
+    )
+    sim.add_argument("--turns", type=int, default=4, help="turns per agent (default 4)")
+    sim.add_argument(
+        "--head-tokens", type=int, default=2000, help="mean tokens of a swarm's head (default 2000)"
+    )
+    sim.add_argument(
+        "--replica-kv",
+        default=DEFAULT_REPLICA_KV,
+        help=f"each replica's KV budget: a size, or N pages as 'Npages' (default {DEFAULT_REPLICA_KV})",
+    )
+    sim.add_argument(
+        "--sim-page-size",
+        type=int,
+        default=64,
+        help="tokens per page in the simulated replicas and router (default 64, TensorRT-LLM's; 16 is the"
+        " engine's and takes several times as long)",
+    )
+    sim.add_argument("--router-policies", default=",".join(POLICIES), help="policies to compare")
+    sim.add_argument(
+        "--route-min-match", type=int, default=DEFAULT_MIN_MATCH, help="prefix policy's least match"
+    )
+    sim.add_argument(
+        "--route-imbalance", type=int, default=DEFAULT_IMBALANCE, help="prefix policy's in-flight load slack"
+    )
+    sim.add_argument("--seed", type=int, default=0, help="seed of the trace and the router (default 0)")
+    sim.add_argument("--plot", default=None, help="also save hit rate against replicas to this PNG")
 
 
 def parse_prefixes(text: str) -> list[int]:
@@ -151,7 +190,9 @@ def reserve_for(args: argparse.Namespace, checkpoint: Checkpoint) -> RuntimeRese
 
 
 def run(args: argparse.Namespace) -> int:
-    """Compute the table (and the fit, and the measurements), print it."""
+    """Compute the table (and the fit, and the measurements), print it; with --replicas, the cluster simulator."""
+    if args.replicas is not None:
+        return run_cluster(args)
     prefixes = parse_prefixes(args.prefix_tokens)
     checkpoint = resolve_checkpoint(args)
     shape = checkpoint.shape

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from swarmkv.cluster.cli import add_cluster_arguments
 from swarmkv.options import add_engine_arguments, add_model_arguments, engine_kwargs, model_kwargs
 
 API_KEY_ENV = "SWARMKV_API_KEY"
@@ -54,6 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
+    add_cluster_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -73,15 +75,19 @@ def run(args: argparse.Namespace) -> int:
     if not args.api_key and not _is_loopback(args.host):
         print(f"swarmkv serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     _show_swarmkv_logs(args.log_level)
+    app_kwargs = {
+        "api_key": args.api_key or None,
+        "model_name": args.served_model_name,
+        "log_requests": args.log_requests.resolve() if args.log_requests is not None else None,
+        "max_request_bytes": args.max_request_bytes,
+        "responses_store_max": args.responses_store_max,
+    }
+    if args.replicas is not None:  # only then is Ray imported
+        from swarmkv.cluster.cli import run_cluster
+
+        return run_cluster(args, app_kwargs)
     llm = LLM(**model_kwargs(args), **engine_kwargs(args))
-    app = create_app(
-        llm,
-        api_key=args.api_key or None,
-        model_name=args.served_model_name,
-        log_requests=args.log_requests,
-        max_request_bytes=args.max_request_bytes,
-        responses_store_max=args.responses_store_max,
-    )
+    app = create_app(llm, **app_kwargs)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -1,0 +1,135 @@
+"""The ingress's view of a request: its rendered token prefix and session (a RouteKey), and Responses chains.
+
+The prompt is rendered exactly as a replica will render it (the server's own parsers and `render_chat`, the
+model's own tokenizer and chat template), so the router matches tokens, not characters. A request the
+server would refuse gets an empty key: it goes wherever load says, and the replica answers the 400.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, cast
+
+from swarmkv.cluster.routing import RouteKey
+from swarmkv.server.chat_request import parse_chat_request
+from swarmkv.server.completions import render_chat
+from swarmkv.server.context import ServerContext
+from swarmkv.server.messages_request import parse_messages_request
+from swarmkv.server.protocol import SESSION_HEADER, APIError, parse_completion_request, resolve_session_id
+from swarmkv.server.responses_request import parse_responses_request, previous_response_id
+from swarmkv.tokenizer import Tokenizer
+
+EMPTY_KEY = RouteKey(tokens=())
+DEFAULT_CHAINS_MAX = 10_000  # response ids remembered for previous_response_id, oldest forgotten first
+
+
+@dataclass(frozen=True)
+class _TokenizerOnly:
+    """The one field of a ServerContext that `render_chat` reads."""
+
+    tokenizer: Tokenizer
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Where a stored response lives: its chain's first response id (the chain's session) and its replica."""
+
+    first_id: str
+    replica: str
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A request's route key, and the replica it must go to when it continues or reads a stored response."""
+
+    key: RouteKey
+    target: str | None = None
+    response_id: str | None = None  # the stored response a Responses request continues (or reads)
+
+
+class RouteKeyer:
+    """Renders requests into route keys; remembers which chain and replica each stored response belongs to."""
+
+    def __init__(self, tokenizer: Tokenizer, chains_max: int = DEFAULT_CHAINS_MAX) -> None:
+        self._tokenizer = tokenizer
+        self._render_ctx = cast(ServerContext, _TokenizerOnly(tokenizer))
+        self._chains: OrderedDict[str, Chain] = OrderedDict()
+        self._chains_max = chains_max
+
+    def route(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Routed:
+        """The route of one HTTP request (header names lower-case)."""
+        header_session = headers.get(SESSION_HEADER)
+        if path.startswith("/v1/responses/") and method in ("GET", "DELETE"):
+            response_id = path.removeprefix("/v1/responses/")
+            return self._to_chain(EMPTY_KEY, response_id)
+        if method != "POST":
+            return Routed(self._session_only(header_session))
+        try:
+            payload = json.loads(body) if body else {}
+            if not isinstance(payload, dict):
+                return Routed(EMPTY_KEY)
+            return self._route_post(path, header_session, payload)
+        except (APIError, ValueError, TypeError, KeyError):  # malformed: the replica answers the 400
+            return Routed(EMPTY_KEY)
+
+    def remember(self, response_id: str, continued: str | None, replica: str) -> None:
+        """Record a stored response `response_id` made on `replica`, continuing the response `continued`."""
+        previous = self._chains.get(continued) if continued is not None else None
+        first = previous.first_id if previous is not None else response_id
+        self._chains[response_id] = Chain(first, replica)
+        self._chains.move_to_end(response_id)
+        while len(self._chains) > self._chains_max:
+            self._chains.popitem(last=False)
+
+    def forget(self, response_id: str) -> None:
+        """Drop a deleted response."""
+        self._chains.pop(response_id, None)
+
+    def _session_only(self, header_session: str | None) -> RouteKey:
+        try:
+            return RouteKey(tokens=(), session=resolve_session_id(None, header_session))
+        except APIError:
+            return EMPTY_KEY
+
+    def _route_post(self, path: str, header_session: str | None, payload: dict[str, Any]) -> Routed:
+        if path == "/v1/chat/completions":
+            chat = parse_chat_request(payload)
+            session = resolve_session_id(chat.options.session_id, header_session)
+            tokens = render_chat(self._render_ctx, chat).token_ids
+            return Routed(RouteKey(tokens, chat.options.cache_salt, session))
+        if path == "/v1/completions":
+            req = parse_completion_request(payload)
+            session = resolve_session_id(req.options.session_id, header_session)
+            prompt = req.prompt
+            ids = (
+                self._tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
+            )
+            return Routed(RouteKey(ids, req.options.cache_salt, session))
+        if path in ("/v1/messages", "/v1/messages/count_tokens"):
+            msg = parse_messages_request(payload, needs_max_tokens=path == "/v1/messages")
+            session = resolve_session_id(msg.user_id, header_session)
+            tokens = render_chat(self._render_ctx, msg.chat).token_ids
+            return Routed(RouteKey(tokens, msg.chat.options.cache_salt, session))
+        if path in ("/v1/responses", "/v1/responses/input_tokens"):
+            return self._route_response(payload, header_session)
+        return Routed(self._session_only(header_session))
+
+    def _route_response(self, payload: dict[str, Any], header_session: str | None) -> Routed:
+        continued = previous_response_id(payload)
+        req = parse_responses_request(payload, [])  # the chain's earlier items live on its replica
+        tokens = render_chat(self._render_ctx, req.chat).token_ids
+        session = resolve_session_id(None, header_session)
+        key = RouteKey(tokens, req.chat.options.cache_salt, session)
+        if continued is None:
+            return Routed(key)
+        return self._to_chain(key, continued)
+
+    def _to_chain(self, key: RouteKey, response_id: str) -> Routed:
+        """A stored response is read or continued only on the replica that stored it."""
+        chain = self._chains.get(response_id)
+        if chain is None:
+            return Routed(key, response_id=response_id)
+        session_key = RouteKey(key.tokens, key.salt, chain.first_id)
+        return Routed(session_key, target=chain.replica, response_id=response_id)

@@ -1,0 +1,209 @@
+"""Router: picks the replica for a request by its session, by the longest prefix routed there, or in turn.
+
+Each replica's shadow index is a `KVCacheManager` without tensors, as large as the replica's own KV: a routed
+request's tokens are looked up, allocated, committed and freed there at once, so the index holds what the
+replica caches and evicts it in the same LRU order. Recording at once is what groups a cold swarm: its later
+requests, arriving before the first one has run, already match its head and follow it to the same replica.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import count
+from typing import Literal
+
+from swarmkv.kv import Hit, KVCacheManager, pages_for
+
+Policy = Literal["prefix", "session", "round-robin"]
+Reason = Literal["session", "prefix", "balance", "round_robin", "target"]
+POLICIES: tuple[Policy, ...] = ("prefix", "session", "round-robin")
+DEFAULT_MIN_MATCH = 128  # tokens: --route-min-match
+DEFAULT_IMBALANCE = 8  # in-flight requests: --route-imbalance
+
+
+@dataclass(frozen=True)
+class RouteKey:
+    """What the router reads of a request: its rendered prompt's token ids, cache salt and session."""
+
+    tokens: Sequence[int]
+    salt: str | None = None
+    session: str | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where a request goes, why, and how many of its tokens the router's index matched there."""
+
+    replica: str
+    reason: Reason
+    matched_tokens: int
+
+
+@dataclass(frozen=True)
+class _Recorded:
+    """A routed request as its replica's shadow index sees it: every token computed, then stopped."""
+
+    request_id: str
+    cache_salt: str | None
+    token_ids: list[int]
+    session_id: str | None
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """All of them: the index records what the replica will have cached."""
+        return len(self.token_ids)
+
+
+class Router:
+    """One routing policy over the replicas it is given per request, with a bounded prefix index per replica."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        pages_per_replica: int,
+        page_size: int = 16,
+        min_match: int = DEFAULT_MIN_MATCH,
+        imbalance: int = DEFAULT_IMBALANCE,
+        seed: int = 0,
+        evict_ahead_pages: int = 0,
+    ) -> None:
+        """`pages_per_replica` x `page_size` tokens is each replica's KV; `min_match` (tokens) and
+        `imbalance` (in-flight requests) gate the prefix policy; `seed` fixes the random choices;
+        `evict_ahead_pages` (see `evict_ahead`) trades exact LRU for fewer scans of a full index."""
+        if policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        for name, value, least in (("pages_per_replica", pages_per_replica, 1), ("page_size", page_size, 1)):
+            if value < least:
+                raise ValueError(f"{name} must be at least {least}, got {value}")
+        if min(min_match, imbalance, evict_ahead_pages) < 0:
+            raise ValueError(
+                f"min_match, imbalance and evict_ahead_pages must be >= 0, got {min_match}, {imbalance}"
+                f" and {evict_ahead_pages}"
+            )
+        self.policy: Policy = policy
+        self.pages_per_replica = pages_per_replica
+        self.page_size = page_size
+        self.min_match = min_match
+        self.imbalance = imbalance
+        self.evict_ahead_pages = evict_ahead_pages
+        self._rng = random.Random(seed)
+        self._indexes: dict[str, KVCacheManager] = {}
+        self._sessions: dict[str, str] = {}  # session -> the replica it is bound to
+        self._decisions: Counter[tuple[str, str]] = Counter()
+        self._next_turn = 0  # round-robin's position
+        self._request_ids = count()
+
+    @property
+    def decisions(self) -> Mapping[tuple[str, str], int]:
+        """(policy, reason) -> decisions made so far (a copy)."""
+        return dict(self._decisions)
+
+    def cached_pages(self, replica: str) -> int:
+        """Pages the router's index of `replica` holds (0 for a replica it never routed to)."""
+        index = self._indexes.get(replica)
+        return index.num_cached if index is not None else 0
+
+    def choose(self, key: RouteKey, loads: Mapping[str, int]) -> Decision:
+        """The replica for this request among `loads` (replica id -> in-flight requests, non-empty); records
+        it: the tokens go into that replica's index, the session is bound there, the counter bumps."""
+        if not loads:
+            raise ValueError("no replica to route to: loads is empty")
+        candidates = sorted(loads)
+        hits: dict[str, Hit] = {}
+        reason: Reason
+        if self.policy == "round-robin":
+            replica, reason = candidates[self._next_turn % len(candidates)], "round_robin"
+            self._next_turn += 1
+        elif (
+            self.policy == "session" and key.session is not None and self._sessions.get(key.session) in loads
+        ):
+            replica, reason = self._sessions[key.session], "session"
+        elif self.policy == "prefix":
+            hits = self._matches(key, candidates)
+            best = min(hits, key=lambda r: (-hits[r].num_tokens, loads[r], r), default=None)
+            least = min(loads.values())
+            if best is not None and loads[best] <= least + self.imbalance:
+                replica, reason = best, "prefix"
+            else:
+                replica, reason = self._balance(loads, candidates), "balance"
+        else:
+            replica, reason = self._balance(loads, candidates), "balance"
+        matched = self._record(replica, key, hits.get(replica))
+        if key.session is not None:
+            self._sessions[key.session] = replica
+        self._decisions[(self.policy, reason)] += 1
+        return Decision(replica, reason, matched)
+
+    def forget(self, replica: str) -> None:
+        """A replica died or left: drop its index and the sessions bound to it."""
+        self._indexes.pop(replica, None)
+        self._sessions = {s: r for s, r in self._sessions.items() if r != replica}
+
+    def _matches(self, key: RouteKey, candidates: list[str]) -> dict[str, Hit]:
+        """The candidates whose index matches at least `min_match` tokens of the key, with their hits."""
+        # Probing the first page first skips, at the cost of one page's walk, every replica that cannot
+        # reach min_match: a match shorter than a page cannot grow past that page.
+        probe = key.tokens[: self.page_size]
+        need_probe = min(self.min_match, len(probe))
+        hits: dict[str, Hit] = {}
+        for replica in candidates:
+            index = self._indexes.get(replica)
+            if index is None:
+                if self.min_match == 0:
+                    hits[replica] = Hit()
+                continue
+            if need_probe and index.lookup(probe, key.salt).num_tokens < need_probe:
+                continue
+            hit = index.lookup(key.tokens, key.salt)
+            if hit.num_tokens >= self.min_match:
+                hits[replica] = hit
+        return hits
+
+    def _balance(self, loads: Mapping[str, int], candidates: list[str]) -> str:
+        """Power of two choices: the less loaded of two random candidates (ties: the lower id)."""
+        if len(candidates) == 1:
+            return candidates[0]
+        a, b = self._rng.sample(candidates, 2)
+        return min((loads[a], a), (loads[b], b))[1]
+
+    def _record(self, replica: str, key: RouteKey, hit: Hit | None) -> int:
+        """Put the key's tokens into the replica's index as the replica will cache them; the tokens its
+        index matched before."""
+        index = self._indexes.get(replica)
+        if index is None:
+            index = self._indexes[replica] = KVCacheManager(self.pages_per_replica, self.page_size)
+        tokens = list(key.tokens[: self.pages_per_replica * self.page_size])
+        if evict_ahead(index, tokens, key.salt, self.evict_ahead_pages):
+            hit = None
+        if hit is None or len(tokens) < len(key.tokens):
+            hit = index.lookup(tokens, key.salt)
+        matched = hit.num_tokens
+        request = _Recorded(f"route-{next(self._request_ids)}", key.salt, tokens, key.session)
+        # Nothing is held between records, so every cached page can be evicted; only a prompt as long as
+        # the whole index with a partial page to copy needs a page more than there is: record less of it.
+        while index.allocate(request, hit, len(tokens) - hit.num_tokens) is None:
+            tokens = tokens[: max(0, len(tokens) - self.page_size)]
+            request = _Recorded(request.request_id, key.salt, tokens, key.session)
+            hit = index.lookup(tokens, key.salt)
+        index.commit(request, len(tokens))
+        index.free(request)
+        return matched
+
+
+def evict_ahead(manager: KVCacheManager, tokens: Sequence[int], salt: str | None, ahead_pages: int) -> bool:
+    """Before a request for `tokens` when `ahead_pages` > 0: if the pool might run short of free pages for it,
+    evict that shortfall plus `ahead_pages` least recently used pages now, sparing the cached prefix of
+    `tokens`, so the eviction scan of the whole index runs once per `ahead_pages` pages rather than once per
+    request (an engine's free-page watermark). Whether it evicted; a lookup made before is then stale."""
+    need = pages_for(len(tokens), manager.page_size) + 1  # the most a request's allocation takes
+    if ahead_pages == 0 or manager.num_free >= need:
+        return False
+    pin = "evict-ahead"  # held only within this call: the prefix it holds stays cached, never evicted here
+    manager.pin(pin, tokens, salt)
+    manager.evict(need - manager.num_free + ahead_pages)
+    manager.unpin(pin)
+    return True

@@ -1,0 +1,220 @@
+"""Replay a trace through a `Router` over replicas that are each a real `KVCacheManager`, with no model.
+
+A request is routed when it arrives, then looked up on its replica (all but its last prompt token, as the
+engine's scheduler leaves one to compute), given pages for its prompt and reply at once and held until it
+finishes: its prefill waits behind the replica's earlier prefills (one queue per replica, at a fixed rate)
+and its reply decodes at a fixed rate. It then commits and frees its pages, leaving them cached, so the
+next turn of its agent can hit them, and LRU eviction on each replica is the engine's own. In-flight
+requests per replica are the loads the router balances on, so a hot replica's queue pushes work elsewhere.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from itertools import count
+
+from swarmkv.cluster.routing import (
+    DEFAULT_IMBALANCE,
+    DEFAULT_MIN_MATCH,
+    Policy,
+    RouteKey,
+    Router,
+    evict_ahead,
+)
+from swarmkv.cluster.trace import Trace
+from swarmkv.kv import KVCacheManager, pages_for
+
+SimPolicy = Policy | None  # None: every request on the one replica, no router
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The replicas a trace runs on: how many, their KV in pages, and their speed."""
+
+    replicas: int
+    pages_per_replica: int
+    page_size: int = 16
+    prefill_tokens_per_s: float = 10_000.0
+    decode_tokens_per_s: float = 50.0
+    min_match: int = DEFAULT_MIN_MATCH
+    imbalance: int = DEFAULT_IMBALANCE
+    seed: int = 0
+    evict_ahead_fraction: float = 1 / 16  # of a replica's pages, per eviction scan (see routing.evict_ahead)
+
+    @property
+    def evict_ahead_pages(self) -> int:
+        """Pages each eviction frees beyond the need, on replicas and in the router's indexes alike."""
+        return int(self.pages_per_replica * self.evict_ahead_fraction)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be at least 1, got {self.replicas}")
+        if self.pages_per_replica < 1 or self.page_size < 1:
+            raise ValueError(
+                f"a replica needs at least one page of at least one token, got {self.pages_per_replica}"
+                f" pages of {self.page_size}"
+            )
+        if self.prefill_tokens_per_s <= 0 or self.decode_tokens_per_s <= 0:
+            raise ValueError("prefill and decode rates must be positive")
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """One policy on one cluster size: token counts over the whole trace and where requests went."""
+
+    policy: str
+    replicas: int
+    prompt_tokens: int
+    hit_tokens: int
+    cached_pages: int  # pages cached across all replicas once the trace has run
+    evictions: int
+    head_copies: float  # replicas holding a swarm's whole head at the end, averaged over swarms
+    requests_per_replica: tuple[int, ...]
+    decisions: dict[str, int] = field(default_factory=dict)  # reason -> count
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix-hit tokens over prompt tokens, cluster-wide."""
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens computed."""
+        return self.prompt_tokens - self.hit_tokens
+
+
+@dataclass
+class _Running:
+    """An admitted request as its replica's KV manager reads it (swarmkv.kv.KVRequest)."""
+
+    request_id: str
+    token_ids: list[int]
+    session_id: str | None
+    num_computed_tokens: int = 0
+    cache_salt: str | None = None
+
+
+class _Events:
+    """One replica's KV changes in time order: a request's prompt committed when its prefill ends, all of its
+    tokens committed and its pages freed (left cached) when its reply ends."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self._manager = manager
+        self._heap: list[tuple[float, int, int, _Running]] = []
+        self._order = count()
+
+    def push(self, at_s: float, request: _Running, num_computed_tokens: int) -> None:
+        """At `at_s`, the request has KV for its first `num_computed_tokens` tokens (all: it finished)."""
+        heapq.heappush(self._heap, (at_s, next(self._order), num_computed_tokens, request))
+
+    def run_until(self, until_s: float) -> None:
+        """Apply every change due by `until_s`."""
+        while self._heap and self._heap[0][0] <= until_s:
+            _, _, num_computed, request = heapq.heappop(self._heap)
+            request.num_computed_tokens = num_computed
+            self._manager.commit(request, num_computed)
+            if num_computed == len(request.token_ids):
+                self._manager.free(request)
+
+
+def simulate(trace: Trace, spec: ClusterSpec, policy: SimPolicy) -> SimResult:
+    """Replay `trace` on `spec`'s replicas, routed by `policy` (None: one replica, no router)."""
+    if policy is None and spec.replicas != 1:
+        raise ValueError(f"no policy routes over {spec.replicas} replicas; give one")
+    ids = [f"r{i:02d}" for i in range(spec.replicas)]
+    managers = {rid: KVCacheManager(spec.pages_per_replica, spec.page_size) for rid in ids}
+    router = None
+    if policy is not None:
+        router = Router(
+            policy,
+            pages_per_replica=spec.pages_per_replica,
+            page_size=spec.page_size,
+            min_match=spec.min_match,
+            imbalance=spec.imbalance,
+            seed=spec.seed,
+            evict_ahead_pages=spec.evict_ahead_pages,
+        )
+    loads = dict.fromkeys(ids, 0)
+    queue_free_s = dict.fromkeys(ids, 0.0)
+    served = dict.fromkeys(ids, 0)
+    finishes: list[tuple[float, str]] = []  # (finish_s, replica): in-flight requests, for the loads
+    kv_events = {rid: _Events(managers[rid]) for rid in ids}
+    order = count()
+    prompt_tokens = hit_tokens = 0
+    for req in trace.requests:
+        while finishes and finishes[0][0] <= req.arrival_s:
+            loads[heapq.heappop(finishes)[1]] -= 1
+        prompt = req.prompt
+        rid = ids[0] if router is None else router.choose(RouteKey(prompt, None, req.session), loads).replica
+        # The replica's prefills run one after another: this one looks up what every earlier one left.
+        start_s = max(req.arrival_s, queue_free_s[rid])
+        kv_events[rid].run_until(start_s)
+        manager = managers[rid]
+        tokens = prompt + list(req.reply)
+        request = _Running(f"q{next(order)}", tokens, req.session)
+        evict_ahead(manager, tokens, None, spec.evict_ahead_pages)
+        hit = manager.lookup(prompt[:-1], None)
+        cached = manager.allocate(request, hit, len(tokens) - hit.num_tokens) is not None
+        hit_here = hit.num_tokens if cached else 0  # no room beside the running requests: not cached
+        prompt_tokens += len(prompt)
+        hit_tokens += hit_here
+        queue_free_s[rid] = start_s + (len(prompt) - hit_here) / spec.prefill_tokens_per_s
+        finish_s = queue_free_s[rid] + len(req.reply) / spec.decode_tokens_per_s
+        if cached:
+            kv_events[rid].push(queue_free_s[rid], request, len(prompt))
+            kv_events[rid].push(finish_s, request, len(tokens))
+        heapq.heappush(finishes, (finish_s, rid))
+        loads[rid] += 1
+        served[rid] += 1
+    for events in kv_events.values():
+        events.run_until(float("inf"))
+    copies = sum(
+        sum(
+            m.lookup(head, None).num_tokens >= len(head) // spec.page_size * spec.page_size
+            for m in managers.values()
+        )
+        for head in trace.heads
+    )
+    decisions = {reason: n for (_, reason), n in router.decisions.items()} if router else {}
+    return SimResult(
+        policy or "one replica",
+        spec.replicas,
+        prompt_tokens,
+        hit_tokens,
+        sum(m.num_cached for m in managers.values()),
+        sum(m.num_evictions for m in managers.values()),
+        copies / len(trace.heads),
+        tuple(served[rid] for rid in ids),
+        decisions,
+    )
+
+
+def sweep(
+    trace: Trace, spec: ClusterSpec, replica_counts: Sequence[int], policies: Sequence[Policy]
+) -> list[SimResult]:
+    """Every policy at every replica count of `spec`'s kind; one run at 1 replica, where every policy routes
+    alike (its policy reads "any")."""
+    if not policies:
+        raise ValueError("no routing policy to simulate")
+    results = []
+    for num_replicas in replica_counts:
+        at = replace(spec, replicas=num_replicas)
+        if num_replicas == 1:
+            results.append(replace(simulate(trace, at, None), policy="any"))
+        else:
+            results += [simulate(trace, at, policy) for policy in policies]
+    return results
+
+
+def whole_trace_pages(trace: Trace, page_size: int) -> int:
+    """Pages one replica needs to keep every token of the trace cached: never evicting, it loses no hit."""
+    # Each request may also start a partly filled page, and copy one, beyond the pages its tokens fill.
+    return pages_for(trace.num_unique_tokens, page_size) + 3 * len(trace.requests)
+
+
+def reference(trace: Trace, spec: ClusterSpec) -> SimResult:
+    """The trace on one replica whose KV holds all of it: the hit rate a single cache could reach."""
+    big = replace(spec, replicas=1, pages_per_replica=whole_trace_pages(trace, spec.page_size))
+    return replace(simulate(trace, big, None), policy="whole trace")
