@@ -12,10 +12,10 @@ Register = Callable[[argparse._SubParsersAction], None]
 
 
 def _registrars() -> list[Register]:
+    from swarmkv.cluster.cli import register as serve  # the server's command with the cluster's flags
     from swarmkv.generate_cli import register as generate
     from swarmkv.lint.cli import register as lint
     from swarmkv.plan.cli import register as plan
-    from swarmkv.server.cli import register as serve
     from swarmkv.swarm.cli import register as swarm
 
     return [generate, swarm, plan, serve, lint]

@@ -1,7 +1,8 @@
 """`swarmkv serve --replicas N`: the engine replicas on Ray Serve behind one ingress, until interrupted.
 
-`add_cluster_arguments` imports no Ray, so `swarmkv serve` without `--replicas` never loads it; `run_cluster`
-starts a local Ray instance (stopped with the command) unless `--ray-address` names a running one.
+`register` adds the cluster's flags to the server's `serve` command and imports no Ray, so `swarmkv serve`
+without `--replicas` never loads it and runs the one-engine server unchanged; `run_cluster` starts a local
+Ray instance (stopped with the command) unless `--ray-address` names a running one.
 """
 
 from __future__ import annotations
@@ -18,8 +19,24 @@ from typing import Any
 from swarmkv.cluster.config import ClusterConfig
 from swarmkv.cluster.routing import DEFAULT_IMBALANCE, DEFAULT_MIN_MATCH, POLICIES
 from swarmkv.options import engine_kwargs, model_kwargs
+from swarmkv.server import cli as server_cli
 
 CONNECT_TIMEOUT_S = 10.0  # how long an unreachable --ray-address may take to be reported
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `serve` subcommand: the server's, with the cluster's flags."""
+    parser = server_cli.register(subparsers)
+    add_cluster_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """One engine without --replicas, else the cluster."""
+    if args.replicas is None:
+        return server_cli.run(args)
+    server_cli.prepare(args)
+    return run_cluster(args, server_cli.app_kwargs(args))
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from swarmkv.cluster.routing import RouteKey
 from swarmkv.server.chat_request import parse_chat_request
 from swarmkv.server.completions import render_chat
-from swarmkv.server.context import ServerContext
 from swarmkv.server.messages_request import parse_messages_request
 from swarmkv.server.protocol import SESSION_HEADER, APIError, parse_completion_request, resolve_session_id
 from swarmkv.server.responses_request import parse_responses_request, previous_response_id
@@ -23,13 +22,6 @@ from swarmkv.tokenizer import Tokenizer
 
 EMPTY_KEY = RouteKey(tokens=())
 DEFAULT_CHAINS_MAX = 10_000  # response ids remembered for previous_response_id, oldest forgotten first
-
-
-@dataclass(frozen=True)
-class _TokenizerOnly:
-    """The one field of a ServerContext that `render_chat` reads."""
-
-    tokenizer: Tokenizer
 
 
 @dataclass(frozen=True)
@@ -54,7 +46,6 @@ class RouteKeyer:
 
     def __init__(self, tokenizer: Tokenizer, chains_max: int = DEFAULT_CHAINS_MAX) -> None:
         self._tokenizer = tokenizer
-        self._render_ctx = cast(ServerContext, _TokenizerOnly(tokenizer))
         self._chains: OrderedDict[str, Chain] = OrderedDict()
         self._chains_max = chains_max
 
@@ -97,7 +88,7 @@ class RouteKeyer:
         if path == "/v1/chat/completions":
             chat = parse_chat_request(payload)
             session = resolve_session_id(chat.options.session_id, header_session)
-            tokens = render_chat(self._render_ctx, chat).token_ids
+            tokens = render_chat(self._tokenizer, chat).token_ids
             return Routed(RouteKey(tokens, chat.options.cache_salt, session))
         if path == "/v1/completions":
             req = parse_completion_request(payload)
@@ -110,7 +101,7 @@ class RouteKeyer:
         if path in ("/v1/messages", "/v1/messages/count_tokens"):
             msg = parse_messages_request(payload, needs_max_tokens=path == "/v1/messages")
             session = resolve_session_id(msg.user_id, header_session)
-            tokens = render_chat(self._render_ctx, msg.chat).token_ids
+            tokens = render_chat(self._tokenizer, msg.chat).token_ids
             return Routed(RouteKey(tokens, msg.chat.options.cache_salt, session))
         if path in ("/v1/responses", "/v1/responses/input_tokens"):
             return self._route_response(payload, header_session)
@@ -119,7 +110,7 @@ class RouteKeyer:
     def _route_response(self, payload: dict[str, Any], header_session: str | None) -> Routed:
         continued = previous_response_id(payload)
         req = parse_responses_request(payload, [])  # the chain's earlier items live on its replica
-        tokens = render_chat(self._render_ctx, req.chat).token_ids
+        tokens = render_chat(self._tokenizer, req.chat).token_ids
         session = resolve_session_id(None, header_session)
         key = RouteKey(tokens, req.chat.options.cache_salt, session)
         if continued is None:

@@ -8,8 +8,8 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
-from swarmkv.cluster.cli import add_cluster_arguments
 from swarmkv.options import add_engine_arguments, add_model_arguments, engine_kwargs, model_kwargs
 
 API_KEY_ENV = "SWARMKV_API_KEY"
@@ -17,8 +17,8 @@ DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # here, not in body.py, so `swarmk
 DEFAULT_RESPONSES_STORE_MAX = 1000  # stored Responses API responses, for `previous_response_id`
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the `serve` subcommand."""
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the `serve` subcommand; returns its parser, for `swarmkv.cluster` to add its flags to."""
     parser = subparsers.add_parser("serve", help="serve the OpenAI API (chat, completions, tools, /metrics)")
     add_model_arguments(parser)
     add_engine_arguments(parser)
@@ -55,8 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
-    add_cluster_arguments(parser)
     parser.set_defaults(run=run)
+    return parser
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,6 +66,15 @@ def run(args: argparse.Namespace) -> int:
     from swarmkv.engine.llm import LLM
     from swarmkv.server.app import create_app
 
+    prepare(args)
+    llm = LLM(**model_kwargs(args), **engine_kwargs(args))
+    app = create_app(llm, **app_kwargs(args))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def prepare(args: argparse.Namespace) -> None:
+    """Check the flags every way of serving shares, warn of an open listener, show swarmkv's logs."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_request_bytes < 1:
@@ -75,21 +84,17 @@ def run(args: argparse.Namespace) -> int:
     if not args.api_key and not _is_loopback(args.host):
         print(f"swarmkv serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     _show_swarmkv_logs(args.log_level)
-    app_kwargs = {
+
+
+def app_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`create_app`'s keyword arguments from the parsed flags (paths absolute: a replica may run elsewhere)."""
+    return {
         "api_key": args.api_key or None,
         "model_name": args.served_model_name,
         "log_requests": args.log_requests.resolve() if args.log_requests is not None else None,
         "max_request_bytes": args.max_request_bytes,
         "responses_store_max": args.responses_store_max,
     }
-    if args.replicas is not None:  # only then is Ray imported
-        from swarmkv.cluster.cli import run_cluster
-
-        return run_cluster(args, app_kwargs)
-    llm = LLM(**model_kwargs(args), **engine_kwargs(args))
-    app = create_app(llm, **app_kwargs)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
 
 
 def _show_swarmkv_logs(level: str) -> None:

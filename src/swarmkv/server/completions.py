@@ -29,6 +29,7 @@ from swarmkv.server.protocol import (
 from swarmkv.server.request_stream import EngineUnavailableError, RequestStream, StepOutput
 from swarmkv.server.responses import Envelope, sse, tool_call_delta, usage
 from swarmkv.server.tool_parser import ParsedDelta, StreamingToolParser, ToolCall, parse_tool_calls
+from swarmkv.tokenizer import Tokenizer
 
 CHAT_ROUTE = "/v1/chat/completions"
 COMPLETIONS_ROUTE = "/v1/completions"
@@ -85,22 +86,22 @@ async def _submit(
         raise bad_request(str(exc)) from exc
 
 
-def render_chat(ctx: ServerContext, req: ChatRequest) -> RenderedPrompt:
+def render_chat(tokenizer: Tokenizer, req: ChatRequest) -> RenderedPrompt:
     """The chat prompt as the engine will see it: messages and tools through the chat template, then the
     forced prefix of a required tool call."""
     tools = req.tools if req.tool_choice.mode != "none" else None
     try:
-        text = ctx.tokenizer.apply_chat_template(req.messages, tools=tools) + req.forced_prefix()
+        text = tokenizer.apply_chat_template(req.messages, tools=tools) + req.forced_prefix()
     except InvalidRequestError as exc:
         raise bad_request(str(exc), param="messages") from exc
-    return RenderedPrompt(ctx.tokenizer.encode(text, add_special_tokens=False), text, req.messages, tools)
+    return RenderedPrompt(tokenizer.encode(text, add_special_tokens=False), text, req.messages, tools)
 
 
 async def start_chat(
     ctx: ServerContext, req: ChatRequest, session_id: str | None, arrival_s: float, id_prefix: str
 ) -> tuple[RequestStream, RenderedPrompt, Awaitable[Break | None]]:
     """Render and submit a chat request; its stream, its prompt, and the cache break it causes (if any)."""
-    rendered = render_chat(ctx, req)
+    rendered = render_chat(ctx.tokenizer, req)
     params = req.options.sampling_params(
         len(rendered.token_ids), ctx.max_model_len, "messages", req.forced_stop()
     )

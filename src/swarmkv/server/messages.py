@@ -79,7 +79,7 @@ async def count_tokens(request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
     req = parse_messages_request(await ctx.read_body(request), needs_max_tokens=False)
     ctx.check_model(req.chat.options.model)
-    return JSONResponse({"input_tokens": len(render_chat(ctx, req.chat).token_ids)})
+    return JSONResponse({"input_tokens": len(render_chat(ctx.tokenizer, req.chat).token_ids)})
 
 
 async def _pin_breakpoints(ctx: ServerContext, req: MessagesRequest) -> int:

@@ -92,7 +92,7 @@ async def count_input_tokens(request: Request) -> Response:
     """POST /v1/responses/input_tokens: the prompt's length as /v1/responses would render it, nothing generated."""
     ctx: ServerContext = request.app.state.ctx
     req, _ = await _parse(ctx, request)
-    num_tokens = len(render_chat(ctx, req.chat).token_ids)
+    num_tokens = len(render_chat(ctx.tokenizer, req.chat).token_ids)
     return JSONResponse({"object": "response.input_tokens", "input_tokens": num_tokens})
 
 
