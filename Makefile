@@ -37,8 +37,9 @@ lint: install-test
 	$(BIN)/ruff format --check src tests bench
 	$(BIN)/mypy
 
+# Two workers, a test file each at a time (module fixtures stay per file); conftest.py splits the cores.
 test: lint
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile
 
 bench: install-test
 	$(BIN)/python bench/forward.py

@@ -12,6 +12,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist each worker gets its share of the cores, so workers do not oversubscribe them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 from conftest_tokenizer_helpers import qwen_tokenizer, smol_tokenizer
 from swarmkv.tokenizer import Tokenizer
 

@@ -133,6 +133,7 @@ def save_plot(path: str, report: ClusterReport) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator, ScalarFormatter
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for policy in dict.fromkeys(r.policy for r in report.results if r.policy != "any"):
@@ -141,6 +142,9 @@ def save_plot(path: str, report: ClusterReport) -> None:
         ax.plot([x for x, _ in points], [100 * y for _, y in points], marker="o", label=policy)
     ax.axhline(100 * report.reference.hit_rate, color="grey", linestyle="--", label="1 replica, whole trace")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({r.replicas for r in report.results}))
+    ax.xaxis.set_major_formatter(ScalarFormatter())  # 1, 2, 4, ... rather than powers of two
+    ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xlabel("replicas")
     ax.set_ylabel("cluster prefix hit rate (%)")
     t = report.trace
