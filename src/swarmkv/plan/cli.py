@@ -12,7 +12,7 @@ from swarmkv.config import DTYPES
 from swarmkv.engine.config import EngineConfig
 from swarmkv.engine.kv_cache import KV_CACHE_DTYPES
 from swarmkv.plan.checkpoint import Checkpoint
-from swarmkv.plan.flags import resolve_checkpoint
+from swarmkv.plan.flags import parse_counts, resolve_checkpoint
 from swarmkv.plan.hybrid import hybrid_rows
 from swarmkv.plan.measure import measure_rows
 from swarmkv.plan.report import report, to_json
@@ -151,13 +151,7 @@ def _register_cluster(parser: argparse.ArgumentParser) -> None:
 
 def parse_prefixes(text: str) -> list[int]:
     """ "1000,2000" -> [1000, 2000]; ValueError on anything that is not a list of token counts >= 0."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise ValueError(f"--prefix-tokens wants comma-separated integers, got {text!r}") from exc
-    if not values or min(values) < 0:
-        raise ValueError(f"--prefix-tokens wants token counts >= 0, got {text!r}")
-    return values
+    return parse_counts(text, "--prefix-tokens", 0, "token counts")
 
 
 def weights_figure(args: argparse.Namespace, checkpoint: Checkpoint) -> WeightsFigure:

@@ -78,3 +78,14 @@ def resolve_checkpoint(args: argparse.Namespace) -> Checkpoint:
         problem = "the flags give the KV shape only; add --hidden-size, --intermediate-size, --vocab-size and --heads"
         return Checkpoint(shape, precision, None, problem, None)
     return Checkpoint(shape, precision, _flags_config(args), None, None)
+
+
+def parse_counts(text: str, flag: str, least: int, noun: str) -> list[int]:
+    """ "1,2,4" -> [1, 2, 4]; ValueError naming `flag` unless it is a list of `noun` >= `least`."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise ValueError(f"{flag} wants comma-separated integers, got {text!r}") from exc
+    if not values or min(values) < least:
+        raise ValueError(f"{flag} wants {noun} >= {least}, got {text!r}")
+    return values

@@ -18,7 +18,7 @@ from typing import Any
 from swarmkv.cluster.routing import POLICIES, Policy
 from swarmkv.cluster.simulate import ClusterSpec, SimResult, reference, sweep
 from swarmkv.cluster.trace import TraceConfig, make_trace
-from swarmkv.plan.flags import KV_SHAPE_FLAGS, resolve_checkpoint
+from swarmkv.plan.flags import KV_SHAPE_FLAGS, parse_counts, resolve_checkpoint
 from swarmkv.plan.layout import size, table
 from swarmkv.units import parse_size
 
@@ -158,13 +158,7 @@ def save_plot(path: str, report: ClusterReport) -> None:
 
 def parse_replicas(text: str) -> list[int]:
     """ "1,2,4" -> [1, 2, 4]; ValueError on anything that is not a list of replica counts >= 1."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise ValueError(f"--replicas wants comma-separated integers, got {text!r}") from exc
-    if not values or min(values) < 1:
-        raise ValueError(f"--replicas wants replica counts >= 1, got {text!r}")
-    return values
+    return parse_counts(text, "--replicas", 1, "replica counts")
 
 
 def parse_policies(text: str) -> list[Policy]:

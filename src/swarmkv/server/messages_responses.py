@@ -10,7 +10,7 @@ from typing import Any
 from swarmkv.server.messages_request import tool_input
 from swarmkv.server.protocol import APIError
 from swarmkv.server.request_stream import StepOutput
-from swarmkv.server.tool_parser import ParsedDelta, ToolCall
+from swarmkv.server.tool_parser import ParsedDelta, ToolCall, in_writing_order
 
 MESSAGES_ROUTE = "/v1/messages"
 
@@ -130,12 +130,7 @@ class ContentBlocks:
 
     def add(self, parsed: ParsedDelta) -> Iterator[str]:
         """The events for one parsed delta."""
-        if self.call_open:
-            yield from self._calls(parsed)
-            yield from self._text(parsed.content)
-        else:
-            yield from self._text(parsed.content)
-            yield from self._calls(parsed)
+        return in_writing_order(parsed, self.call_open, self._text, self._calls)
 
     def close_text(self) -> Iterator[str]:
         """End an open text block."""

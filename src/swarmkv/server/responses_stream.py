@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from swarmkv.server.responses_objects import EventWriter, function_call_item, message_item, new_id, text_part
 from swarmkv.server.responses_request import Item
-from swarmkv.server.tool_parser import ParsedDelta, ToolCall
+from swarmkv.server.tool_parser import ParsedDelta, ToolCall, in_writing_order
 
 
 class OutputItems:
@@ -23,12 +23,7 @@ class OutputItems:
 
     def add(self, parsed: ParsedDelta) -> Iterator[str]:
         """The events for one parsed delta."""
-        if self._call is not None:
-            yield from self._calls(parsed)
-            yield from self._add_text(parsed.content)
-        else:
-            yield from self._add_text(parsed.content)
-            yield from self._calls(parsed)
+        return in_writing_order(parsed, self._call is not None, self._add_text, self._calls)
 
     def close_text(self) -> Iterator[str]:
         """End an open message item."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,22 @@ class ParsedDelta:
         return ParsedDelta(
             self.content + later.content, self.tool_calls + later.tool_calls, self.pieces + later.pieces
         )
+
+
+def in_writing_order(
+    parsed: ParsedDelta,
+    call_open: bool,
+    text: Callable[[str], Iterator[str]],
+    calls: Callable[[ParsedDelta], Iterator[str]],
+) -> Iterator[str]:
+    """A streaming writer's events for one delta, in the order the model wrote it: a call open when the delta
+    arrives ends before the delta's text; otherwise the text comes before the calls the delta opens."""
+    if call_open:
+        yield from calls(parsed)
+        yield from text(parsed.content)
+    else:
+        yield from text(parsed.content)
+        yield from calls(parsed)
 
 
 def new_call_id() -> str:
