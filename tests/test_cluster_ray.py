@@ -194,6 +194,12 @@ def test_bad_command_lines_exit_2_and_one_replica_imports_no_ray() -> None:
 def test_a_killed_replica_loses_no_request_and_comes_back(cluster: Cluster) -> None:
     system = head_text("fault")
     _, victim, _ = cluster.chat(system, "warm up")
+    # A stored Responses chain on the victim (its head routes there): it must survive the victim's loss.
+    raw = cluster.client().responses.with_raw_response.create(
+        model=MODEL, instructions=system, input="Remember the number 7.", max_output_tokens=4
+    )
+    stored = raw.parse()
+    assert raw.headers[REPLICA_HEADER] == victim
     info = serve.get_deployment_handle("Engine", APP_NAME).info.remote(target=victim).result(timeout_s=30)
     assert info.replica == victim
     done: dict[str, str] = {}
@@ -236,6 +242,16 @@ def test_a_killed_replica_loses_no_request_and_comes_back(cluster: Cluster) -> N
     assert victim not in health["replicas"]
     _, replica, _ = cluster.chat(system, "after the fault")
     assert replica in health["replicas"]
+    # The chain continues on a live replica, its items replayed by the ingress: no data lost.
+    turn = cluster.client().responses.create(
+        model=MODEL,
+        instructions=system,
+        input="Which number?",
+        previous_response_id=stored.id,
+        max_output_tokens=4,
+    )
+    assert stored.usage is not None and turn.usage is not None
+    assert turn.usage.input_tokens > stored.usage.input_tokens + stored.usage.output_tokens
 
 
 def test_merged_metrics_label_each_sample_and_keep_one_help_per_family() -> None:
@@ -257,3 +273,22 @@ def test_a_responses_chain_is_routed_to_the_replica_that_stored_it() -> None:
     assert routed.target == "A" and routed.key.session == "resp_1"
     assert keyer.route("GET", "/v1/responses/resp_1", {}, b"").target == "A"
     assert keyer.route("POST", "/v1/chat/completions", {}, b"{not json").key.tokens == ()
+
+
+def test_a_lost_chain_is_replayed_with_its_items_and_store_false_is_not() -> None:
+    keyer = RouteKeyer(Tokenizer.from_hf_dir(qwen_dir()))
+    first = keyer.route("POST", "/v1/responses", {}, json.dumps({"input": "hi"}).encode())
+    reply = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hello"}]}
+    keyer.remember("resp_1", None, "A", [*first.inputs, reply])
+    body = json.dumps({"input": "more", "previous_response_id": "resp_1", "model": MODEL}).encode()
+    replayed = json.loads(keyer.replay(body, "resp_1") or b"{}")
+    assert "previous_response_id" not in replayed and replayed["model"] == MODEL
+    assert replayed["input"] == [
+        {"role": "user", "content": "hi"},
+        reply,
+        {"role": "user", "content": "more"},
+    ]
+    unstored = keyer.route("POST", "/v1/responses", {}, json.dumps({"input": "x", "store": False}).encode())
+    assert unstored.inputs == ()
+    keyer.remember("resp_2", None, "A", unstored.inputs)
+    assert keyer.replay(body, "resp_2") is None and keyer.replay(body, "resp_unknown") is None

@@ -63,8 +63,8 @@ class Ingress:
         return self._pool
 
     async def _forward(self, req: ForwardedRequest, routed: Routed) -> Response:
-        lost: ReplicaLost | None = None
-        for _ in range(2):  # the first try and one retry on another replica
+        retried = False  # a request whose replica is lost is retried once, on another replica
+        while True:
             exchange = Exchange(self._engine, req, self._config)
             try:
                 head = await exchange.start()
@@ -72,26 +72,53 @@ class Ingress:
                     stream = self._stream(exchange, req, routed)
                     return StreamingResponse(stream, head.status, _headers(head.headers))
                 body = await exchange.read_rest()
-            except ReplicaLost as exc:
-                lost = exc
-                req = replace(req, avoid=req.avoid + ((exc.replica,) if exc.replica else ()))
+            except ReplicaLost as lost:
+                if retried:
+                    return unavailable(req.path, lost)
+                retried = True
+                req = replace(req, avoid=req.avoid + ((lost.replica,) if lost.replica else ()))
+                continue
+            replayed = self._replayed(req, routed, head.status)
+            if replayed is not None:  # the chain's replica was lost: its items go along instead
+                req = replayed
                 continue
             self._after(req, routed, head.replica, head.status, body)
             return Response(body, head.status, _headers(head.headers))
-        assert lost is not None
-        return unavailable(req.path, lost)
+
+    def _replayed(self, req: ForwardedRequest, routed: Routed, status: int) -> ForwardedRequest | None:
+        """A continued Responses request that its replica no longer knows (a 404: the replica was lost and
+        replaced), rewritten to carry its chain's items, for any replica; None otherwise."""
+        if status != 404 or req.path != "/v1/responses" or routed.response_id is None:
+            return None
+        if req.target is None and routed.target is not None:
+            return None  # already replayed once
+        body = self._keyer.replay(req.body, routed.response_id)
+        return None if body is None else replace(req, body=body, target=None)
 
     async def _stream(self, exchange: Exchange, req: ForwardedRequest, routed: Routed) -> Any:
         seen_id = False
+        events = bytearray()  # a stored response's stream, whose last event holds its output items
         try:
             async for chunk in exchange.chunks():
+                if req.path == "/v1/responses" and routed.inputs:
+                    events += chunk
                 if not seen_id and req.path == "/v1/responses":
                     seen_id = self._after(req, routed, exchange.replica, 200, chunk)
                 yield chunk
+            completed = _completed_response(bytes(events))
+            if completed is not None and exchange.replica is not None:
+                self._remember(completed, routed, exchange.replica)
         except ReplicaLost as lost:
             yield error_event(req.path, lost)
         finally:
             exchange.cancel()
+
+    def _remember(self, response: dict[str, Any], routed: Routed, replica: str) -> None:
+        """Record a stored response with its chain's items: the request's inputs and its outputs."""
+        output = response.get("output")
+        outputs: list[Any] = output if isinstance(output, list) else []
+        items = (*routed.inputs, *outputs) if routed.inputs else ()
+        self._keyer.remember(str(response["id"]), routed.response_id, replica, items)
 
     def _after(
         self, req: ForwardedRequest, routed: Routed, replica: str | None, status: int, body: bytes
@@ -104,7 +131,11 @@ class Ingress:
             return True
         match = _RESPONSE_ID.search(body)
         if req.method == "POST" and req.path == "/v1/responses" and match is not None:
-            self._keyer.remember(match.group(1).decode(), routed.response_id, replica)
+            whole = _json_object(body)  # a whole response, or the first chunk of a stream
+            if whole is not None and whole.get("object") == "response":
+                self._remember(whole, routed, replica)
+            else:
+                self._keyer.remember(match.group(1).decode(), routed.response_id, replica)
         return match is not None
 
     async def _fan_out(self, path: str) -> dict[str, tuple[int, bytes, Any]]:
@@ -166,3 +197,23 @@ def _messages(path: str, body: bytes) -> list[Any]:
         if isinstance(value, str) and value:
             return [value]
     return [path]
+
+
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _completed_response(events: bytes) -> dict[str, Any] | None:
+    """The response object of a Responses stream's `response.completed` event, if the stream has one."""
+    marker = b"event: response.completed\ndata: "
+    at = events.rfind(marker)
+    if at < 0:
+        return None
+    line = events[at + len(marker) :].split(b"\n", 1)[0]
+    event = _json_object(line)
+    response = event.get("response") if event is not None else None
+    return response if isinstance(response, dict) and "id" in response else None

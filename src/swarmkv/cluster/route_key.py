@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from swarmkv.cluster.routing import RouteKey
@@ -26,10 +27,12 @@ DEFAULT_CHAINS_MAX = 10_000  # response ids remembered for previous_response_id,
 
 @dataclass(frozen=True)
 class Chain:
-    """Where a stored response lives: its chain's first response id (the chain's session) and its replica."""
+    """Where a stored response lives: its chain's first response id (the chain's session) and its replica, and
+    the chain's items up to it (inputs and outputs), to replay it on another replica if that one is lost."""
 
     first_id: str
     replica: str
+    items: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class Routed:
     key: RouteKey
     target: str | None = None
     response_id: str | None = None  # the stored response a Responses request continues (or reads)
+    inputs: tuple[Any, ...] = ()  # a stored Responses request's input items, for its chain's replay
 
 
 class RouteKeyer:
@@ -65,14 +69,30 @@ class RouteKeyer:
         except (APIError, ValueError, TypeError, KeyError):  # malformed: the replica answers the 400
             return Routed(EMPTY_KEY)
 
-    def remember(self, response_id: str, continued: str | None, replica: str) -> None:
-        """Record a stored response `response_id` made on `replica`, continuing the response `continued`."""
+    def remember(
+        self, response_id: str, continued: str | None, replica: str, items: Sequence[Any] = ()
+    ) -> None:
+        """Record a stored response `response_id` made on `replica`, continuing the response `continued`;
+        `items` are its request's input items and its output items."""
         previous = self._chains.get(continued) if continued is not None else None
         first = previous.first_id if previous is not None else response_id
-        self._chains[response_id] = Chain(first, replica)
+        history = previous.items if previous is not None else ()
+        # A response without items (store: false) cannot be continued, here or elsewhere.
+        self._chains[response_id] = Chain(first, replica, history + tuple(items) if items else ())
         self._chains.move_to_end(response_id)
         while len(self._chains) > self._chains_max:
             self._chains.popitem(last=False)
+
+    def replay(self, body: bytes, response_id: str) -> bytes | None:
+        """`body` continuing `response_id`, rewritten to carry the chain's items itself (no
+        previous_response_id), for a replica that lacks the chain; None when the chain is unknown."""
+        chain = self._chains.get(response_id)
+        if chain is None or not chain.items:
+            return None
+        payload = json.loads(body)
+        del payload["previous_response_id"]
+        payload["input"] = [*chain.items, *input_items(payload.get("input"))]
+        return json.dumps(payload).encode()
 
     def forget(self, response_id: str) -> None:
         """Drop a deleted response."""
@@ -113,9 +133,10 @@ class RouteKeyer:
         tokens = render_chat(self._tokenizer, req.chat).token_ids
         session = resolve_session_id(None, header_session)
         key = RouteKey(tokens, req.chat.options.cache_salt, session)
+        inputs = tuple(input_items(payload.get("input"))) if payload.get("store", True) is not False else ()
         if continued is None:
-            return Routed(key)
-        return self._to_chain(key, continued)
+            return Routed(key, inputs=inputs)
+        return replace(self._to_chain(key, continued), inputs=inputs)
 
     def _to_chain(self, key: RouteKey, response_id: str) -> Routed:
         """A stored response is read or continued only on the replica that stored it."""
@@ -124,3 +145,10 @@ class RouteKeyer:
             return Routed(key, response_id=response_id)
         session_key = RouteKey(key.tokens, key.salt, chain.first_id)
         return Routed(session_key, target=chain.replica, response_id=response_id)
+
+
+def input_items(value: Any) -> list[Any]:
+    """A Responses request's `input` as a list of items (a string is one user message)."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    return list(value) if isinstance(value, list) else []
