@@ -264,6 +264,14 @@ def test_errors_take_anthropic_shape_and_the_server_keeps_serving(served: Served
         f"{served.url}/v1/messages", json={"messages": _user("hi")}, headers={"x-api-key": API_KEY}
     )
     assert missing.status_code == 400 and missing.json()["error"]["type"] == "invalid_request_error"
+    not_a_list = httpx.post(
+        f"{served.url}/v1/messages",
+        json={"model": served.model, "max_tokens": 4, "messages": _user("hi"), "tools": {"name": "x"}},
+        headers={"x-api-key": API_KEY},
+    )
+    assert (
+        not_a_list.status_code == 400 and "'tools' must be an array" in not_a_list.json()["error"]["message"]
+    )
     # Claude Code's metadata.user_id is longer than a session id may be; it still names a session.
     still = served.create(messages=_user("still there?"), max_tokens=1, metadata={"user_id": "u" * 300})
     assert still.usage.output_tokens == 1

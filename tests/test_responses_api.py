@@ -217,6 +217,7 @@ def test_get_and_delete(served: Served) -> None:
         ),
         ({"input": "hi", "max_output_tokens": -1}, 400, "max_output_tokens"),
         ({"input": "hi", "background": True}, 400, "background"),
+        ({"input": "hi", "tools": {"type": "function"}}, 400, "'tools' must be an array"),
         ({"input": "hi", "previous_response_id": "resp_unknown"}, 404, "resp_unknown"),
     ],
 )

@@ -66,7 +66,7 @@ def parse_messages_request(body: dict[str, Any], needs_max_tokens: bool = True) 
     metadata = get_field(body, "metadata", dict, "an object", {})
     user_id = _session_of(metadata.get("user_id"))
     builder = _Builder()
-    tools = _tools(body.get("tools"), builder)
+    tools = _tools(get_field(body, "tools", list, "an array"), builder)
     builder.system(body.get("system"))
     raw_messages = body.get("messages")
     if not isinstance(raw_messages, list) or not raw_messages:
@@ -260,12 +260,10 @@ def _tool_result(where: str, block: dict[str, Any]) -> Message:
     return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}
 
 
-def _tools(tools: Any, builder: _Builder) -> list[dict[str, Any]] | None:
+def _tools(tools: list[Any] | None, builder: _Builder) -> list[dict[str, Any]] | None:
     """Anthropic tools as OpenAI function tools; a cache mark on a tool pins the tools alone."""
     if tools is None:
         return None
-    if not isinstance(tools, list):
-        raise bad_request("'tools' must be an array", param="tools")
     out = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"

@@ -51,7 +51,7 @@ def parse_responses_request(body: dict[str, Any], history: list[Item]) -> Respon
     instructions = get_field(body, "instructions", str, "a string")
     metadata = get_field(body, "metadata", dict, "an object")
     store = get_field(body, "store", bool, "a boolean", True)
-    tools = _tools(body.get("tools"))
+    tools = _tools(get_field(body, "tools", list, "an array"))
     items = _input_items(body.get("input"))
     # Instructions are not inherited along a chain (OpenAI's semantics): each request's go first, unstored.
     head: list[Message] = [{"role": "system", "content": instructions}] if instructions else []
@@ -171,12 +171,10 @@ def items_to_messages(items: list[Item]) -> list[Message]:
     return messages
 
 
-def _tools(tools: Any) -> list[dict[str, Any]] | None:
+def _tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
     """Responses function tools as chat function tools; any hosted tool type is a 400 naming it."""
     if tools is None:
         return None
-    if not isinstance(tools, list):
-        raise bad_request("'tools' must be an array", param="tools")
     out = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
