@@ -39,6 +39,7 @@ from ray import serve  # noqa: E402
 from swarmkv.cluster.config import ClusterConfig, RouterName  # noqa: E402
 from swarmkv.cluster.forward import REPLICA_HEADER  # noqa: E402
 from swarmkv.cluster.ray_app import APP_NAME, build_app  # noqa: E402
+from swarmkv.swarm.http_driver import percentile  # noqa: E402
 from tiny_models import make_tiny_checkpoint  # noqa: E402
 
 RUNS: tuple[tuple[str, int, RouterName], ...] = (
@@ -129,10 +130,8 @@ def run_policy(
     return samples
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-quantile (0..1) of `values`."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+def _ratio(value: int, baseline: int | None) -> str:
+    return f"{value / baseline:.2f}" if baseline else "n/a"
 
 
 def report(results: dict[str, list[Sample]]) -> str:
@@ -140,7 +139,7 @@ def report(results: dict[str, list[Sample]]) -> str:
     computed = {
         name: sum(s.prompt_tokens - s.cached_tokens for s in samples) for name, samples in results.items()
     }
-    baseline = computed.get("round-robin") or 1
+    baseline = computed.get("round-robin")  # None when its run failed: no ratios then
     lines = [
         f"{'policy':<26}{'hit rate':>9}{'prefill computed':>18}{'vs RR':>7}{'TTFT p50':>10}{'TTFT p95':>10}"
         "  requests per replica",
@@ -151,8 +150,8 @@ def report(results: dict[str, list[Sample]]) -> str:
         ttfts = [s.ttft_s for s in samples]
         per = sorted(Counter(s.replica for s in samples).values(), reverse=True)
         lines.append(
-            f"{name:<26}{hit:>9.1%}{computed[name]:>18,}{computed[name] / baseline:>7.2f}"
-            f"{statistics.median(ttfts) * 1000:>8.0f}ms{percentile(ttfts, 0.95) * 1000:>8.0f}ms  {per}"
+            f"{name:<26}{hit:>9.1%}{computed[name]:>18,}{_ratio(computed[name], baseline):>7}"
+            f"{statistics.median(ttfts) * 1000:>8.0f}ms{percentile(ttfts, 95) * 1000:>8.0f}ms  {per}"
         )
     return "\n".join(lines)
 

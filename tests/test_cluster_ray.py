@@ -181,12 +181,14 @@ def test_bad_command_lines_exit_2_and_one_replica_imports_no_ray() -> None:
     zero = _swarmkv("serve", "--replicas", "0")
     negative = _swarmkv("serve", "--replicas", "-2")
     unreachable = _swarmkv("serve", "--replicas", "2", "--ray-address", f"127.0.0.1:{_free_port()}")
+    malformed = _swarmkv("serve", "--replicas", "2", "--ray-address", "nowhere")
     no_ray = subprocess.Popen([sys.executable, "-c", NO_RAY], stderr=subprocess.PIPE, text=True)
-    for proc in (zero, negative, unreachable):
+    for proc in (zero, negative, unreachable, malformed):
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 2, err
     assert "--replicas must be at least 1" in zero.communicate()[1]
     assert "cannot reach the Ray cluster at 127.0.0.1:" in unreachable.communicate()[1]
+    assert "--ray-address must be 'auto' or HOST:PORT" in malformed.communicate()[1]
     assert time.monotonic() - start < 30
     assert no_ray.wait(timeout=30) == 0, no_ray.communicate()[1]
 

@@ -122,6 +122,8 @@ def test_empty_loads_and_bad_arguments_raise() -> None:
         Router("random", pages_per_replica=8)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="pages_per_replica"):
         Router("prefix", pages_per_replica=0)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        Router("prefix", pages_per_replica=8, min_match=-1)
 
 
 @settings(max_examples=25, deadline=None)

@@ -130,6 +130,8 @@ def test_plan_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         (["--replicas", "2", "--swarms", "0"], "swarms must be at least 1"),
         (["--replicas", "2", "--replica-kv", "1KiB"], "holds no page"),
         (["--replicas", "2", "--router-policies", "random"], "--router-policies"),
+        (["--replicas", "2", "--sim-page-size", "0"], "--sim-page-size must be at least 1"),
+        (["--replicas", "2", "--route-imbalance=-1"], "--route-imbalance must be >= 0"),
     ],
 )
 def test_plan_cli_bad_input_exits_2(

@@ -50,10 +50,14 @@ class Ingress:
             target = ANY_REPLICA  # nothing to route on (models, cache view, a malformed body)
         pool = await self._replica_pool()
         req = ForwardedRequest(
-            method, path, request.url.query, headers, body, routed.key, _messages(path, body), target,
+            method, path, request.url.query, headers, body, routed.key, self._messages(path, body), target,
             replica_pages=pool.kv_pages, page_size=pool.page_size,
         )  # fmt: skip
         return await self._forward(req, routed)
+
+    def _messages(self, path: str, body: bytes) -> list[Any]:
+        """What Ray's PrefixCacheAffinityRouter reads (the bench's comparison); ours routes on the key."""
+        return _messages(path, body) if self._config.router == "ray-prefix" else [path]
 
     async def _replica_pool(self) -> ReplicaInfo:
         if self._pool is None:
@@ -103,7 +107,7 @@ class Ingress:
                 if req.path == "/v1/responses" and routed.inputs:
                     events += chunk
                 if not seen_id and req.path == "/v1/responses":
-                    seen_id = self._after(req, routed, exchange.replica, 200, chunk)
+                    seen_id = self._after(req, routed, exchange.replica, 200, chunk, streamed=True)
                 yield chunk
             completed = _completed_response(bytes(events))
             if completed is not None and exchange.replica is not None:
@@ -121,9 +125,16 @@ class Ingress:
         self._keyer.remember(str(response["id"]), routed.response_id, replica, items)
 
     def _after(
-        self, req: ForwardedRequest, routed: Routed, replica: str | None, status: int, body: bytes
+        self,
+        req: ForwardedRequest,
+        routed: Routed,
+        replica: str | None,
+        status: int,
+        body: bytes,
+        streamed: bool = False,
     ) -> bool:
-        """Remember a stored response's replica (or forget a deleted one); whether a response id was seen."""
+        """Remember a stored response's replica (or forget a deleted one); whether a response id was seen.
+        A stream's first chunks name the response; its items are remembered when it completes."""
         if status != 200 or replica is None or not req.path.startswith("/v1/responses"):
             return False
         if req.method == "DELETE" and routed.response_id is not None:
@@ -131,7 +142,7 @@ class Ingress:
             return True
         match = _RESPONSE_ID.search(body)
         if req.method == "POST" and req.path == "/v1/responses" and match is not None:
-            whole = _json_object(body)  # a whole response, or the first chunk of a stream
+            whole = None if streamed else _json_object(body)
             if whole is not None and whole.get("object") == "response":
                 self._remember(whole, routed, replica)
             else:

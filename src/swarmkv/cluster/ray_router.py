@@ -128,8 +128,8 @@ class SwarmkvRequestRouter(RequestRouter):
             self._router.forget(replica)
 
 
-def _forwarded(pending_request: PendingRequest | None) -> ForwardedRequest | None:
-    if pending_request is None or not pending_request.args:
+def _forwarded(pending_request: PendingRequest) -> ForwardedRequest | None:
+    if not pending_request.args:
         return None
     first = pending_request.args[0]
     return first if isinstance(first, ForwardedRequest) else None
