@@ -49,13 +49,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
 
+from swarmkv.choices import ATTENTION_BACKENDS  # noqa: E402
 from swarmkv.config import ModelConfig  # noqa: E402
-from swarmkv.engine.backend import ATTENTION_BACKENDS  # noqa: E402
+from swarmkv.core.config import EngineConfig  # noqa: E402
+from swarmkv.core.sampling_params import SamplingParams  # noqa: E402
 from swarmkv.engine.cascade import plan_groups  # noqa: E402
-from swarmkv.engine.config import EngineConfig  # noqa: E402
 from swarmkv.engine.engine import LLMEngine  # noqa: E402
 from swarmkv.engine.llm import LLM  # noqa: E402
-from swarmkv.engine.sampling_params import SamplingParams  # noqa: E402
 from swarmkv.models.decoder import DecoderForCausalLM  # noqa: E402
 from swarmkv.models.loader import LoadedModel, instantiate_model  # noqa: E402
 from swarmkv.models.quantized import QuantizedLinear, WeightFormat, finalize_quantized  # noqa: E402

@@ -157,4 +157,7 @@ def test_unknown_engine_options_and_cascade_modes_are_refused() -> None:
         tiny_llm(kv_cach_memory="1GiB")
     with pytest.raises(ValueError, match="cascade_attention"):
         tiny_llm(cascade_attention="sometimes")
-    assert tiny_llm(cascade_attention=False).engine.config.cascade_attention == "off"  # the old switch
+    with pytest.raises(ValueError, match="cascade_attention"):
+        tiny_llm(cascade_attention=False)  # the bool switch this setting replaced is gone
+    with pytest.raises(ValueError, match="starvation_steps"):
+        tiny_llm(starvation_steps=0)

@@ -10,7 +10,7 @@ import pytest
 
 from engine_helpers import TINY_VOCAB, tiny_llm
 from swarmkv import SamplingParams
-from swarmkv.engine.scheduler import StepPlan
+from swarmkv.core.scheduler import StepPlan
 from swarmkv.errors import InvalidRequestError
 from swarmkv.server import create_app
 from swarmkv.server.background import BackgroundServer

@@ -20,7 +20,7 @@ import torch
 
 from swarmkv import LLM, SamplingParams
 from swarmkv.config import ModelConfig
-from swarmkv.engine.config import EngineConfig
+from swarmkv.core.config import EngineConfig
 from swarmkv.engine.engine import LLMEngine
 from swarmkv.errors import CapacityError, ConfigError, UnsupportedModelError
 from swarmkv.kv.state_index import MIN_SNAPSHOT_TOKENS

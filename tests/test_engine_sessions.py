@@ -10,9 +10,8 @@ import pytest
 
 from engine_helpers import tiny_llm
 from swarmkv import LLM
-from swarmkv.engine.config import EngineConfig
-from swarmkv.engine.sampling_params import SamplingParams
-from swarmkv.engine.scheduler import STARVATION_STEPS
+from swarmkv.core.config import EngineConfig
+from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.errors import InvalidRequestError, PinLimitError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -184,11 +183,8 @@ def test_bad_session_ids_are_refused() -> None:
     assert not llm.release_session("never-seen")
 
 
-def test_past_the_open_session_cap_the_longest_idle_session_is_released(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr("swarmkv.engine.engine.MAX_OPEN_SESSIONS", 2)
-    llm = tiny_llm(block_size=4)
+def test_past_the_open_session_cap_the_longest_idle_session_is_released() -> None:
+    llm = tiny_llm(block_size=4, max_open_sessions=2)
     for session in ("a", "b", "a", "c"):
         llm.generate([[1, 2, 3, 4, 5]], GREEDY, session_id=session)
     assert llm.stats()["sessions_open"] == 2
@@ -217,7 +213,7 @@ def test_a_long_prefill_passed_over_by_short_ones_is_not_starved() -> None:
     engine = llm.engine
     engine.add_request("cold", list(range(200)), GREEDY)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    for step in range(3 * STARVATION_STEPS):
+    for step in range(3 * engine.config.starvation_steps):
         for k in range(2):  # two 16-token turns a step take the whole budget, shortest first
             engine.add_request(f"short-{step}-{k}", [300 + step, 301 + k, *range(14)], one)
         engine.step()

@@ -13,8 +13,8 @@ import torch
 
 from engine_helpers import TINY_VOCAB, tiny_llm
 from swarmkv import SamplingParams
+from swarmkv.core.sequence import Sequence
 from swarmkv.engine.engine import LLMEngine
-from swarmkv.engine.sequence import Sequence
 
 BLOCK = 4
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 8  # (K, V) x layers x KV heads x head dim x float64 bytes

@@ -8,8 +8,8 @@ from collections.abc import Sequence as Seq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmkv.engine.sampling_params import SamplingParams
-from swarmkv.engine.sequence import Sequence
+from swarmkv.core.sampling_params import SamplingParams
+from swarmkv.core.sequence import Sequence
 from swarmkv.kv import KVCacheManager, Retention
 
 PAGE = 2

@@ -7,10 +7,10 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmkv.engine.sampling_params import SamplingParams
-from swarmkv.engine.scheduler import Scheduler, SchedulerLimits, StepPlan
-from swarmkv.engine.sequence import Sequence
-from swarmkv.engine.stats import EngineCounters
+from swarmkv.core.sampling_params import SamplingParams
+from swarmkv.core.scheduler import Scheduler, SchedulerLimits, StepPlan
+from swarmkv.core.sequence import Sequence
+from swarmkv.core.stats import EngineCounters
 from swarmkv.kv import NO_HIT, KVCacheManager
 
 PAGE = 2

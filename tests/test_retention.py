@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from swarmkv.engine.sampling_params import SamplingParams
-from swarmkv.engine.sequence import Sequence
+from swarmkv.core.sampling_params import SamplingParams
+from swarmkv.core.sequence import Sequence
 from swarmkv.kv import KVCacheManager, Rank, Retention
 from swarmkv.kv.radix_index import Node
 

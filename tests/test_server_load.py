@@ -13,8 +13,8 @@ from typing import Any
 import openai
 import pytest
 
+from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.engine.llm import LLM
-from swarmkv.engine.sampling_params import SamplingParams
 from swarmkv.models.loader import load_model
 from swarmkv.server import create_app
 from swarmkv.server.background import BackgroundServer

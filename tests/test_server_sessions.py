@@ -19,9 +19,9 @@ import httpx
 import openai
 import pytest
 
+from swarmkv.core.pins import PinInfo
 from swarmkv.engine.llm import LLM
 from swarmkv.engine.output_processor import RequestDelta
-from swarmkv.engine.pins import PinInfo
 from swarmkv.errors import PinLimitError
 from swarmkv.server import create_app
 from swarmkv.server.background import BackgroundServer

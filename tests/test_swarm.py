@@ -9,7 +9,7 @@ import pytest
 
 from conftest_tokenizer_helpers import smol_tokenizer
 from swarmkv.cli import build_parser, main
-from swarmkv.engine.config import EngineConfig
+from swarmkv.core.config import EngineConfig
 from swarmkv.models.loader import LoadedModel, load_model
 from swarmkv.swarm.cli import selected_modes
 from swarmkv.swarm.run import run_swarm

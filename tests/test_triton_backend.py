@@ -14,10 +14,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from swarmkv.core.sampling_params import SamplingParams  # noqa: E402
 from swarmkv.engine.backend import resolve_attention_backend  # noqa: E402
 from swarmkv.engine.cuda_graphs import DecodeGraphs, EagerGraph, batch_buckets  # noqa: E402
 from swarmkv.engine.llm import LLM  # noqa: E402
-from swarmkv.engine.sampling_params import SamplingParams  # noqa: E402
 from swarmkv.engine.triton_attention import TritonShape  # noqa: E402
 from swarmkv.errors import ConfigError  # noqa: E402
 from swarmkv.options import add_engine_arguments, engine_kwargs  # noqa: E402

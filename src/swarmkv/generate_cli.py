@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.engine.llm import LLM
-from swarmkv.engine.sampling_params import SamplingParams
 from swarmkv.options import add_engine_arguments, add_model_arguments, engine_kwargs, model_kwargs
 
 

@@ -13,7 +13,7 @@ import typing
 from collections.abc import Iterable
 from typing import Any
 
-from swarmkv.engine.config import EngineConfig, ModelOptions
+from swarmkv.core.config import EngineConfig, ModelOptions
 from swarmkv.units import parse_size
 
 

@@ -14,10 +14,9 @@ from typing import Literal
 
 import torch
 
+from swarmkv.choices import AttentionBackendName
 from swarmkv.errors import ConfigError
 
-AttentionBackendName = Literal["auto", "torch", "triton"]
-ATTENTION_BACKENDS: tuple[AttentionBackendName, ...] = ("auto", "torch", "triton")
 Backend = Literal["torch", "triton"]
 
 log = logging.getLogger(__name__)

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-CascadeMode = Literal["auto", "on", "off"]
-CASCADE_MODES: tuple[CascadeMode, ...] = ("auto", "on", "off")
+from swarmkv.choices import CascadeMode
 
 # `auto` groups when the prefix reads it saves, (members - 1) x shared tokens, reach this. Measured on the
 # CPU with bench/cascade.py (SmolLM2-135M's heads, one layer): the extra pass and merge cost about 0.5 ms,

@@ -14,32 +14,29 @@ from typing import Any
 
 import torch
 
+from swarmkv.core.config import EngineConfig
+from swarmkv.core.core import EngineCore
+from swarmkv.core.pins import PinInfo
+from swarmkv.core.sampling_params import SamplingParams
+from swarmkv.core.scheduler import Chunk, PreemptionCost, StepPlan
+from swarmkv.core.sequence import FinishReason, Sequence
+from swarmkv.core.stats import EngineStats
 from swarmkv.engine.backend import resolve_attention_backend
-from swarmkv.engine.config import EngineConfig
 from swarmkv.engine.host_kv import HostKV
 from swarmkv.engine.kv_cache import KVCache, kv_storage_dtype
 from swarmkv.engine.kv_calibration import calibrate_kv_scales
 from swarmkv.engine.output_processor import OutputProcessor, RequestDelta
 from swarmkv.engine.page_table import PageTable
-from swarmkv.engine.pins import PinInfo, Pins
 from swarmkv.engine.runner import ModelRunner
 from swarmkv.engine.sampler import sample
-from swarmkv.engine.sampling_params import SamplingParams
-from swarmkv.engine.scheduler import Chunk, PreemptionCost, Scheduler, SchedulerLimits, StepPlan
-from swarmkv.engine.sequence import FinishReason, Sequence
 from swarmkv.engine.state_cache import StateCache
-from swarmkv.engine.stats import EngineCounters
 from swarmkv.errors import CapacityError, InvalidRequestError
-from swarmkv.kv import KVCacheManager, Retention, pages_for
+from swarmkv.kv import pages_for
 from swarmkv.models.loader import LoadedModel
-from swarmkv.prefix import common_prefix_length
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestDelta"]
 
 log = logging.getLogger(__name__)
-
-# Open sessions kept at most; past it, the one idle longest is released as if its client had released it.
-MAX_OPEN_SESSIONS = 4096
 
 
 class LLMEngine:
@@ -88,24 +85,33 @@ class LLMEngine:
         if num_state_slots:
             self.states = StateCache(loaded.config, num_state_slots, loaded.dtype, loaded.device)
             assert self.states.bytes_per_slot == self.state_bytes_per_sequence
-        self.kv = KVCacheManager(
-            num_pages,
-            config.block_size,
-            prefix_caching=config.prefix_caching,
-            copy_page=kv_tensors.copy_page,
-            retention=Retention(config.retention),
-            num_host_pages=num_host_pages,
-            mover=self.host_kv,
-            num_state_slots=num_state_slots,
-            state_mover=self.states,
-        )
-        self.counters = EngineCounters()
-        limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens)
-        # Starting guesses, refined from timed steps: PCIe-class copies on a GPU, memcpy on the CPU.
         gpu = loaded.device.type == "cuda"
-        self.preemption_cost = PreemptionCost(page_bytes, 12e9 if gpu else 4e9, 1e-4 if gpu else 3e-3)
-        self.scheduler = Scheduler(self.kv, limits, self.counters, self.preemption_cost)
-        self.pins = Pins(self.kv, page_bytes, config.max_pinned_bytes)
+        # Starting guesses, refined from timed steps: PCIe-class copies on a GPU, memcpy on the CPU.
+        self.preemption_cost = PreemptionCost(
+            page_bytes,
+            config.swap_bytes_per_s or (12e9 if gpu else 4e9),
+            config.prefill_s_per_token or (1e-4 if gpu else 3e-3),
+        )
+        self.core = EngineCore(
+            config,
+            num_pages,
+            page_bytes=page_bytes,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            num_host_pages=num_host_pages,
+            num_state_slots=num_state_slots,
+            state_bytes_per_sequence=self.state_bytes_per_sequence,
+            copy_page=kv_tensors.copy_page,
+            page_mover=self.host_kv,
+            state_mover=self.states,
+            cost=self.preemption_cost,
+        )
+        # The core's parts, named for the tests and benchmarks that read them.
+        self.kv, self.scheduler, self.pins, self.counters = (
+            self.core.kv,
+            self.core.scheduler,
+            self.core.pins,
+            self.core.counters,
+        )
         max_pages = pages_for(self.max_model_len, config.block_size)  # a request that fills the context
         page_table = PageTable(config.max_num_seqs, max_pages, config.block_size, loaded.device)
         self.attention_backend = resolve_attention_backend(
@@ -117,6 +123,7 @@ class LLMEngine:
             page_table,
             self.counters,
             config.cascade_attention,
+            cascade_min_saved_tokens=config.cascade_min_saved_tokens,
             backend=self.attention_backend,
             cuda_graphs=loaded.device.type == "cuda" and not config.enforce_eager,
             max_num_seqs=config.max_num_seqs,
@@ -124,11 +131,8 @@ class LLMEngine:
             states=self.states,
         )
         self.outputs = OutputProcessor(self.tokenizer)
-        self._requests: dict[str, Sequence] = {}
-        self._last_turn: dict[str, Sequence] = {}  # each open session's newest request
         self._generators: dict[str, torch.Generator] = {}
         self._generator = torch.Generator().manual_seed(config.seed)
-        self._arrivals = 0
         self.last_step_error: str | None = None  # set while the latest step failed
 
     @property
@@ -140,7 +144,7 @@ class LLMEngine:
         """After a failed step, when idle, run one token through the model: whether the engine works again.
         (While requests are in flight their next step answers the same question.)"""
         if self.last_step_error is not None and not self.has_unfinished():
-            rid = f"health-probe-{self._arrivals}"
+            rid = f"health-probe-{self.core.num_arrivals}"
             self.add_request(rid, [0], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
             while self.has_unfinished():
                 self.step()
@@ -156,57 +160,16 @@ class LLMEngine:
     ) -> None:
         """Queue a request, as the newest turn of `session_id` if given; InvalidRequestError (and nothing
         queued) if it cannot ever run."""
-        if request_id in self._requests or request_id in self.pins:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self._validate_prompt(prompt_token_ids)
-        if session_id is not None and (not isinstance(session_id, str) or not 0 < len(session_id) <= 256):
-            raise InvalidRequestError("a session id is a non-empty string of at most 256 characters")
-        self._arrivals += 1
-        seq = Sequence(
-            request_id,
-            list(prompt_token_ids),
-            params,
-            cache_salt,
-            arrival=self._arrivals,
-            session_id=session_id,
-        )
-        if session_id is not None:
-            self._open_turn(seq, session_id)
+        seq = self.core.add_request(request_id, prompt_token_ids, params, cache_salt, session_id)
         if params.seed is not None:
             self._generators[request_id] = torch.Generator().manual_seed(params.seed)
         self.outputs.add(request_id, seq.prompt_token_ids, params)
-        self._requests[request_id] = seq
-        self.scheduler.add(seq)
-
-    def _open_turn(self, seq: Sequence, session_id: str) -> None:
-        """Make `seq` its session's newest turn. The positions the previous turn processed and this one
-        repeats count as the session's own: computing them again is recomputation, not new prompt."""
-        previous = self._last_turn.get(session_id)
-        if previous is not None:
-            common = common_prefix_length(previous.token_ids, seq.prompt_token_ids)
-            seq.num_processed_tokens = min(
-                common, previous.num_processed_tokens, len(seq.prompt_token_ids) - 1
-            )
-        self._last_turn.pop(session_id, None)
-        self._last_turn[session_id] = seq  # the dict stays in order of last turn
-        self.kv.open_turn(seq)
-        if len(self._last_turn) > MAX_OPEN_SESSIONS:  # clients that never release: end the longest idle
-            idle = next(
-                (
-                    sid
-                    for sid, last in self._last_turn.items()
-                    if sid != session_id and last.request_id not in self._requests
-                ),
-                None,
-            )
-            if idle is not None:
-                self.release_session(idle)
 
     def release_session(self, session_id: str) -> bool:
         """End a session: its private pages become the first to be evicted. False if it is not open. A request
         of the session still running finishes normally; its pages then rank as released too."""
-        self._last_turn.pop(session_id, None)
-        return self.kv.retention.release(session_id)
+        return self.core.release_session(session_id)
 
     def add_pin(
         self, pin_id: str, prompt_token_ids: list[int], ttl_s: float | None, cache_salt: str | None = None
@@ -250,12 +213,11 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running."""
-        return self.scheduler.has_work()
+        return self.core.has_unfinished()
 
     def step(self) -> list[RequestDelta]:
         """Run one batch; return what each request produced (finished requests are forgotten here)."""
-        self.pins.expire()
-        plan = self.scheduler.schedule()
+        plan = self.core.schedule()
         # Every plan reaches the resident page table, one without chunks too: it may only free rows.
         self.runner.update_page_table(plan)
         deltas: list[RequestDelta] = []
@@ -291,10 +253,9 @@ class LLMEngine:
             return self._fail_step(plan, exc)
         self.last_step_error = None
         self._time_prefill(plan, time.perf_counter() - start)
-        self.scheduler.commit(plan.chunks)
+        self.core.commit(plan.chunks)
         deltas = [self._append_token(chunk, token) for chunk, token in zip(sampling, tokens, strict=True)]
-        self.counters.steps += 1
-        self._track_peaks()
+        self.core.end_step()
         return deltas
 
     def _time_prefill(self, plan: StepPlan, elapsed_s: float) -> None:
@@ -312,7 +273,7 @@ class LLMEngine:
         self.runner.page_table.drop([c.request_id for c in plan.chunks])  # their rows go with them
         deltas = []
         for chunk in plan.chunks:
-            self.scheduler.finish(chunk.seq, "error")
+            self.core.finish(chunk.seq, "error")
             self.counters.requests_failed += 1
             deltas.append(
                 self.outputs.fail(chunk.request_id, "the engine failed while computing this request")
@@ -334,55 +295,28 @@ class LLMEngine:
         delta = self.outputs.process(seq.request_id, seq.output_token_ids, [token], reason)
         if delta.finished:
             assert delta.finish_reason is not None
-            self.scheduler.finish(seq, delta.finish_reason)
+            self.core.finish(seq, delta.finish_reason)
         return delta
 
     def _forget(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+        self.core.forget(request_id)
         self._generators.pop(request_id, None)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and release its pages; False if it is unknown or already finished."""
-        seq = self._requests.get(request_id)
-        if seq is None:
+        if not self.core.abort(request_id):
             return False
-        self.scheduler.finish(seq, "abort")
         self.outputs.drop(request_id)
-        self._forget(request_id)
-        if request_id in self.pins:
-            self.pins.remove(request_id)
+        self._generators.pop(request_id, None)
         return True
 
     def get_sequence(self, request_id: str) -> Sequence | None:
         """The live sequence of a request, if any."""
-        return self._requests.get(request_id)
-
-    def _track_peaks(self) -> None:
-        c, kv = self.counters, self.kv
-        c.peak_kv_pages_in_use = max(c.peak_kv_pages_in_use, kv.num_in_use)
-        c.peak_kv_pages_used = max(c.peak_kv_pages_used, kv.num_pages - kv.num_free)
-
-    def _state_stats(self) -> dict[str, int]:
-        """A hybrid model's recurrent-state pool, in slots and bytes (empty for a pure transformer)."""
-        states = self.kv.states
-        if states is None:
-            return {}
-        per = self.state_bytes_per_sequence
-        return {
-            "state_bytes_per_sequence": per,
-            "state_slots_total": states.num_slots,
-            "state_bytes_total": states.num_slots * per,
-            "state_bytes_in_use": states.num_running * per,
-            "state_snapshots": states.num_snapshots,
-            "state_snapshot_bytes": states.num_snapshots * per,
-            "state_snapshot_stores": states.counters.stores,
-            "state_snapshot_hits": states.counters.hits,
-            "state_snapshot_drops": states.counters.drops,
-        }
+        return self.core.get_sequence(request_id)
 
     def check_integrity(self) -> None:
         """Assert that pages, refcounts, page tables, the prefix index and the runner's rows agree."""
-        self.scheduler.check_integrity()
+        self.core.check_integrity()
         # Rows of requests freed since the last plan go with the next one.
         live = {s.request_id for s in self.scheduler.running} | set(self.scheduler.freed_since_plan)
         rows = self.runner.page_table.request_ids
@@ -393,50 +327,10 @@ class LLMEngine:
                 f"{seq.request_id}: the runner's row is stale"
             )
 
+    def snapshot(self) -> EngineStats:
+        """KV and work counters, in pages, bytes and tokens: the typed form every reader uses."""
+        return self.core.snapshot()
+
     def stats(self) -> dict[str, Any]:
-        """KV and work counters, in pages, bytes and tokens."""
-        self.pins.expire()  # an idle engine does not step, but its expired pins are gone all the same
-        kv, c = self.kv, self.counters
-        logical_pages = sum(len(kv.page_table(s.request_id)) for s in self.scheduler.running)
-        return {
-            "kv_bytes_per_token": self.kv_bytes_per_token,
-            "block_size": self.config.block_size,
-            "kv_pages_total": kv.num_pages,
-            "kv_pages_in_use": kv.num_in_use,
-            "kv_pages_cached": kv.num_cached,
-            "kv_pages_free": kv.num_free,
-            "kv_bytes_in_use": kv.num_in_use * self.page_bytes,
-            "kv_bytes_cached": kv.num_cached * self.page_bytes,
-            "kv_bytes_logical": logical_pages * self.page_bytes,
-            "kv_bytes_used": (kv.num_pages - kv.num_free) * self.page_bytes,
-            "peak_kv_bytes_in_use": c.peak_kv_pages_in_use * self.page_bytes,
-            "peak_kv_bytes_used": c.peak_kv_pages_used * self.page_bytes,
-            "prompt_tokens": c.prompt_tokens,
-            "prefill_tokens_computed": c.prefill_tokens_computed,
-            "prefix_hit_tokens": c.prefix_hit_tokens,
-            "recomputed_tokens": c.recomputed_tokens,
-            "generated_tokens": c.generated_tokens,
-            "preemptions": c.preemptions,
-            "swap_preemptions": c.swap_preemptions,
-            "recompute_preemptions": c.recompute_preemptions,
-            "evictions": kv.num_evictions,
-            "offload_capacity_bytes": kv.host.num_pages * self.page_bytes,
-            "offloaded_bytes": kv.num_offloaded * self.page_bytes,
-            "offload_stores": kv.host.counters.stores,
-            "offload_loads": kv.host.counters.loads,
-            "offload_load_bytes": kv.host.counters.loads * self.page_bytes,
-            "offload_drops": kv.host.counters.drops,
-            "pins": len(self.pins),
-            "pinned_bytes": self.pins.held_bytes,
-            "sessions_open": kv.retention.num_open,
-            "sessions_paused": kv.retention.num_paused,
-            **self._state_stats(),
-            "cascade_decode_rows": c.cascade_decode_rows,
-            "cascade_shared_tokens": c.cascade_shared_tokens,
-            "requests_running": len(self.scheduler.running),
-            "requests_waiting": len(self.scheduler.waiting),
-            "requests_finished": c.requests_finished,
-            "requests_failed": c.requests_failed,
-            "failed_steps": c.failed_steps,
-            "steps": c.steps,
-        }
+        """`snapshot()` as a flat dict (the public API)."""
+        return self.snapshot().to_dict()

@@ -7,14 +7,11 @@ float16 ones (four times float32's). Readers de-scale in the model's dtype.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
+from swarmkv.choices import KVCacheDtype
 from swarmkv.config import ModelConfig
 
-KVCacheDtype = Literal["auto", "float16", "bfloat16", "float32", "fp8_e4m3"]
-KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = ("auto", "float16", "bfloat16", "float32", "fp8_e4m3")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
 

@@ -9,14 +9,14 @@ from typing import Any
 
 import torch
 
-from swarmkv.engine.config import EngineConfig, ModelOptions
+from swarmkv.choices import WeightsOption
+from swarmkv.core.config import EngineConfig, ModelOptions
+from swarmkv.core.pins import PinInfo
+from swarmkv.core.sampling_params import SamplingParams
+from swarmkv.core.sequence import FinishReason
 from swarmkv.engine.engine import LLMEngine
-from swarmkv.engine.pins import PinInfo
-from swarmkv.engine.sampling_params import SamplingParams
-from swarmkv.engine.sequence import FinishReason
 from swarmkv.errors import InvalidRequestError, SwarmkvError
 from swarmkv.models.loader import LoadedModel, load_model
-from swarmkv.models.quantized import WeightsOption
 
 Message = dict[str, Any]
 Prompt = str | list[int] | list[Message]

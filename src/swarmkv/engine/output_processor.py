@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarmkv.engine.sampling_params import SamplingParams
-from swarmkv.engine.sequence import FinishReason
+from swarmkv.core.sampling_params import SamplingParams
+from swarmkv.core.sequence import FinishReason
 from swarmkv.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from swarmkv.core.scheduler import Chunk
 from swarmkv.engine.kv_cache import KVCache
 from swarmkv.engine.page_table import PageTable
-from swarmkv.engine.scheduler import Chunk
 
 
 @dataclass(frozen=True)

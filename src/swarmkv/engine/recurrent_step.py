@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarmkv.engine.scheduler import Chunk
+from swarmkv.core.scheduler import Chunk
 from swarmkv.engine.state_cache import StateCache
 from swarmkv.models import gated_delta
 from swarmkv.models.attention import AttentionBackend

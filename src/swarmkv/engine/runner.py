@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import torch
 
+from swarmkv.choices import CascadeMode
+from swarmkv.core.scheduler import Chunk, StepPlan, sampling_rows
+from swarmkv.core.stats import EngineCounters
 from swarmkv.engine.backend import Backend
-from swarmkv.engine.cascade import AUTO_MIN_SAVED_TOKENS, CascadeMode, plan_groups
+from swarmkv.engine.cascade import AUTO_MIN_SAVED_TOKENS, plan_groups
 from swarmkv.engine.kv_cache import KVCache
 from swarmkv.engine.page_table import PageTable
 from swarmkv.engine.paged_attention import PagedAttention, build_layout
 from swarmkv.engine.recurrent_step import RecurrentStep, build_state_layout
-from swarmkv.engine.scheduler import Chunk, StepPlan, sampling_rows
 from swarmkv.engine.state_cache import StateCache
-from swarmkv.engine.stats import EngineCounters
 from swarmkv.models.attention import AttentionBackend
 from swarmkv.models.decoder import DecoderForCausalLM
 
@@ -31,6 +32,7 @@ class ModelRunner:
         page_table: PageTable,
         counters: EngineCounters,
         cascade: CascadeMode = "auto",
+        cascade_min_saved_tokens: int | None = None,
         backend: Backend = "torch",
         cuda_graphs: bool = False,
         max_num_seqs: int = 1,
@@ -38,7 +40,8 @@ class ModelRunner:
         states: StateCache | None = None,
     ) -> None:
         """With the triton backend, `cuda_graphs` replays decode steps of up to `max_num_seqs` rows. A hybrid
-        model's linear-attention layers run over `states` (torch backend only)."""
+        model's linear-attention layers run over `states` (torch backend only). `cascade_min_saved_tokens`:
+        the reads a shared-prefix group must spare under `cascade="auto"` (None: the backend's default)."""
         assert states is None or backend == "torch", "hybrid models run on the torch backend"
         self.model = model
         self.states = states
@@ -50,7 +53,8 @@ class ModelRunner:
         self.page_size = kv_cache.block_size
         self.device = page_table.device
         self.dtype = kv_cache.dtype  # the model's, whatever the pages hold
-        self.min_saved_tokens = TRITON_AUTO_MIN_SAVED_TOKENS if backend == "triton" else AUTO_MIN_SAVED_TOKENS
+        default_saved = TRITON_AUTO_MIN_SAVED_TOKENS if backend == "triton" else AUTO_MIN_SAVED_TOKENS
+        self.min_saved_tokens = cascade_min_saved_tokens or default_saved
         self.triton = None
         if backend == "triton":
             from swarmkv.engine.cuda_graphs import batch_buckets  # these import triton: only when asked for

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from swarmkv.engine.sampling_params import SamplingParams
+from swarmkv.core.sampling_params import SamplingParams
 
 
 def sample(

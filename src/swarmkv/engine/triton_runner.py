@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
+from swarmkv.core.scheduler import Chunk, sampling_rows
 from swarmkv.engine.cuda_graphs import DecodeGraphs, Graph
 from swarmkv.engine.kv_cache import KVCache
 from swarmkv.engine.page_table import PageTable
-from swarmkv.engine.scheduler import Chunk, sampling_rows
 from swarmkv.engine.triton_attention import (
     DecodeRow,
     GroupSpan,

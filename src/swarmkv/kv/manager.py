@@ -162,6 +162,26 @@ class KVCacheManager:
         """Device pages some pin holds (a page two pins share is listed once)."""
         return frozenset(p for pages in self._pins.values() for p in pages)
 
+    @property
+    def has_states(self) -> bool:
+        """Whether a hybrid model's recurrent-state slots sit beside the pages."""
+        return self.states is not None
+
+    @property
+    def takes_snapshots(self) -> bool:
+        """Whether prefix hits resume recurrent states, so the scheduler cuts prefills where they pay."""
+        return self.states is not None and self.prefix_caching
+
+    @property
+    def num_open_sessions(self) -> int:
+        """Sessions not released."""
+        return self.retention.num_open
+
+    @property
+    def num_paused_sessions(self) -> int:
+        """Open sessions with no request running."""
+        return self.retention.num_paused
+
     def page_table(self, request_id: str) -> Sequence[int]:
         """The request's pages, in token order (empty if it holds none). Read-only."""
         table = self._tables.get(request_id)
@@ -285,10 +305,21 @@ class KVCacheManager:
         elif hit.snapshot != slot:  # equal when the snapshot was the only slot to take: the state is there
             self._state_mover.copy_state(hit.snapshot, slot)
 
-    def state_slot(self, request_id: str) -> int:
-        """The running request's state slot (hybrid models)."""
+    def state_slots(self, request_ids: Sequence[str]) -> dict[str, int]:
+        """The running requests' state slots (hybrid models; empty otherwise)."""
+        if self.states is None:
+            return {}
+        return {rid: self.states.slot(rid) for rid in request_ids}
+
+    def first_unsnapshotted(self, tokens: Sequence[int], salt: Salt, points: Sequence[int]) -> int | None:
+        """The first of these ascending positions where no state snapshot of `tokens` is kept yet: where a
+        prefill is worth cutting to take one. None if every one has a snapshot."""
         assert self.states is not None
-        return self.states.slot(request_id)
+        return next((p for p in points if not self.states.has(tokens[:p], salt)), None)
+
+    def can_swap_out(self, num_pages: int) -> bool:
+        """Whether the host tier has `num_pages` free pages now, dropping nothing."""
+        return self.host.num_free >= num_pages
 
     def snapshot(self, request: KVRequest, kind: SnapshotKind = "branch") -> bool:
         """Keep the running request's state after its computed tokens (a point the scheduler cut its prefill
@@ -474,6 +505,14 @@ class KVCacheManager:
         del self._tables[rid]
         unheld = self.pool.release(table.pages + table.shadow)
         self.pool.free([page for page in unheld if not self.index.is_cached(page)])
+
+    def close(self, request_id: str) -> None:
+        """A request finished for good: unless it is its session's newest turn, its pages rank as unreached."""
+        self.retention.close(request_id)
+
+    def release_session(self, session_id: str) -> bool:
+        """End a session: its pages reach nothing and are the first to go. False if it is not open."""
+        return self.retention.release(session_id)
 
     def open_turn(self, request: KVRequest) -> None:
         """The request is its session's newest turn: the cached pages its prompt continues stay reachable

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from swarmkv.engine.config import EngineConfig
+from swarmkv.core.config import EngineConfig
 from swarmkv.lint.log_file import LintInputError, read_log, write_log
 from swarmkv.units import parse_size
 

@@ -13,12 +13,12 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from swarmkv.engine.config import EngineConfig
-from swarmkv.engine.sampling_params import SamplingParams
-from swarmkv.engine.scheduler import Scheduler, SchedulerLimits
-from swarmkv.engine.sequence import Sequence as EngineRequest
-from swarmkv.engine.sequence import Status
-from swarmkv.engine.stats import EngineCounters
+from swarmkv.core.config import EngineConfig
+from swarmkv.core.sampling_params import SamplingParams
+from swarmkv.core.scheduler import Scheduler, SchedulerLimits
+from swarmkv.core.sequence import Sequence as EngineRequest
+from swarmkv.core.sequence import Status
+from swarmkv.core.stats import EngineCounters
 from swarmkv.kv import KVCacheManager, Retention, pages_for
 
 

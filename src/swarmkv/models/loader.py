@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import SafetensorError, safe_open
 
+from swarmkv.choices import WeightsOption
 from swarmkv.config import ModelConfig, resolve_dtype
 from swarmkv.errors import ModelLoadError
 from swarmkv.models.decoder import DecoderForCausalLM
 from swarmkv.models.default import default_model_path
-from swarmkv.models.quantized import WeightFormat, WeightsOption, finalize_quantized
+from swarmkv.models.quantized import WeightFormat, finalize_quantized
 from swarmkv.models.registry import build_model
 from swarmkv.models.weights import load_weights, named_tensors_to
 from swarmkv.tokenizer import Tokenizer

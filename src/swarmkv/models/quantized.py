@@ -21,8 +21,6 @@ from torch import nn
 from swarmkv.errors import ConfigError
 
 WeightFormat = Literal["float", "int8", "int4"]
-WeightsOption = Literal["auto", "float", "int8", "int4"]
-WEIGHTS_OPTIONS: tuple[WeightsOption, ...] = ("auto", "float", "int8", "int4")
 INT4_GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1 block
 
 

@@ -7,10 +7,10 @@ import argparse
 import json
 import sys
 
+from swarmkv.choices import KV_CACHE_DTYPES
 from swarmkv.cluster.routing import DEFAULT_IMBALANCE, DEFAULT_MIN_MATCH, POLICIES
 from swarmkv.config import DTYPES
-from swarmkv.engine.config import EngineConfig
-from swarmkv.engine.kv_cache import KV_CACHE_DTYPES
+from swarmkv.core.config import EngineConfig
 from swarmkv.plan.checkpoint import Checkpoint
 from swarmkv.plan.flags import parse_counts, resolve_checkpoint
 from swarmkv.plan.hybrid import hybrid_rows

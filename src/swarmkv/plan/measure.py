@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from swarmkv.engine.sampling_params import SamplingParams
-from swarmkv.engine.scheduler import Scheduler, SchedulerLimits
-from swarmkv.engine.sequence import Sequence as Request
-from swarmkv.engine.stats import EngineCounters
+from swarmkv.core.sampling_params import SamplingParams
+from swarmkv.core.scheduler import Scheduler, SchedulerLimits
+from swarmkv.core.sequence import Sequence as Request
+from swarmkv.core.stats import EngineCounters
 from swarmkv.kv import KVCacheManager, pages_for
 from swarmkv.plan.hybrid import HybridRow
 from swarmkv.plan.shape import KV_DTYPES, KVShape, RecurrentState

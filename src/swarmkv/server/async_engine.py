@@ -18,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from swarmkv.core.pins import PinInfo
+from swarmkv.core.sampling_params import SamplingParams
+from swarmkv.core.sequence import Sequence
 from swarmkv.engine.engine import LLMEngine, RequestDelta
-from swarmkv.engine.pins import PinInfo
-from swarmkv.engine.sampling_params import SamplingParams
-from swarmkv.engine.sequence import Sequence
 from swarmkv.server.engine_commands import Abort, Add, AddPin, Call, Command, DropPin, Stop
 from swarmkv.server.pending_pins import PendingPins
 from swarmkv.server.request_stream import EngineStepError, EngineUnavailableError, RequestStream, StepOutput

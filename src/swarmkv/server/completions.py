@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from swarmkv.breaks.causes import Break, RenderedPrompt
-from swarmkv.engine.sampling_params import SamplingParams
+from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.errors import InvalidRequestError
 from swarmkv.server.cache_breaks import with_diagnostics
 from swarmkv.server.chat_request import ChatRequest, parse_chat_request

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from swarmkv.core.pins import PinInfo
+from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.engine.engine import LLMEngine
-from swarmkv.engine.pins import PinInfo
-from swarmkv.engine.sampling_params import SamplingParams
 from swarmkv.server.request_stream import RequestStream
 
 

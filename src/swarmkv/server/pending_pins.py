@@ -9,8 +9,8 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 
+from swarmkv.core.pins import PinInfo
 from swarmkv.engine.engine import LLMEngine, RequestDelta
-from swarmkv.engine.pins import PinInfo
 from swarmkv.server.engine_commands import AddPin
 from swarmkv.server.request_stream import EngineStepError
 

@@ -15,7 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from swarmkv.engine.pins import PinInfo
+from swarmkv.core.pins import PinInfo
 from swarmkv.errors import InvalidRequestError, PinLimitError
 from swarmkv.server.context import ServerContext
 from swarmkv.server.disconnect import STATUS_CLIENT_GONE, ClientDisconnected, unless_disconnected

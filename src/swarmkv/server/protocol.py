@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from swarmkv.engine.sampling_params import SamplingParams
+from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.errors import InvalidRequestError
 
 

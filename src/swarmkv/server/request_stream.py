@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from swarmkv.engine.sequence import FinishReason
+from swarmkv.core.sequence import FinishReason
 from swarmkv.errors import SwarmkvError
 
 

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from swarmkv.engine.config import EngineConfig
+from swarmkv.core.config import EngineConfig
 from swarmkv.models.default import default_model_path
 from swarmkv.models.loader import load_model
 from swarmkv.options import add_engine_arguments, add_model_arguments, engine_kwargs

@@ -9,7 +9,7 @@ from typing import Any, cast
 
 from rich.console import Console
 
-from swarmkv.engine.config import EngineConfig
+from swarmkv.core.config import EngineConfig
 from swarmkv.engine.kv_cache import kv_storage_dtype
 from swarmkv.models.loader import LoadedModel, load_model
 from swarmkv.options import engine_kwargs

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from swarmkv.engine.config import EngineConfig
+from swarmkv.core.config import EngineConfig
+from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.engine.engine import LLMEngine
-from swarmkv.engine.sampling_params import SamplingParams
 from swarmkv.models.loader import LoadedModel
 from swarmkv.swarm.workload import Message, Workload, initial_messages, tool_result_message
 

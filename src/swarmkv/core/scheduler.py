@@ -7,7 +7,7 @@ runner what to compute and which pages each request's table gained, so the runne
 A step's budget goes to decodes first, then to prefills shortest remaining first, running or waiting alike:
 an agent returning with a tool result of a few hundred tokens runs before another agent's long cold prompt,
 which takes what is left of the budget in chunks, and goes first once it has been passed over for
-`STARVATION_STEPS` steps in a row. A preempted request's private pages go to the host tier
+`starvation_steps` steps in a row. A preempted request's private pages go to the host tier
 when copying them there and back costs less than computing them again.
 
 For a hybrid model a prefix hit needs a state snapshot at its end, so a prefill chunk is cut where a snapshot
@@ -23,8 +23,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from swarmkv.engine.sequence import Sequence, Status
-from swarmkv.engine.stats import EngineCounters
+from swarmkv.core.sequence import Sequence, Status
+from swarmkv.core.stats import EngineCounters
 from swarmkv.kv import NO_HIT, Hit, KVCacheManager
 from swarmkv.kv.state_index import MIN_SNAPSHOT_TOKENS
 from swarmkv.prefix import common_prefix_length
@@ -77,10 +77,13 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class SchedulerLimits:
-    """Per-step caps: running requests and tokens computed (prefill chunks plus decodes)."""
+    """Per-step caps: running requests and tokens computed (prefill chunks plus decodes); after how many
+    steps passed over a prefill goes first, and how many waiting requests a step looks at."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
+    starvation_steps: int = 16
+    max_waiting_considered: int = 256
 
 
 @dataclass
@@ -175,25 +178,31 @@ class Scheduler:
         for *_, seq in prefills:
             seq.num_starved_steps = 0 if id(seq) in scheduled else seq.num_starved_steps + 1
         plan.freed, self._freed = self._freed, []
-        if self.kv.states is not None:
-            plan.state_slots = {c.request_id: self.kv.state_slot(c.request_id) for c in plan.chunks}
+        plan.state_slots = self.kv.state_slots([c.request_id for c in plan.chunks])
         return plan
 
     def _prefills(self, scheduled: set[int]) -> list[tuple[bool, int, int, Sequence]]:
-        """Running prefills and waiting requests: first those starved for `STARVATION_STEPS` steps, then by
+        """Running prefills and waiting requests: first those starved for `starvation_steps` steps, then by
         tokens left to compute (after a waiting request's cached prefix), then running before waiting and in
         queue order (a preempted request is at its front)."""
+        fed = self._fed
         items = [
-            (_fed(seq), seq.num_uncomputed_tokens, -1, seq)
+            (fed(seq), seq.num_uncomputed_tokens, -1, seq)
             for seq in self.running
             if id(seq) not in scheduled and not _is_decoding(seq)
         ]
         if len(self.running) < self.limits.max_num_seqs:
-            for position, seq in enumerate(itertools.islice(self.waiting, _MAX_WAITING_CONSIDERED)):
+            for position, seq in enumerate(
+                itertools.islice(self.waiting, self.limits.max_waiting_considered)
+            ):
                 hit = self.kv.lookup(_uncached_head(seq), seq.cache_salt)
-                items.append((_fed(seq), seq.num_tokens - hit.num_tokens, position, seq))
+                items.append((fed(seq), seq.num_tokens - hit.num_tokens, position, seq))
         items.sort(key=lambda item: item[:3])
         return items
+
+    def _fed(self, seq: Sequence) -> bool:
+        """False for a request starved long enough to go first (False sorts before True)."""
+        return seq.num_starved_steps < self.limits.starvation_steps
 
     def _chunk(self, seq: Sequence, num_tokens: int, kind: ChunkKind, snapshot: bool = False) -> Chunk:
         start = seq.num_computed_tokens
@@ -208,24 +217,24 @@ class Scheduler:
         turn snapshot (`snapshot_tokens`: the end of the request's own previous turn), where it leaves the tree
         is not such a point, and another must lie `MIN_SNAPSHOT_TOKENS` past it: a turn continuing its own
         history is not split for a snapshot nobody else would use."""
-        states = self.kv.states
-        if states is None or not self.kv.prefix_caching:
+        if not self.kv.takes_snapshots:
             return None
         end = start + num_tokens
         tokens = seq.token_ids
         # Past its own previous turn the tree holds that turn's history, re-rendered: leaving it there is no
         # branch another request will resume from.
         points = {branch_tokens} if not snapshot_tokens else set()
-        others = itertools.chain(itertools.islice(self.waiting, _MAX_WAITING_CONSIDERED), self.running)
+        others = itertools.chain(
+            itertools.islice(self.waiting, self.limits.max_waiting_considered), self.running
+        )
         for other in others:
             if other is not seq and other.cache_salt == seq.cache_salt:
                 # The other resumes at most before its last token, which it computes to sample.
                 points.add(min(common_prefix_length(tokens, other.token_ids), other.num_tokens - 1))
         floor = max(start, snapshot_tokens + MIN_SNAPSHOT_TOKENS - 1)
-        for point in sorted(p for p in points if floor < p <= end and p >= MIN_SNAPSHOT_TOKENS):
-            if not states.has(tokens[:point], seq.cache_salt):
-                return point - start
-        return None
+        candidates = sorted(p for p in points if floor < p <= end and p >= MIN_SNAPSHOT_TOKENS)
+        point = self.kv.first_unsnapshotted(tokens, seq.cache_salt, candidates)
+        return None if point is None else point - start
 
     def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan, scheduled: set[int]) -> bool:
         """Pages for `num_tokens` more tokens of a running request, preempting the newest unscheduled ones."""
@@ -286,7 +295,7 @@ class Scheduler:
         """Whether a running prefill is about to compute pages `seq` could hit: then wait for them."""
         if not self.kv.prefix_caching:
             return False
-        if self.kv.states is not None:
+        if self.kv.has_states:
             return self._state_in_flight(seq, hit)
         size = self.kv.page_size
         tokens = seq.token_ids
@@ -329,12 +338,7 @@ class Scheduler:
             self.kv.commit(seq, end)
             if chunk.snapshot:
                 self.kv.snapshot(seq)
-            elif (
-                chunk.samples
-                and chunk.kind == "prefill"
-                and self.kv.states is not None
-                and self.kv.prefix_caching
-            ):
+            elif chunk.samples and chunk.kind == "prefill" and self.kv.takes_snapshots:
                 # The prompt's end: the next turn always continues it, even when the reply it goes on with
                 # re-tokenizes differently from the tokens generated (the turn's end would not match then).
                 self.kv.snapshot(seq, "turn")
@@ -361,7 +365,7 @@ class Scheduler:
         swapped = 0
         if (
             private
-            and self.kv.host.num_free >= len(private)
+            and self.kv.can_swap_out(len(private))
             and self.cost.prefers_swap(len(private), min(num_tokens, len(private) * self.kv.page_size))
         ):
             swapped = self.kv.swap_out(private)
@@ -379,7 +383,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._free(seq, keep_state=reason != "error")
-        self.kv.retention.close(seq.request_id)
+        self.kv.close(seq.request_id)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
@@ -402,20 +406,6 @@ class Scheduler:
         for seq in self.waiting:
             assert not self.kv.holds_pages(seq.request_id), f"waiting {seq.request_id} holds pages"
         self.kv.check_integrity()
-
-
-# Waiting requests looked up each step to find the shortest prefill; a queue longer than this is served by
-# its first entries (in order, a preempted request first) until it shrinks.
-_MAX_WAITING_CONSIDERED = 256
-
-
-# A prefill passed over this many steps in a row goes before shorter ones: shortest-first never starves it.
-STARVATION_STEPS = 16
-
-
-def _fed(seq: Sequence) -> bool:
-    """False for a request starved long enough to go first (False sorts before True)."""
-    return seq.num_starved_steps < STARVATION_STEPS
 
 
 def _uncached_head(seq: Sequence) -> list[int]:

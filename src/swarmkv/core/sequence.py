@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
-from swarmkv.engine.sampling_params import SamplingParams
+from swarmkv.core.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 

@@ -10,11 +10,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from swarmkv.engine.backend import ATTENTION_BACKENDS, AttentionBackendName
-from swarmkv.engine.cascade import CASCADE_MODES, CascadeMode
-from swarmkv.engine.kv_cache import KV_CACHE_DTYPES, KVCacheDtype
+from swarmkv.choices import (
+    ATTENTION_BACKENDS,
+    CASCADE_MODES,
+    KV_CACHE_DTYPES,
+    AttentionBackendName,
+    CascadeMode,
+    KVCacheDtype,
+    WeightsOption,
+)
 from swarmkv.kv.retention import RETENTION_POLICIES, RetentionPolicy
-from swarmkv.models.quantized import WeightsOption
 from swarmkv.units import parse_size
 
 
@@ -71,12 +76,39 @@ class EngineConfig:
         "auto", "attention kernels: auto (triton on CUDA/ROCm, torch elsewhere), torch or triton"
     )
     enforce_eager: bool = _opt(False, "never replay decode steps from CUDA graphs")
+    max_open_sessions: int = _opt(
+        4096, "open sessions kept at most; past it the one idle longest is released", flag=False
+    )
+    max_session_id_chars: int = _opt(256, "the longest session id a request may name", flag=False)
+    starvation_steps: int = _opt(
+        16, "a prefill passed over this many steps in a row goes before shorter ones", flag=False
+    )
+    max_waiting_considered: int = _opt(
+        256,
+        "waiting requests looked up per step for the shortest prefill; later ones wait their turn",
+        flag=False,
+    )
+    cascade_min_saved_tokens: int | None = _opt(
+        None,
+        "cascade_attention=auto groups decodes when that spares this many prefix-token reads in a step"
+        " (default: 3072 on the torch backend, 256 on triton)",
+        flag=False,
+    )
+    swap_bytes_per_s: float | None = _opt(
+        None,
+        "host <-> device copy bandwidth that swap-or-recompute assumes (default: 12e9 on a GPU, 4e9 on the CPU)",
+        flag=False,
+    )
+    prefill_s_per_token: float | None = _opt(
+        None,
+        "starting guess of prefill seconds per token, refined from timed steps (default: 1e-4 on a GPU,"
+        " 3e-3 on the CPU)",
+        flag=False,
+    )
     seed: int = _opt(0, "seed of requests that sample without their own seed", flag=False)
     check_writes: bool = _opt(False, "assert before each step that it writes only private pages", flag=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.cascade_attention, bool):  # the switch this setting replaced
-            object.__setattr__(self, "cascade_attention", "on" if self.cascade_attention else "off")
         if self.cascade_attention not in CASCADE_MODES:
             raise ValueError(
                 f"cascade_attention must be one of {CASCADE_MODES}, got {self.cascade_attention!r}"
@@ -99,10 +131,22 @@ class EngineConfig:
             )
         if self.max_pinned_bytes >= self.kv_cache_bytes:
             raise ValueError("max_pinned_memory must be less than kv_cache_memory: requests need pages too")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_open_sessions",
+            "max_session_id_chars",
+            "starvation_steps",
+            "max_waiting_considered",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("cascade_min_saved_tokens", "swap_bytes_per_s", "prefill_s_per_token"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not value > 0):
+                raise ValueError(f"{name} must be positive, got {value!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 

@@ -1,0 +1,17 @@
+"""The names an engine or model option may take, torch-free, so configs and the modules that act on them share one list."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+AttentionBackendName = Literal["auto", "torch", "triton"]
+ATTENTION_BACKENDS: tuple[AttentionBackendName, ...] = ("auto", "torch", "triton")
+
+CascadeMode = Literal["auto", "on", "off"]
+CASCADE_MODES: tuple[CascadeMode, ...] = ("auto", "on", "off")
+
+KVCacheDtype = Literal["auto", "float16", "bfloat16", "float32", "fp8_e4m3"]
+KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = ("auto", "float16", "bfloat16", "float32", "fp8_e4m3")
+
+WeightsOption = Literal["auto", "float", "int8", "int4"]
+WEIGHTS_OPTIONS: tuple[WeightsOption, ...] = ("auto", "float", "int8", "int4")

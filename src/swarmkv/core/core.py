@@ -1,0 +1,260 @@
+"""EngineCore: the engine's bookkeeping without a model, for `LLMEngine` and every tool that needs it.
+
+It owns the scheduler, the KV manager (pages, prefix index, retention, host tier and state slots under it),
+the sessions, the pins and the counters, and computes no tensor. `LLMEngine` drives it around the model:
+`schedule` -> run the model on the plan's chunks -> `commit` -> `finish` the requests that stopped. The
+planner's measurement, lint's replay, the cluster's shadow indexes and its simulator drive the same object
+with `prefill`, so their books are the engine's books, eviction order and sessions included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from swarmkv.core.config import EngineConfig
+from swarmkv.core.pins import Pins
+from swarmkv.core.sampling_params import SamplingParams
+from swarmkv.core.scheduler import Chunk, PreemptionCost, Scheduler, SchedulerLimits, StepPlan
+from swarmkv.core.sequence import FinishReason, Sequence, Status
+from swarmkv.core.sessions import Sessions
+from swarmkv.core.stats import EngineCounters, EngineStats, StateStats
+from swarmkv.errors import InvalidRequestError
+from swarmkv.kv import KVCacheManager, PageMover, Retention
+from swarmkv.kv.state_index import StateMover
+
+# A measuring or replaying run's own page size in bytes when it has none: figures then count pages.
+_ONE_BYTE_PAGES = 1
+
+
+class EngineCore:
+    """Scheduler, KV manager, sessions, pins and counters over `num_pages` pages; no model, no tensors."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_pages: int,
+        *,
+        page_bytes: int = _ONE_BYTE_PAGES,
+        kv_bytes_per_token: int = 0,
+        num_host_pages: int = 0,
+        num_state_slots: int = 0,
+        state_bytes_per_sequence: int = 0,
+        copy_page: Callable[[int, int], None] | None = None,
+        page_mover: PageMover | None = None,
+        state_mover: StateMover | None = None,
+        cost: PreemptionCost | None = None,
+    ) -> None:
+        """`copy_page`, `page_mover` and `state_mover` copy the KV tensors the books describe (None: books
+        only); `cost` weighs swap against recompute on preemption."""
+        self.config = config
+        self.page_bytes = page_bytes
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.state_bytes_per_sequence = state_bytes_per_sequence
+        self.kv = KVCacheManager(
+            num_pages,
+            config.block_size,
+            prefix_caching=config.prefix_caching,
+            copy_page=copy_page,
+            retention=Retention(config.retention),
+            num_host_pages=num_host_pages,
+            mover=page_mover,
+            num_state_slots=num_state_slots,
+            state_mover=state_mover,
+        )
+        self.counters = EngineCounters()
+        limits = SchedulerLimits(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.starvation_steps,
+            config.max_waiting_considered,
+        )
+        self.scheduler = Scheduler(self.kv, limits, self.counters, cost)
+        self.pins = Pins(self.kv, page_bytes, config.max_pinned_bytes)
+        self.sessions = Sessions(self.kv, config.max_open_sessions, config.max_session_id_chars)
+        self._requests: dict[str, Sequence] = {}
+        self._arrivals = 0
+
+    # Requests.
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        session_id: str | None = None,
+    ) -> Sequence:
+        """Queue a request, as the newest turn of `session_id` if given; InvalidRequestError (and nothing
+        queued) if its id is taken or its session id is not one."""
+        if request_id in self._requests or request_id in self.pins:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if session_id is not None:
+            self.sessions.check_id(session_id)
+        self._arrivals += 1
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            cache_salt,
+            arrival=self._arrivals,
+            session_id=session_id,
+        )
+        if session_id is not None:
+            self.sessions.open_turn(seq, self._requests)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def get_sequence(self, request_id: str) -> Sequence | None:
+        """The live sequence of a request, if any."""
+        return self._requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return self.scheduler.has_work()
+
+    @property
+    def num_arrivals(self) -> int:
+        """Requests added so far."""
+        return self._arrivals
+
+    def schedule(self) -> StepPlan:
+        """This step's chunks (pins past their TTL let go first)."""
+        self.pins.expire()
+        return self.scheduler.schedule()
+
+    def commit(self, chunks: list[Chunk]) -> None:
+        """The chunks' KV is computed: progress, counters and the prefix index follow."""
+        self.scheduler.commit(chunks)
+
+    def end_step(self) -> None:
+        """A step ran (its stopped requests finished): count it and the pages' high-water marks."""
+        kv, c = self.kv, self.counters
+        c.steps += 1
+        c.peak_kv_pages_in_use = max(c.peak_kv_pages_in_use, kv.num_in_use)
+        c.peak_kv_pages_used = max(c.peak_kv_pages_used, kv.num_pages - kv.num_free)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Stop a request for good and release its pages (its KV stays cached unless a step failed)."""
+        self.scheduler.finish(seq, reason)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request from the live set."""
+        self._requests.pop(request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and release its pages; False if it is unknown or already finished."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return False
+        self.finish(seq, "abort")
+        self.forget(request_id)
+        if request_id in self.pins:
+            self.pins.remove(request_id)
+        return True
+
+    def release_session(self, session_id: str) -> bool:
+        """End a session: its private pages become the first to be evicted. False if it is not open."""
+        return self.sessions.release(session_id)
+
+    def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        cache_salt: str | None = None,
+        session_id: str | None = None,
+        finish: bool = True,
+    ) -> Sequence | None:
+        """Compute a prompt's KV as the engine would (chunks, hits, evictions), with no model: the request
+        then finishes as one with `max_tokens: 1` does, leaving its KV cached (or, with `finish` False, stays
+        running). None if the pool cannot hold it. Other queued requests step along."""
+        if len(prompt_token_ids) >= self.kv.num_pages * self.kv.page_size:
+            return None  # the engine refuses a prompt the pool cannot hold
+        seq = self.add_request(
+            request_id, prompt_token_ids, SamplingParams(max_tokens=1), cache_salt, session_id
+        )
+        while seq.status is not Status.FINISHED and seq.num_computed_tokens < seq.num_tokens:
+            plan = self.schedule()
+            assert plan.chunks or seq.status is Status.FINISHED, "a lone request neither ran nor gave up"
+            self.commit(plan.chunks)
+            self.end_step()
+        self.scheduler.gave_up.clear()
+        if seq.status is Status.FINISHED:  # gave up: larger than the pool
+            self.forget(request_id)
+            return None
+        if finish:
+            self.finish(seq, "stop")
+            self.forget(request_id)
+        return seq
+
+    # Reading.
+
+    def snapshot(self) -> EngineStats:
+        """KV and work counters, in pages, bytes and tokens."""
+        self.pins.expire()  # an idle engine does not step, but its expired pins are gone all the same
+        kv, c, page = self.kv, self.counters, self.page_bytes
+        logical_pages = sum(len(kv.page_table(s.request_id)) for s in self.scheduler.running)
+        host = kv.host
+        return EngineStats(
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            block_size=kv.page_size,
+            kv_pages_total=kv.num_pages,
+            kv_pages_in_use=kv.num_in_use,
+            kv_pages_cached=kv.num_cached,
+            kv_pages_free=kv.num_free,
+            kv_bytes_in_use=kv.num_in_use * page,
+            kv_bytes_cached=kv.num_cached * page,
+            kv_bytes_logical=logical_pages * page,
+            kv_bytes_used=(kv.num_pages - kv.num_free) * page,
+            peak_kv_bytes_in_use=c.peak_kv_pages_in_use * page,
+            peak_kv_bytes_used=c.peak_kv_pages_used * page,
+            prompt_tokens=c.prompt_tokens,
+            prefill_tokens_computed=c.prefill_tokens_computed,
+            prefix_hit_tokens=c.prefix_hit_tokens,
+            recomputed_tokens=c.recomputed_tokens,
+            generated_tokens=c.generated_tokens,
+            preemptions=c.preemptions,
+            swap_preemptions=c.swap_preemptions,
+            recompute_preemptions=c.recompute_preemptions,
+            evictions=kv.num_evictions,
+            offload_capacity_bytes=host.num_pages * page,
+            offloaded_bytes=kv.num_offloaded * page,
+            offload_stores=host.counters.stores,
+            offload_loads=host.counters.loads,
+            offload_load_bytes=host.counters.loads * page,
+            offload_drops=host.counters.drops,
+            pins=len(self.pins),
+            pinned_bytes=self.pins.held_bytes,
+            sessions_open=kv.num_open_sessions,
+            sessions_paused=kv.num_paused_sessions,
+            cascade_decode_rows=c.cascade_decode_rows,
+            cascade_shared_tokens=c.cascade_shared_tokens,
+            requests_running=len(self.scheduler.running),
+            requests_waiting=len(self.scheduler.waiting),
+            requests_finished=c.requests_finished,
+            requests_failed=c.requests_failed,
+            failed_steps=c.failed_steps,
+            steps=c.steps,
+            state=self._state_stats(),
+        )
+
+    def _state_stats(self) -> StateStats | None:
+        states = self.kv.states
+        if states is None:
+            return None
+        per = self.state_bytes_per_sequence
+        return StateStats(
+            state_bytes_per_sequence=per,
+            state_slots_total=states.num_slots,
+            state_bytes_total=states.num_slots * per,
+            state_bytes_in_use=states.num_running * per,
+            state_snapshots=states.num_snapshots,
+            state_snapshot_bytes=states.num_snapshots * per,
+            state_snapshot_stores=states.counters.stores,
+            state_snapshot_hits=states.counters.hits,
+            state_snapshot_drops=states.counters.drops,
+        )
+
+    def check_integrity(self) -> None:
+        """Assert that queues, pages, refcounts, page tables and the prefix index agree."""
+        self.scheduler.check_integrity()
