@@ -143,3 +143,28 @@ def test_decisions_count_every_choice_on_a_candidate(
         decisions.append(d)
     assert sum(r.decisions.values()) == len(decisions)
     assert all(p == policy for p, _ in r.decisions)
+
+
+@pytest.mark.parametrize("retention", ["session", "lru"])
+def test_the_shadow_index_evicts_with_the_replicas_retention_policy(retention: str) -> None:
+    # A paused agent's prompt, then sessionless traffic that fills a replica of 8 pages of 4 tokens twice
+    # over. A replica under `session` retention keeps the paused agent's tail (its pages rank above other
+    # traffic's); under `lru` it is the oldest, so it goes first. The shadow index must do as its replica does.
+    from swarmkv.core.config import EngineConfig
+    from swarmkv.core.core import EngineCore
+
+    r = Router("round-robin", pages_per_replica=8, page_size=4, retention=retention)  # type: ignore[arg-type]
+    replica = EngineCore(EngineConfig(block_size=4, retention=retention), 8)  # type: ignore[arg-type]
+    paused = list(range(1, 9))
+    r.choose(RouteKey(paused, session="agent"), {"a": 0})
+    replica.prefill("p", paused, session_id="agent")
+    for i in range(8):
+        other = list(range(100 * (i + 1), 100 * (i + 1) + 8))
+        r.choose(RouteKey(other), {"a": 0})
+        replica.prefill(f"q{i}", other)
+    shadow = r.shadow("a")
+    assert shadow is not None and shadow.kv.retention.policy == retention
+    kept = shadow.kv.lookup(paused, None).num_tokens
+    assert kept == replica.kv.lookup(paused, None).num_tokens
+    assert kept == (8 if retention == "session" else 0)
+    shadow.check_integrity()

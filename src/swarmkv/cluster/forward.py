@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swarmkv.cluster.routing import RouteKey
+from swarmkv.kv import RetentionPolicy
 
 ANY_REPLICA = "*"  # a target meaning "the least loaded replica, no routing decision recorded"
 REPLICA_HEADER = "x-swarmkv-replica"
@@ -33,6 +34,7 @@ class ForwardedRequest:
     avoid: tuple[str, ...] = ()  # replicas that just failed this request (the ingress's one retry)
     replica_pages: int | None = None  # the replicas' KV pool in pages, for the router's shadow indexes
     page_size: int | None = None
+    retention: RetentionPolicy | None = None  # the replicas' eviction policy, which the shadows follow
 
 
 @dataclass(frozen=True)
@@ -67,3 +69,4 @@ class ReplicaInfo:
     pid: int
     kv_pages: int
     page_size: int
+    retention: RetentionPolicy

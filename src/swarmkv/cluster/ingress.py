@@ -51,7 +51,7 @@ class Ingress:
         pool = await self._replica_pool()
         req = ForwardedRequest(
             method, path, request.url.query, headers, body, routed.key, self._messages(path, body), target,
-            replica_pages=pool.kv_pages, page_size=pool.page_size,
+            replica_pages=pool.kv_pages, page_size=pool.page_size, retention=pool.retention,
         )  # fmt: skip
         return await self._forward(req, routed)
 

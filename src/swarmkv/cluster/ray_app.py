@@ -42,7 +42,10 @@ class EngineReplica:
         self._engine.start()  # the app's lifespan is not run: nothing serves it over a socket
         replica = serve.get_replica_context().replica_id.unique_id
         pages = int(llm.engine.stats()["kv_pages_total"])
-        self._info = ReplicaInfo(replica, os.getpid(), pages, llm.engine.config.block_size)
+        engine_config = llm.engine.config
+        self._info = ReplicaInfo(
+            replica, os.getpid(), pages, engine_config.block_size, engine_config.retention
+        )
 
     def info(self, target: str | None = None) -> ReplicaInfo:
         """Who this replica is and how large its KV pool is (`target`: a replica id the router honours)."""

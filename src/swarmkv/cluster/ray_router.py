@@ -16,6 +16,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from swarmkv.cluster.forward import ANY_REPLICA, ForwardedRequest, RouteNote
 from swarmkv.cluster.routing import DEFAULT_IMBALANCE, DEFAULT_MIN_MATCH, Policy, Router
+from swarmkv.core.config import EngineConfig
 
 NOTE_KWARG = "note"  # the replica method's keyword argument that receives the RouteNote
 
@@ -112,6 +113,7 @@ class SwarmkvRequestRouter(RequestRouter):
                 min_match=self._min_match,
                 imbalance=self._imbalance,
                 seed=self._seed,
+                retention=req.retention or EngineConfig.retention,
             )
         return self._router
 

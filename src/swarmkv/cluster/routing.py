@@ -1,9 +1,10 @@
 """Router: picks the replica for a request by its session, by the longest prefix routed there, or in turn.
 
-Each replica's shadow index is a `KVCacheManager` without tensors, as large as the replica's own KV: a routed
-request's tokens are looked up, allocated, committed and freed there at once, so the index holds what the
-replica caches and evicts it in the same LRU order. Recording at once is what groups a cold swarm: its later
-requests, arriving before the first one has run, already match its head and follow it to the same replica.
+Each replica's shadow index is an `EngineCore` (the engine's bookkeeping without tensors), as large as the
+replica's own KV and with its retention policy: a routed request's prompt is prefilled there at once, under
+its session, so the index holds what the replica caches and evicts it in the replica's own order. Recording at
+once is what groups a cold swarm: its later requests, arriving before the first one has run, already match its
+head and follow it to the same replica.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from dataclasses import dataclass
 from itertools import count
 from typing import Literal
 
-from swarmkv.kv import Hit, KVCacheManager, pages_for
+from swarmkv.core.config import EngineConfig
+from swarmkv.core.core import EngineCore
+from swarmkv.kv import Hit, KVCacheManager, RetentionPolicy, pages_for
 
 Policy = Literal["prefix", "session", "round-robin"]
 Reason = Literal["session", "prefix", "balance", "round_robin", "target"]
@@ -42,21 +45,6 @@ class Decision:
     matched_tokens: int
 
 
-@dataclass(frozen=True)
-class _Recorded:
-    """A routed request as its replica's shadow index sees it: every token computed, then stopped."""
-
-    request_id: str
-    cache_salt: str | None
-    token_ids: list[int]
-    session_id: str | None
-
-    @property
-    def num_computed_tokens(self) -> int:
-        """All of them: the index records what the replica will have cached."""
-        return len(self.token_ids)
-
-
 class Router:
     """One routing policy over the replicas it is given per request, with a bounded prefix index per replica."""
 
@@ -70,10 +58,12 @@ class Router:
         imbalance: int = DEFAULT_IMBALANCE,
         seed: int = 0,
         evict_ahead_pages: int = 0,
+        retention: RetentionPolicy = EngineConfig.retention,
     ) -> None:
-        """`pages_per_replica` x `page_size` tokens is each replica's KV; `min_match` (tokens) and
-        `imbalance` (in-flight requests) gate the prefix policy; `seed` fixes the random choices;
-        `evict_ahead_pages` (see `evict_ahead`) trades exact LRU for fewer scans of a full index."""
+        """`pages_per_replica` x `page_size` tokens is each replica's KV and `retention` its eviction policy;
+        `min_match` (tokens) and `imbalance` (in-flight requests) gate the prefix policy; `seed` fixes the
+        random choices; `evict_ahead_pages` (see `evict_ahead`) trades exact eviction order for fewer scans of
+        a full index."""
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
         for name, value, least in (("pages_per_replica", pages_per_replica, 1), ("page_size", page_size, 1)):
@@ -90,8 +80,12 @@ class Router:
         self.min_match = min_match
         self.imbalance = imbalance
         self.evict_ahead_pages = evict_ahead_pages
+        # The replica's settings where they shape its cache; every prompt prefills in one step here.
+        self._shadow_config = EngineConfig(
+            block_size=page_size, retention=retention, max_num_batched_tokens=1 << 30
+        )
         self._rng = random.Random(seed)
-        self._indexes: dict[str, KVCacheManager] = {}
+        self._indexes: dict[str, EngineCore] = {}
         self._sessions: dict[str, str] = {}  # session -> the replica it is bound to
         self._decisions: Counter[tuple[str, str]] = Counter()
         self._next_turn = 0  # round-robin's position
@@ -105,7 +99,11 @@ class Router:
     def cached_pages(self, replica: str) -> int:
         """Pages the router's index of `replica` holds (0 for a replica it never routed to)."""
         index = self._indexes.get(replica)
-        return index.num_cached if index is not None else 0
+        return index.kv.num_cached if index is not None else 0
+
+    def shadow(self, replica: str) -> EngineCore | None:
+        """The router's engine core standing for `replica` (None before it routed there)."""
+        return self._indexes.get(replica)
 
     def choose(self, key: RouteKey, loads: Mapping[str, int]) -> Decision:
         """The replica for this request among `loads` (replica id -> in-flight requests, non-empty); records
@@ -151,11 +149,12 @@ class Router:
         need_probe = min(self.min_match, len(probe))
         hits: dict[str, Hit] = {}
         for replica in candidates:
-            index = self._indexes.get(replica)
-            if index is None:
+            core = self._indexes.get(replica)
+            if core is None:
                 if self.min_match == 0:
                     hits[replica] = Hit()
                 continue
+            index = core.kv
             if need_probe and index.lookup(probe, key.salt).num_tokens < need_probe:
                 continue
             hit = index.lookup(key.tokens, key.salt)
@@ -171,26 +170,28 @@ class Router:
         return min((loads[a], a), (loads[b], b))[1]
 
     def _record(self, replica: str, key: RouteKey, hit: Hit | None) -> int:
-        """Put the key's tokens into the replica's index as the replica will cache them; the tokens its
-        index matched before."""
-        index = self._indexes.get(replica)
-        if index is None:
-            index = self._indexes[replica] = KVCacheManager(self.pages_per_replica, self.page_size)
-        tokens = list(key.tokens[: self.pages_per_replica * self.page_size])
-        if evict_ahead(index, tokens, key.salt, self.evict_ahead_pages):
-            hit = None
-        if hit is None or len(tokens) < len(key.tokens):
-            hit = index.lookup(tokens, key.salt)
+        """Prefill the key's prompt in the replica's shadow core, as the replica will cache it, under its
+        session; the tokens its index matched before (`hit`: that match, when the caller looked it up)."""
+        core = self._indexes.get(replica)
+        if core is None:
+            core = self._indexes[replica] = EngineCore(self._shadow_config, self.pages_per_replica)
+        # The replica refuses a prompt the pool cannot hold with a reply: record the most of it that fits.
+        tokens = list(key.tokens[: self.pages_per_replica * self.page_size - 1])
+        if (
+            evict_ahead(core.kv, tokens, key.salt, self.evict_ahead_pages)
+            or hit is None
+            or len(tokens) < len(key.tokens)
+        ):
+            hit = core.kv.lookup(tokens, key.salt)
         matched = hit.num_tokens
-        request = _Recorded(f"route-{next(self._request_ids)}", key.salt, tokens, key.session)
-        # Nothing is held between records, so every cached page can be evicted; only a prompt as long as
-        # the whole index with a partial page to copy needs a page more than there is: record less of it.
-        while index.allocate(request, hit, len(tokens) - hit.num_tokens) is None:
-            tokens = tokens[: max(0, len(tokens) - self.page_size)]
-            request = _Recorded(request.request_id, key.salt, tokens, key.session)
-            hit = index.lookup(tokens, key.salt)
-        index.commit(request, len(tokens))
-        index.free(request)
+        session = key.session
+        if session is not None and not core.sessions.is_valid_id(session):
+            session = None  # the replica refuses such a request: it caches nothing under that session
+        while tokens:
+            seq = core.prefill(f"route-{next(self._request_ids)}", tokens, key.salt, session)
+            if seq is not None:
+                break
+            tokens = tokens[: max(0, len(tokens) - self.page_size)]  # a partial page to copy needs one more
         return matched
 
 

@@ -157,35 +157,57 @@ class EngineCore:
         """End a session: its private pages become the first to be evicted. False if it is not open."""
         return self.sessions.release(session_id)
 
+    def add_prompt(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        cache_salt: str | None = None,
+        session_id: str | None = None,
+    ) -> Sequence:
+        """Queue a prompt whose KV `compute_prompts` computes without a model, as a request with
+        `max_tokens: 1` would have it computed."""
+        return self.add_request(
+            request_id, prompt_token_ids, SamplingParams(max_tokens=1), cache_salt, session_id
+        )
+
+    def compute_prompts(self, seqs: list[Sequence], finish: bool = True) -> list[Sequence | None]:
+        """Step (schedule, commit: chunks, hits, evictions as in the engine) until each queued prompt's KV is
+        computed; then, with `finish`, each finishes and leaves its KV cached, else it stays running. None
+        for one the pool could not hold (it gave up)."""
+        while any(s.status is not Status.FINISHED and s.num_computed_tokens < s.num_tokens for s in seqs):
+            plan = self.schedule()
+            assert any(c.num_tokens for c in plan.chunks) or self.scheduler.gave_up, (
+                "the pool is too small for these prompts: one waits on pages that running ones hold"
+            )
+            self.commit(plan.chunks)
+            self.end_step()
+        self.scheduler.gave_up.clear()
+        done: list[Sequence | None] = []
+        for seq in seqs:
+            if seq.status is Status.FINISHED:  # gave up: larger than the pool
+                self.forget(seq.request_id)
+                done.append(None)
+                continue
+            if finish:
+                self.finish(seq, "stop")
+                self.forget(seq.request_id)
+            done.append(seq)
+        return done
+
     def prefill(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         cache_salt: str | None = None,
         session_id: str | None = None,
-        finish: bool = True,
     ) -> Sequence | None:
-        """Compute a prompt's KV as the engine would (chunks, hits, evictions), with no model: the request
-        then finishes as one with `max_tokens: 1` does, leaving its KV cached (or, with `finish` False, stays
-        running). None if the pool cannot hold it. Other queued requests step along."""
+        """One prompt through `add_prompt` and `compute_prompts`, finished: its KV stays cached. None if the
+        engine would refuse it (no room for a reply in the whole pool) or the pool could not hold it."""
         if len(prompt_token_ids) >= self.kv.num_pages * self.kv.page_size:
-            return None  # the engine refuses a prompt the pool cannot hold
-        seq = self.add_request(
-            request_id, prompt_token_ids, SamplingParams(max_tokens=1), cache_salt, session_id
-        )
-        while seq.status is not Status.FINISHED and seq.num_computed_tokens < seq.num_tokens:
-            plan = self.schedule()
-            assert plan.chunks or seq.status is Status.FINISHED, "a lone request neither ran nor gave up"
-            self.commit(plan.chunks)
-            self.end_step()
-        self.scheduler.gave_up.clear()
-        if seq.status is Status.FINISHED:  # gave up: larger than the pool
-            self.forget(request_id)
             return None
-        if finish:
-            self.finish(seq, "stop")
-            self.forget(request_id)
-        return seq
+        return self.compute_prompts([self.add_prompt(request_id, prompt_token_ids, cache_salt, session_id)])[
+            0
+        ]
 
     # Reading.
 

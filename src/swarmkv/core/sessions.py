@@ -29,9 +29,13 @@ class Sessions:
     def __len__(self) -> int:
         return len(self._newest)
 
+    def is_valid_id(self, session_id: object) -> bool:
+        """Whether `session_id` is a usable session id: a non-empty string, not too long."""
+        return isinstance(session_id, str) and 0 < len(session_id) <= self.max_id_chars
+
     def check_id(self, session_id: object) -> None:
         """Raise InvalidRequestError unless `session_id` is a usable session id."""
-        if not isinstance(session_id, str) or not 0 < len(session_id) <= self.max_id_chars:
+        if not self.is_valid_id(session_id):
             raise InvalidRequestError(
                 f"a session id is a non-empty string of at most {self.max_id_chars} characters"
             )

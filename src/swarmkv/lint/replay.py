@@ -1,10 +1,10 @@
-"""Replay prompts through the engine's own scheduler and KV manager, as a server would serve them in order.
+"""Replay prompts through the engine core (scheduler, KV manager, sessions), as a server would serve them in order.
 
-No model runs: the scheduler plans each request's prefill chunks and commits them (as `plan --measure`
-does), then the request samples its one token and finishes, so its KV stays cached for later requests
-exactly as in `swarmkv serve` with `max_tokens: 1` (a finished request's KV covers its prompt and every
-generated token but the last: here the prompt). Cached tokens are the engine's `num_cached_tokens`, which
-the server reports as `usage.prompt_tokens_details.cached_tokens`.
+No model runs: `EngineCore.prefill` plans each request's prefill chunks and commits them (as `plan --measure`
+does), then the request finishes as one with `max_tokens: 1` does, so its KV stays cached for later requests
+exactly as in `swarmkv serve` (a finished request's KV covers its prompt and every generated token but the
+last: here the prompt). Cached tokens are the engine's `num_cached_tokens`, which the server reports as
+`usage.prompt_tokens_details.cached_tokens`.
 """
 
 from __future__ import annotations
@@ -14,12 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from swarmkv.core.config import EngineConfig
-from swarmkv.core.sampling_params import SamplingParams
-from swarmkv.core.scheduler import Scheduler, SchedulerLimits
-from swarmkv.core.sequence import Sequence as EngineRequest
-from swarmkv.core.sequence import Status
-from swarmkv.core.stats import EngineCounters
-from swarmkv.kv import KVCacheManager, Retention, pages_for
+from swarmkv.core.core import EngineCore
+from swarmkv.kv import pages_for
 
 
 @dataclass(frozen=True)
@@ -51,57 +47,38 @@ def replay(
     kv_cache_bytes: int | None = None,
     check: bool = False,
 ) -> ReplayResult:
-    """Run the requests one after another through a Scheduler over a KVCacheManager (`check`: assert the
-    KV books balance at the end, a walk over every page)."""
+    """Run the requests one after another through an engine core (`check`: assert the KV books balance at
+    the end, a walk over every page)."""
     if kv_cache_bytes is None:  # every page any request computes, so nothing is ever evicted
         num_pages = 2 + sum(pages_for(len(r.token_ids), page_size) for r in requests)
     else:
         num_pages = kv_cache_bytes // page_bytes
         if num_pages < 2:
             raise ValueError(f"--kv-cache-memory holds {num_pages} page(s) of {page_bytes} bytes; it needs 2")
-    defaults = EngineConfig()
-    kv = KVCacheManager(num_pages, page_size, retention=Retention(defaults.retention))
-    limits = SchedulerLimits(defaults.max_num_seqs, defaults.max_num_batched_tokens)
-    scheduler = Scheduler(kv, limits, EngineCounters())
+    # The server's defaults: its retention policy and its sessions (a request without a session when the
+    # pool is unbounded, where eviction order cannot matter).
+    core = EngineCore(EngineConfig(block_size=page_size), num_pages, page_bytes=page_bytes)
     cached: list[int | None] = []
-    peak_pages = 0
     pages_of: dict[str, set[int]] = defaultdict(set)  # session -> its pages, by content
     for number, request in enumerate(requests):
-        seq = EngineRequest(
-            f"lint-{number}",
-            list(request.token_ids),
-            SamplingParams(max_tokens=1),
-            request.cache_salt,
-            arrival=number + 1,
-            session_id=request.session_id,
-        )
-        if len(seq.prompt_token_ids) >= num_pages * page_size:
-            cached.append(None)  # the engine refuses a prompt the pool cannot hold
-            continue
-        if seq.session_id is not None and kv_cache_bytes is not None:
-            kv.open_turn(seq)  # as LLMEngine.add_request does: sessions rank pages for eviction
-        scheduler.add(seq)
-        while seq.status is not Status.FINISHED and seq.num_computed_tokens < seq.num_tokens:
-            plan = scheduler.schedule()
-            assert plan.chunks or seq.status is Status.FINISHED, "a lone request neither ran nor gave up"
-            scheduler.commit(plan.chunks)
-            peak_pages = max(peak_pages, kv.num_pages - kv.num_free)
-        if seq.status is Status.FINISHED:  # gave up: larger than the pool
+        session = request.session_id if kv_cache_bytes is not None else None
+        seq = core.prefill(f"lint-{number}", list(request.token_ids), request.cache_salt, session)
+        if seq is None:  # the pool cannot hold it
             cached.append(None)
             continue
-        pages_of[request.group].update(_page_keys(seq.token_ids, request.cache_salt, page_size))
-        scheduler.finish(seq, "stop")
+        pages_of[request.group].update(_page_keys(seq.prompt_token_ids, request.cache_salt, page_size))
         cached.append(seq.num_cached_tokens)
     if check:
-        scheduler.check_integrity()
+        core.check_integrity()
+    stats = core.snapshot()
     holders: dict[int, int] = defaultdict(int)
     for keys in pages_of.values():
         for key in keys:
             holders[key] += 1
     return ReplayResult(
         cached_tokens=cached,
-        kv_bytes=(kv.num_pages - kv.num_free) * page_bytes,
-        peak_kv_bytes=peak_pages * page_bytes,
+        kv_bytes=stats.kv_bytes_used,
+        peak_kv_bytes=stats.peak_kv_bytes_used,
         page_bytes=page_bytes,
         group_kv_bytes={g: len(keys) * page_bytes for g, keys in pages_of.items()},
         group_private_kv_bytes={

@@ -1,5 +1,5 @@
-"""`plan --measure`: push N agents through the engine's own scheduler and KV manager, count the pages, and for
-a hybrid model the state slots: the snapshots sharing keeps and the running states both layouts hold."""
+"""`plan --measure`: push N agents through the engine core (its scheduler and KV manager), count the pages, and
+for a hybrid model the state slots: the snapshots sharing keeps and the running states both layouts hold."""
 
 from __future__ import annotations
 
@@ -9,11 +9,9 @@ from typing import Any
 
 import torch
 
-from swarmkv.core.sampling_params import SamplingParams
-from swarmkv.core.scheduler import Scheduler, SchedulerLimits
-from swarmkv.core.sequence import Sequence as Request
-from swarmkv.core.stats import EngineCounters
-from swarmkv.kv import KVCacheManager, pages_for
+from swarmkv.core.config import EngineConfig
+from swarmkv.core.core import EngineCore
+from swarmkv.kv import pages_for
 from swarmkv.plan.hybrid import HybridRow
 from swarmkv.plan.shape import KV_DTYPES, KVShape, RecurrentState
 from swarmkv.plan.table import PrefixRow
@@ -145,21 +143,26 @@ def agent_sequences(num_agents: int, prefix_tokens: int, tail_tokens: int) -> li
     ]
 
 
-def admit(kv: KVCacheManager, sequences: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Run each agent's prompt through the engine's own scheduler and this manager until its KV is
-    computed (no model: the measurement counts pages, not FLOPs); return their page tables."""
-    scheduler = Scheduler(kv, SchedulerLimits(len(sequences), 1 << 30), EngineCounters())
-    params = SamplingParams(max_tokens=1)
-    requests = [Request(f"agent-{i}", list(tokens), params) for i, tokens in enumerate(sequences)]
-    for request in requests:
-        scheduler.add(request)
-    while any(r.num_computed_tokens < r.num_tokens for r in requests):
-        plan = scheduler.schedule()
-        # Agents here never finish (nothing samples), so one left waiting for pages would wait forever.
-        assert any(c.num_tokens for c in plan.chunks), "the measuring pool is too small for these agents"
-        scheduler.commit(plan.chunks)
-    scheduler.check_integrity()
-    return [list(kv.page_table(r.request_id)) for r in requests]
+def admit(core: EngineCore, sequences: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Run each agent's prompt through the engine core, all queued at once, until its KV is computed (no
+    model: the measurement counts pages, not FLOPs); return their page tables. The agents stay running."""
+    agents = [core.add_prompt(f"agent-{i}", list(tokens)) for i, tokens in enumerate(sequences)]
+    assert all(core.compute_prompts(agents, finish=False)), "the measuring pool is too small for these agents"
+    core.check_integrity()
+    return [list(core.kv.page_table(seq.request_id)) for seq in agents]
+
+
+def _core(
+    num_agents: int, num_pages: int, block_size: int, prefix_caching: bool, num_state_slots: int
+) -> EngineCore:
+    """An engine core for the measurement: every agent running at once, each prompt in one step."""
+    config = EngineConfig(
+        block_size=block_size,
+        prefix_caching=prefix_caching,
+        max_num_seqs=num_agents,
+        max_num_batched_tokens=1 << 30,
+    )
+    return EngineCore(config, num_pages, num_state_slots=num_state_slots)
 
 
 def state_slot_bytes(recurrent: RecurrentState) -> int:
@@ -210,8 +213,8 @@ def measure_row(
         num_slots = 2 * num_agents + 2  # a running state each, and room for every snapshot: none dropped
         num_pages += 1  # the snapshot's cached copy of the page the prefix ends in
     per_slot, shared = (
-        KVCacheManager(num_pages, block_size, prefix_caching=False, num_state_slots=num_slots),
-        KVCacheManager(num_pages, block_size, prefix_caching=True, num_state_slots=num_slots),
+        _core(num_agents, num_pages, block_size, prefix_caching=False, num_state_slots=num_slots),
+        _core(num_agents, num_pages, block_size, prefix_caching=True, num_state_slots=num_slots),
     )
     per_slot_prefixes = _prefix_pages(admit(per_slot, sequences), prefix_tokens, block_size)
     shared_prefixes = _prefix_pages(admit(shared, sequences), prefix_tokens, block_size)
@@ -225,8 +228,8 @@ def measure_row(
         pages_per_copy=len(per_slot_prefixes[0]),
         pages_all_copies=len(set().union(*per_slot_prefixes)),
         pages_shared=len(set().union(*shared_prefixes)),
-        pages_per_slot_total=per_slot.num_in_use,
-        pages_shared_total=shared.num_in_use,
+        pages_per_slot_total=per_slot.kv.num_in_use,
+        pages_shared_total=shared.kv.num_in_use,
         state_bytes=state_bytes,
         num_state_slots=num_slots,
         num_snapshots=shared_states[0],
@@ -236,10 +239,11 @@ def measure_row(
     )
 
 
-def _state_counts(kv: KVCacheManager) -> tuple[int, int]:
+def _state_counts(core: EngineCore) -> tuple[int, int]:
     """(branch snapshots, running states) in the manager's state pool; (0, 0) without one. Each agent's
     prompt-end snapshot is its own state, which a per-slot engine keeps in its slot too: not counted."""
-    return (kv.states.count("branch"), kv.states.num_running) if kv.states is not None else (0, 0)
+    states = core.kv.states
+    return (states.count("branch"), states.num_running) if states is not None else (0, 0)
 
 
 def measure_rows(
