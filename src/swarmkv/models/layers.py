@@ -1,5 +1,5 @@
 """The shared layer vocabulary: RMSNorm (with the residual add fused in), rotary embedding, fused QKV and
-gate-up projections, and the four ops they call: torch's (`kernels/reference.py`) or, on a GPU, the Triton kernels."""
+gate-up projections, and the four ops they call: torch's (`kernels/reference.py`) or, on a GPU, Triton's."""
 
 from __future__ import annotations
 
