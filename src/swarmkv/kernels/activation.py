@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from swarmkv.models.layers import silu_and_mul as silu_and_mul_reference
+from swarmkv.kernels.reference import silu_and_mul as silu_and_mul_reference
 
 __all__ = ["silu_and_mul", "silu_and_mul_reference"]
 

@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from swarmkv.models.layers import add_rms_norm as add_rms_norm_reference
-from swarmkv.models.layers import rms_norm as rms_norm_reference
+from swarmkv.kernels.reference import add_rms_norm as add_rms_norm_reference
+from swarmkv.kernels.reference import rms_norm as rms_norm_reference
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from swarmkv.models.quantized import pack_int4, unpack_int4
+from swarmkv.kernels.reference import pack_int4, unpack_int4
 
 __all__ = [
     "int4_matmul",

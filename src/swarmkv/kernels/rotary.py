@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from swarmkv.models.layers import apply_rotary as apply_rotary_reference
+from swarmkv.kernels.reference import apply_rotary as apply_rotary_reference
 
 __all__ = ["apply_rotary_", "apply_rotary_reference"]
 

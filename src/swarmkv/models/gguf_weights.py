@@ -13,8 +13,9 @@ from gguf.quants import dequantize
 
 from swarmkv.config import ModelConfig
 from swarmkv.errors import ModelLoadError
+from swarmkv.kernels.reference import pack_int4
 from swarmkv.models.gguf_file import GGUFFile
-from swarmkv.models.quantized import INT4_GROUP_SIZE, QuantizedWeight, WeightFormat, pack_int4
+from swarmkv.models.quantized import INT4_GROUP_SIZE, QuantizedWeight, WeightFormat
 
 _Q4 = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}  # bytes per block of 32
 _FLOAT = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}

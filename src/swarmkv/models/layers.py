@@ -1,5 +1,5 @@
 """The shared layer vocabulary: RMSNorm (with the residual add fused in), rotary embedding, fused QKV and
-gate-up projections, and the four ops they call in plain torch or, on a GPU, as Triton kernels."""
+gate-up projections, and the four ops they call: torch's (`kernels/reference.py`) or, on a GPU, Triton's."""
 
 from __future__ import annotations
 
@@ -8,40 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from swarmkv.config import RopeScaling
+from swarmkv.kernels.reference import add_rms_norm, apply_rotary, rms_norm, silu_and_mul
 from swarmkv.models.quantized import WeightFormat, make_linear
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Root-mean-square norm over the last dim, computed in at least float32 as the reference models do."""
-    wide = x.to(torch.promote_types(x.dtype, torch.float32))
-    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * wide.to(x.dtype)
-
-
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual): the pre-norm block's residual add and its next norm."""
-    summed = x + residual
-    return rms_norm(summed, weight, eps), summed
-
-
-def apply_rotary(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D] and k [T, Hkv, D] rotated by the [2, positions, D] cos/sin rows of their positions [T]."""
-    cos, sin = cos_sin[:, positions].unsqueeze(2).to(q.dtype)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's silu(gate) * up for a fused gate-up row [T, 2I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 @dataclass(frozen=True)
@@ -137,12 +108,6 @@ class RotaryEmbedding(nn.Module):
         """Rotate q [T, Hq, D] and k [T, Hkv, D] by their token positions [T]."""
         assert self.cos_sin is not None, "RotaryEmbedding.build() was not called"
         return ops.apply_rotary(positions, q, k, self.cos_sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 class GatedMLP(nn.Module):

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from swarmkv.errors import ConfigError
+from swarmkv.kernels.reference import pack_int4, unpack_int4
 
 WeightFormat = Literal["float", "int8", "int4"]
 INT4_GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1 block
@@ -58,18 +59,6 @@ class QuantizedWeight:
         q = unpack_int4(self.qweight).float()
         groups = torch.arange(q.shape[1], device=q.device) // INT4_GROUP_SIZE
         return q * self.scales.float()[:, groups] + self.mins.float()[:, groups]
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 values 0..15 [N, K] -> two per byte [N, K / 2], even k in the low nibble."""
-    assert q.dtype == torch.uint8 and q.dim() == 2 and q.shape[1] % 2 == 0, "q must be uint8 [N, even K]"
-    return q[:, 0::2] | (q[:, 1::2] << 4)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """[N, K / 2] bytes -> uint8 values 0..15 [N, K] (the inverse of pack_int4)."""
-    assert packed.dtype == torch.uint8 and packed.dim() == 2, "packed must be uint8 [N, K / 2]"
-    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
 def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype) -> QuantizedWeight:
