@@ -1,10 +1,11 @@
-"""Replay a trace through a `Router` over replicas that are each a real `KVCacheManager`, with no model.
+"""Replay a trace through a `Router` over replicas that are each an `EngineCore`, with no model.
 
 A request is routed when it arrives, then looked up on its replica (all but its last prompt token, as the
 engine's scheduler leaves one to compute), given pages for its prompt and reply at once and held until it
 finishes: its prefill waits behind the replica's earlier prefills (one queue per replica, at a fixed rate)
 and its reply decodes at a fixed rate. It then commits and frees its pages, leaving them cached, so the
-next turn of its agent can hit them, and LRU eviction on each replica is the engine's own. In-flight
+next turn of its agent can hit them. Each request is a turn of its agent's session on the replica's core, so
+eviction there is the engine's own, in the replica's retention order. In-flight
 requests per replica are the loads the router balances on, so a hot replica's queue pushes work elsewhere.
 """
 
@@ -24,7 +25,11 @@ from swarmkv.cluster.routing import (
     evict_ahead,
 )
 from swarmkv.cluster.trace import Trace
-from swarmkv.kv import KVCacheManager, pages_for
+from swarmkv.core.config import EngineConfig
+from swarmkv.core.core import EngineCore
+from swarmkv.core.sampling_params import SamplingParams
+from swarmkv.core.sequence import Sequence as Turn
+from swarmkv.kv import RetentionPolicy, pages_for
 
 SimPolicy = Policy | None  # None: every request on the one replica, no router
 
@@ -42,6 +47,7 @@ class ClusterSpec:
     imbalance: int = DEFAULT_IMBALANCE
     seed: int = 0
     evict_ahead_fraction: float = 1 / 16  # of a replica's pages, per eviction scan (see routing.evict_ahead)
+    retention: RetentionPolicy = EngineConfig.retention  # the replicas' eviction policy
 
     @property
     def evict_ahead_pages(self) -> int:
@@ -85,27 +91,17 @@ class SimResult:
         return self.prompt_tokens - self.hit_tokens
 
 
-@dataclass
-class _Running:
-    """An admitted request as its replica's KV manager reads it (swarmkv.kv.KVRequest)."""
-
-    request_id: str
-    token_ids: list[int]
-    session_id: str | None
-    num_computed_tokens: int = 0
-    cache_salt: str | None = None
-
-
 class _Events:
     """One replica's KV changes in time order: a request's prompt committed when its prefill ends, all of its
     tokens committed and its pages freed (left cached) when its reply ends."""
 
-    def __init__(self, manager: KVCacheManager) -> None:
-        self._manager = manager
-        self._heap: list[tuple[float, int, int, _Running]] = []
+    def __init__(self, core: EngineCore) -> None:
+        self._manager = core.kv
+        self._heap: list[tuple[float, int, int, Turn]] = []
         self._order = count()
+        self.live: set[str] = set()  # requests holding pages
 
-    def push(self, at_s: float, request: _Running, num_computed_tokens: int) -> None:
+    def push(self, at_s: float, request: Turn, num_computed_tokens: int) -> None:
         """At `at_s`, the request has KV for its first `num_computed_tokens` tokens (all: it finished)."""
         heapq.heappush(self._heap, (at_s, next(self._order), num_computed_tokens, request))
 
@@ -117,6 +113,8 @@ class _Events:
             self._manager.commit(request, num_computed)
             if num_computed == len(request.token_ids):
                 self._manager.free(request)
+                self._manager.close(request.request_id)
+                self.live.discard(request.request_id)
 
 
 def simulate(trace: Trace, spec: ClusterSpec, policy: SimPolicy) -> SimResult:
@@ -124,7 +122,8 @@ def simulate(trace: Trace, spec: ClusterSpec, policy: SimPolicy) -> SimResult:
     if policy is None and spec.replicas != 1:
         raise ValueError(f"no policy routes over {spec.replicas} replicas; give one")
     ids = [f"r{i:02d}" for i in range(spec.replicas)]
-    managers = {rid: KVCacheManager(spec.pages_per_replica, spec.page_size) for rid in ids}
+    config = EngineConfig(block_size=spec.page_size, retention=spec.retention)
+    cores = {rid: EngineCore(config, spec.pages_per_replica) for rid in ids}
     router = None
     if policy is not None:
         router = Router(
@@ -135,12 +134,13 @@ def simulate(trace: Trace, spec: ClusterSpec, policy: SimPolicy) -> SimResult:
             imbalance=spec.imbalance,
             seed=spec.seed,
             evict_ahead_pages=spec.evict_ahead_pages,
+            retention=spec.retention,
         )
     loads = dict.fromkeys(ids, 0)
     queue_free_s = dict.fromkeys(ids, 0.0)
     served = dict.fromkeys(ids, 0)
     finishes: list[tuple[float, str]] = []  # (finish_s, replica): in-flight requests, for the loads
-    kv_events = {rid: _Events(managers[rid]) for rid in ids}
+    kv_events = {rid: _Events(cores[rid]) for rid in ids}
     order = count()
     prompt_tokens = hit_tokens = 0
     for req in trace.requests:
@@ -151,9 +151,12 @@ def simulate(trace: Trace, spec: ClusterSpec, policy: SimPolicy) -> SimResult:
         # The replica's prefills run one after another: this one looks up what every earlier one left.
         start_s = max(req.arrival_s, queue_free_s[rid])
         kv_events[rid].run_until(start_s)
-        manager = managers[rid]
+        core, events = cores[rid], kv_events[rid]
+        manager = core.kv
         tokens = prompt + list(req.reply)
-        request = _Running(f"q{next(order)}", tokens, req.session)
+        request = Turn(f"q{next(order)}", tokens, SamplingParams(max_tokens=1), session_id=req.session)
+        if req.session is not None and core.sessions.is_valid_id(req.session):
+            core.sessions.open_turn(request, events.live)
         evict_ahead(manager, tokens, None, spec.evict_ahead_pages)
         hit = manager.lookup(prompt[:-1], None)
         cached = manager.allocate(request, hit, len(tokens) - hit.num_tokens) is not None
@@ -163,8 +166,11 @@ def simulate(trace: Trace, spec: ClusterSpec, policy: SimPolicy) -> SimResult:
         queue_free_s[rid] = start_s + (len(prompt) - hit_here) / spec.prefill_tokens_per_s
         finish_s = queue_free_s[rid] + len(req.reply) / spec.decode_tokens_per_s
         if cached:
-            kv_events[rid].push(queue_free_s[rid], request, len(prompt))
-            kv_events[rid].push(finish_s, request, len(tokens))
+            events.live.add(request.request_id)
+            events.push(queue_free_s[rid], request, len(prompt))
+            events.push(finish_s, request, len(tokens))
+        else:
+            manager.close(request.request_id)
         heapq.heappush(finishes, (finish_s, rid))
         loads[rid] += 1
         served[rid] += 1
@@ -172,8 +178,8 @@ def simulate(trace: Trace, spec: ClusterSpec, policy: SimPolicy) -> SimResult:
         events.run_until(float("inf"))
     copies = sum(
         sum(
-            m.lookup(head, None).num_tokens >= len(head) // spec.page_size * spec.page_size
-            for m in managers.values()
+            c.kv.lookup(head, None).num_tokens >= len(head) // spec.page_size * spec.page_size
+            for c in cores.values()
         )
         for head in trace.heads
     )
@@ -183,8 +189,8 @@ def simulate(trace: Trace, spec: ClusterSpec, policy: SimPolicy) -> SimResult:
         spec.replicas,
         prompt_tokens,
         hit_tokens,
-        sum(m.num_cached for m in managers.values()),
-        sum(m.num_evictions for m in managers.values()),
+        sum(c.kv.num_cached for c in cores.values()),
+        sum(c.kv.num_evictions for c in cores.values()),
         copies / len(trace.heads),
         tuple(served[rid] for rid in ids),
         decisions,
