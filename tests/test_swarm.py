@@ -93,13 +93,12 @@ def test_swarm_command_reports_ideal_sharing(tmp_path: Path) -> None:
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_naive_is_a_deprecated_alias_of_per_slot(capsys: pytest.CaptureFixture[str]) -> None:
-    args = build_parser().parse_args(["swarm", "--mode", "naive"])
-    assert selected_modes(args.mode) == selected_modes("per-slot") == ["per-slot"]
+def test_modes_select_the_layouts_and_the_removed_naive_alias_is_refused() -> None:
+    args = build_parser().parse_args(["swarm", "--mode", "per-slot"])
+    assert selected_modes(args.mode) == ["per-slot"]
     assert selected_modes("both") == ["shared", "per-slot"] and selected_modes("shared") == ["shared"]
     with pytest.raises(SystemExit):
-        main(["swarm", "--help"])
-    assert "naive is a deprecated alias of per-slot" in " ".join(capsys.readouterr().out.split())
+        build_parser().parse_args(["swarm", "--mode", "naive"])
 
 
 @pytest.fixture(scope="module")

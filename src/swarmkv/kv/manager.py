@@ -122,6 +122,7 @@ class KVCacheManager:
         self._mover = mover
         self._tables: dict[str, _Table] = {}
         self._pins: dict[str, list[int]] = {}
+        self._pin_holds: Counter[int] = Counter()  # device page -> pins holding it, kept as pins come and go
         self.num_evictions = 0
         self.states = StateIndex(num_state_slots) if num_state_slots else None
         self._state_mover = state_mover
@@ -156,11 +157,11 @@ class KVCacheManager:
     @property
     def num_pinned(self) -> int:
         """Device pages some pin holds."""
-        return len({p for pages in self._pins.values() for p in pages})
+        return len(self._pin_holds)
 
     def all_pinned_pages(self) -> frozenset[int]:
         """Device pages some pin holds (a page two pins share is listed once)."""
-        return frozenset(p for pages in self._pins.values() for p in pages)
+        return frozenset(self._pin_holds)
 
     @property
     def has_states(self) -> bool:
@@ -435,6 +436,7 @@ class KVCacheManager:
         self.pool.retain(pages)
         self.index.touch(pages)
         self._pins[pin_id] = pages
+        self._pin_holds.update(pages)
         return len(pages) * self.page_size
 
     def unpin(self, pin_id: str) -> bool:
@@ -442,6 +444,10 @@ class KVCacheManager:
         pages = self._pins.pop(pin_id, None)
         if pages is None:
             return False
+        self._pin_holds.subtract(pages)
+        for page in pages:
+            if not self._pin_holds[page]:
+                del self._pin_holds[page]
         self.pool.release(pages)
         return True
 
@@ -561,6 +567,9 @@ class KVCacheManager:
         host_free, host_used = self.host.free_pages(), self.index.host_pages()
         assert not host_free & host_used, f"host pages both free and indexed: {sorted(host_free & host_used)}"
         assert len(host_free) + len(host_used) == self.host.num_pages, "host pages leaked"
+        assert self._pin_holds == Counter(p for pages in self._pins.values() for p in pages), (
+            "pin counts drifted"
+        )
         for pin_id, pages in self._pins.items():
             assert all(self.index.is_full(p) for p in pages), f"pin {pin_id} holds a page not indexed full"
         if self.states is not None:

@@ -53,11 +53,6 @@ class Node:
     anonymous: bool = False  # a request without a session computed or reused it
     reach: dict[str, int] = field(default_factory=dict)  # session -> its requests whose path runs here
 
-    @property
-    def is_live(self) -> bool:
-        """Whether the node is still in the tree (on either tier)."""
-        return self.page is not None or self.host is not None
-
 
 EvictionKey = Callable[[Node], tuple[Any, ...]]
 

@@ -69,10 +69,6 @@ class Retention:
         """The session a live or newest request belongs to."""
         return self._session_of.get(request_id)
 
-    def is_open(self, session_id: str) -> bool:
-        """Whether the session is known and not released."""
-        return session_id in self._sessions
-
     @property
     def num_open(self) -> int:
         """Sessions not released."""

@@ -102,10 +102,6 @@ class StateIndex:
         """The running request's slot."""
         return self._running[request_id]
 
-    def has_slot(self, request_id: str) -> bool:
-        """Whether the request holds a running slot."""
-        return request_id in self._running
-
     def can_take(self) -> bool:
         """Whether `take` would succeed: a free slot, or a snapshot to drop for one."""
         return bool(self._free or self._snapshots)

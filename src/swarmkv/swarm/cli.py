@@ -67,10 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload (tasks, tool outputs)")
     parser.add_argument(
         "--mode",
-        choices=("both", *MODES, "naive"),
+        choices=("both", *MODES),
         default="both",
-        help="the KV layouts to run (default both); naive is a deprecated alias of per-slot, removed in the"
-        " next release",
+        help="the KV layouts to run (default both)",
     )
     parser.add_argument(
         "--policies",
@@ -110,10 +109,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def selected_modes(mode: str) -> list[Mode]:
-    """The layouts `--mode` asks for, in running order; `naive` is the old name of per-slot."""
+    """The layouts `--mode` asks for, in running order."""
     if mode == "both":
         return list(MODES)
-    return ["per-slot" if mode == "naive" else cast(Mode, mode)]
+    return [cast(Mode, mode)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,8 +126,6 @@ def run(args: argparse.Namespace) -> int:
     if args.agents <= 0 or args.turns <= 0 or args.prefix_tokens <= 0 or args.max_tokens <= 0:
         raise ValueError("--agents, --turns, --prefix-tokens and --max-tokens must be positive")
     console = Console()
-    if args.mode == "naive":
-        console.print("[yellow]--mode naive is deprecated and will be removed: use --mode per-slot[/]")
     if args.server:
         return run_over_http(args, console)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device, weights=args.weights)
