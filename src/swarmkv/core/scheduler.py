@@ -195,7 +195,7 @@ class Scheduler:
             for position, seq in enumerate(
                 itertools.islice(self.waiting, self.limits.max_waiting_considered)
             ):
-                hit = self.kv.lookup(_uncached_head(seq), seq.cache_salt)
+                hit = self.kv.lookup(_uncached_head(seq), seq.cache_salt, seq.page_keys(self.kv.page_size))
                 items.append((fed(seq), seq.num_tokens - hit.num_tokens, position, seq))
         items.sort(key=lambda item: item[:3])
         return items
@@ -257,7 +257,7 @@ class Scheduler:
         """Start a waiting request with its first chunk: the tokens it takes; 0 if it waits for a prefix
         another request is computing; None if its pages do not fit."""
         # Looked up again: admissions earlier in this step may have evicted or computed pages.
-        hit = self.kv.lookup(_uncached_head(seq), seq.cache_salt)
+        hit = self.kv.lookup(_uncached_head(seq), seq.cache_salt, seq.page_keys(self.kv.page_size))
         if hit.partial is None and self._prefix_in_flight(seq, hit):
             return 0
         num_tokens = min(seq.num_tokens - hit.num_tokens, budget)

@@ -42,6 +42,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
 
     _token_ids: list[int] = field(default_factory=list, repr=False)  # prompt + output, kept in step
+    _page_keys: list[tuple[int, ...]] = field(default_factory=list, repr=False)  # of its full pages so far
 
     def __post_init__(self) -> None:
         self._token_ids = self.prompt_token_ids + self.output_token_ids
@@ -50,6 +51,15 @@ class Sequence:
     def token_ids(self) -> list[int]:
         """Prompt followed by generated tokens (the sequence's own list: read it, do not change it)."""
         return self._token_ids
+
+    def page_keys(self, page_size: int) -> list[tuple[int, ...]]:
+        """The prefix index's keys of its full pages (their tokens), each built once: tokens only grow, and
+        one engine has one page size. Read it, do not change it."""
+        keys, tokens = self._page_keys, self._token_ids
+        while (len(keys) + 1) * page_size <= len(tokens):
+            start = len(keys) * page_size
+            keys.append(tuple(tokens[start : start + page_size]))
+        return keys
 
     def append_token(self, token: int) -> None:
         """Add a generated token."""

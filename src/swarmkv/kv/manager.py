@@ -35,7 +35,7 @@ from typing import Protocol
 
 from swarmkv.kv.host_tier import HostTier, PageMover
 from swarmkv.kv.page_pool import PagePool, pages_for
-from swarmkv.kv.radix_index import Node, PartialHit, RadixIndex, Salt
+from swarmkv.kv.radix_index import Node, PageKey, PartialHit, RadixIndex, Salt
 from swarmkv.kv.retention import Retention
 from swarmkv.kv.state_index import MIN_SNAPSHOT_TOKENS, SnapshotKind, StateIndex, StateMover
 
@@ -192,11 +192,12 @@ class KVCacheManager:
         """Whether the request has a page table."""
         return request_id in self._tables
 
-    def lookup(self, tokens: Sequence[int], salt: Salt) -> Hit:
-        """The longest cached prefix of `tokens` under `salt`; no references taken, nothing changed."""
+    def lookup(self, tokens: Sequence[int], salt: Salt, keys: Sequence[PageKey] | None = None) -> Hit:
+        """The longest cached prefix of `tokens` under `salt` (`keys`: the page keys of its full pages, when
+        the caller keeps them, so they are not built again); no references taken, nothing changed."""
         if not self.prefix_caching:
             return NO_HIT
-        hit = self._page_hit(tokens, salt)
+        hit = self._page_hit(tokens, salt, keys)
         if self.states is None:
             return hit
         snapshot = self.states.deepest(tokens, salt, hit.num_tokens)
@@ -210,8 +211,8 @@ class KVCacheManager:
             hit.pages, hit.partial, hit.num_tokens, hit.host_pages, snapshot.slot, branch, snapshot.kind
         )
 
-    def _page_hit(self, tokens: Sequence[int], salt: Salt) -> Hit:
-        pages, host_pages, partial = self.index.lookup(tokens, salt)
+    def _page_hit(self, tokens: Sequence[int], salt: Salt, keys: Sequence[PageKey] | None = None) -> Hit:
+        pages, host_pages, partial = self.index.lookup(tokens, salt, keys)
         # A copy must spare at least half a page of compute to be worth a page copy, unless a state
         # snapshot needs those tokens' KV.
         min_copy = 1 if self.states is not None else self.page_size // 2

@@ -99,16 +99,19 @@ class RadixIndex:
         """Host pages the index holds."""
         return len(self._node_of_host)
 
-    def lookup(self, tokens: Sequence[int], salt: Salt) -> tuple[list[int], list[int], PartialHit | None]:
+    def lookup(
+        self, tokens: Sequence[int], salt: Salt, keys: Sequence[PageKey] | None = None
+    ) -> tuple[list[int], list[int], PartialHit | None]:
         """Device pages, then host pages, of the longest cached prefix of `tokens`, and the partial page
-        continuing it furthest. Changes nothing."""
+        continuing it furthest (`keys`: the page keys of `tokens`' full pages, or more, when the caller
+        keeps them). Changes nothing."""
         pages: list[int] = []
         host_pages: list[int] = []
         root = self._roots.get(salt)
         if root is None:
             return pages, host_pages, None
         node = root
-        for node in self._walk(root, tokens):  # node ends as the deepest match
+        for node in self._walk(root, tokens, keys):  # node ends as the deepest match
             if node.page is not None:
                 assert not host_pages, "a device page under a host page"
                 pages.append(node.page)
@@ -132,10 +135,12 @@ class RadixIndex:
             )
         return nodes
 
-    def _walk(self, node: Node, tokens: Sequence[int]) -> Iterator[Node]:
+    def _walk(
+        self, node: Node, tokens: Sequence[int], keys: Sequence[PageKey] | None = None
+    ) -> Iterator[Node]:
         size = self.page_size
-        for start in range(0, len(tokens) - size + 1, size):
-            child = node.children.get(tuple(tokens[start : start + size]))
+        for i, start in enumerate(range(0, len(tokens) - size + 1, size)):
+            child = node.children.get(keys[i] if keys is not None else tuple(tokens[start : start + size]))
             if child is None:
                 return
             yield child
