@@ -81,6 +81,9 @@ class RadixIndex:
         self._roots: dict[Salt, Node] = {}
         self._node_of_page: dict[int, Node] = {}
         self._node_of_host: dict[int, Node] = {}
+        # Device nodes with no child on the device, kept as pages come and go: eviction's candidates are
+        # the unheld ones among them, so it never scans the whole tree.
+        self._device_leaves: dict[int, Node] = {}
         self._clock = itertools.count(1)
         self._superseded_hosts: list[int] = []  # host copies a fresh device page replaced (see insert)
 
@@ -192,12 +195,11 @@ class RadixIndex:
             del self._node_of_host[child.host]
             self._superseded_hosts.append(child.host)
             child.host = None
-            child.page = page
             child.last_access = next(self._clock)
         else:
-            child = Node(key=key, page=page, parent=parent, last_access=next(self._clock))
+            child = Node(key=key, page=None, parent=parent, last_access=next(self._clock))
             parent.children[key] = child
-        self._node_of_page[page] = child
+        self._to_device(child, page)
         return page
 
     def take_superseded_host(self) -> list[int]:
@@ -207,9 +209,9 @@ class RadixIndex:
 
     def detach(self, page: int) -> Node:
         """Take a partial leaf out of the tree: its claimer will write past its tokens."""
-        node = self._node_of_page.pop(page)
+        node = self._node_of_page[page]
         assert node.parent is not None and len(node.key) < self.page_size and not node.children
-        node.page = None
+        self._off_device(node)
         self._unlink(node)
         return node
 
@@ -223,21 +225,26 @@ class RadixIndex:
         extra key before last use), then least recently used; a parent becomes a candidate once it is such
         a leaf. Each goes to the host page `host_page()` gives, or is dropped with its host subtree."""
         key = order or (lambda node: ())
-        heap = [(key(n), n.last_access, id(n), n) for n in self._node_of_page.values() if self._evictable(n)]
+        refcounts = self.pool.refcounts
+        heap = [
+            (key(n), n.last_access, id(n), n)
+            for page, n in self._device_leaves.items()
+            if refcounts[page] == 0
+        ]
         heapq.heapify(heap)
         result = Eviction()
         while heap and len(result.moved) + len(result.dropped) < num_pages:
             *_, node = heapq.heappop(heap)
             page = node.page
             assert page is not None
-            del self._node_of_page[page]
+            # Before the node leaves the device: dropping a host leaf for room must not find it empty.
             host = host_page() if host_page is not None else None
+            self._off_device(node)
             if host is not None:
-                node.page, node.host = None, host
+                node.host = host
                 self._node_of_host[host] = node
                 result.moved.append((page, host))
             else:
-                node.page = None
                 result.dropped.append(page)
                 result.dropped_host.extend(self._drop_subtree(node))
                 self._unlink(node)
@@ -279,9 +286,9 @@ class RadixIndex:
         assert node.parent is not None and (node.parent.page is not None or node.parent.parent is None), (
             "loading a host page under a parent that is not on the device"
         )
-        node.host, node.page = None, page
+        node.host = None
         node.last_access = next(self._clock)
-        self._node_of_page[page] = node
+        self._to_device(node, page)
 
     def offload(self, pages: Sequence[int], host_page: Callable[[], int | None]) -> list[tuple[int, int]]:
         """Move these unheld device pages to host pages, leaves first (a request's tail, given in token
@@ -294,11 +301,32 @@ class RadixIndex:
             host = host_page()
             if host is None:
                 break
-            del self._node_of_page[page]
-            node.page, node.host = None, host
+            self._off_device(node)
+            node.host = host
             self._node_of_host[host] = node
             moved.append((page, host))
         return moved
+
+    def _to_device(self, node: Node, page: int) -> None:
+        """The node's KV is now in device page `page`: it is a device leaf, and its parent no longer is."""
+        node.page = page
+        self._node_of_page[page] = node
+        if all(child.page is None for child in node.children.values()):
+            self._device_leaves[page] = node
+        parent = node.parent
+        if parent is not None and parent.page is not None:
+            self._device_leaves.pop(parent.page, None)
+
+    def _off_device(self, node: Node) -> None:
+        """The node's device page goes (to the host, or with the node): its parent may become a leaf."""
+        assert node.page is not None
+        del self._node_of_page[node.page]
+        self._device_leaves.pop(node.page, None)
+        node.page = None
+        parent = node.parent
+        if parent is not None and parent.page is not None:
+            if all(child.page is None for child in parent.children.values()):
+                self._device_leaves[parent.page] = parent
 
     def _drop_subtree(self, node: Node) -> list[int]:
         """Forget every host node under `node` (they hang from a node being dropped)."""
@@ -412,4 +440,11 @@ class RadixIndex:
                 seen.add(child.page)
                 stack.append(child)
         assert seen == set(self._node_of_page), "nodes unreachable from any root"
+        leaves = {
+            page
+            for page, node in self._node_of_page.items()
+            if all(child.page is None for child in node.children.values())
+        }
+        assert leaves == set(self._device_leaves), "the device leaves kept disagree with the tree"
+        assert all(self._device_leaves[page] is self._node_of_page[page] for page in leaves), "stale leaf"
         assert seen_host == set(self._node_of_host), "host nodes unreachable from any root"
