@@ -75,7 +75,11 @@ MAX_POSITIONS = 8192
 
 def _byte_alphabet() -> list[str]:
     """The byte-level pre-tokenizer's character for each byte, in byte order (GPT-2's table)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, extra = {}, 0
     for byte in range(256):
         if byte in printable:
