@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -169,3 +172,36 @@ def test_the_server_parses_the_scripted_call_and_answer(scripted: LoadedModel) -
         assert call["function"] == {"name": "get_time", "arguments": '{"city": "Paris"}'}
         answer = chat(CALLED_TWICE)
         assert (answer["finish_reason"], answer["message"]["content"]) == ("stop", ANSWER)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow  # a fresh interpreter imports torch and the server
+def test_swarmkv_serve_loads_it_like_any_model(scripted_model_dir: Path) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "swarmkv.cli",
+        "serve",
+        "--model",
+        str(scripted_model_dir),
+        "--port",
+        "0",
+    ]
+    server = subprocess.Popen(
+        [*command, "--kv-cache-memory", "16MiB"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+    )
+    try:
+        assert server.stderr is not None
+        url = None
+        for line in server.stderr:  # uvicorn names the port it bound
+            if found := re.search(r"Uvicorn running on (http://\S+)", line):
+                url = found.group(1)
+                break
+        assert url is not None, f"the server exited with {server.wait()}"
+        body = {"model": scripted_model_dir.name, "messages": [QUESTION], "tools": TOOLS, "temperature": 0}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+        (call,) = reply["message"]["tool_calls"]
+        assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
