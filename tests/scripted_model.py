@@ -6,8 +6,10 @@ tokenizer_config.json (the Qwen3 chat template, Hermes tool calls), so the folde
 
 * when the user's message is the last one: `WEATHER_CALL`, then the end of turn;
 * when tool results are the last message: `ANSWER`, then the end of turn;
-* inside a forced call (a reply the server starts as `<tool_call>\\n{"name": ..., "arguments": {"city": "`,
-  for any tool): `Paris"}}\\n</tool_call>`, then the end of turn.
+* when the server starts the reply inside a call it forces (`<tool_call>\\n{"name": "` for "required", up
+  to `{"city": "` for a named tool, whichever tool it names): the rest of `WEATHER_CALL` on from the
+  prefix's last piece (`FORCED_CALL_TAIL` after a named tool's prefix), then the end of turn;
+* after anything else (a raw prompt, a thinking prefix): the end of turn at once.
 
 How: the model is a bigram. Its tokenizer is byte-level (one token per byte, no merges) plus added tokens,
 one per piece of the script, so each scripted token is the one context of the next. The generation prompt
@@ -15,8 +17,8 @@ one per piece of the script, so each scripted token is the one context of the ne
 (`</tool_response><|im_end|>\\n<|im_start|>assistant\\n`, the Qwen3 template's rendering), so the prompt's
 last token alone says whose message came last. Each token embeds as a one-hot vector on its class (a
 scripted piece, or "any other token"); the layer's attention and MLP are zero, so the residual stream
-stays that one-hot vector; the LM head maps each class to its next token with a logit of `MARGIN`, every
-other logit exactly 0. Each logit is one product, so it is the same on every CPU and SIMD width.
+stays that one-hot vector; the LM head maps each class to its next token with a logit of `MARGIN` (up to
+the final norm's rounding), every other logit exactly 0, on every CPU and SIMD width.
 """
 
 from __future__ import annotations

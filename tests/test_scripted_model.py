@@ -84,13 +84,13 @@ def _cases(tokenizer: Any) -> list[tuple[str, list[int], str]]:
     forced = '<tool_call>\n{"name": "get_time", "arguments": {"city": "'
     prompts = [
         ("question", chat([SYSTEM, QUESTION]), WEATHER_CALL),
-        ("question, no tools", chat([QUESTION], tools=None), WEATHER_CALL),
         ("a tool result", chat(CALLED), ANSWER),
         ("two tool results", chat(CALLED_TWICE), ANSWER),
         ("parallel results", chat(PARALLEL), ANSWER),
         ("a tool result, no tools", chat(CALLED, tools=None), ANSWER),
         ("the next question", chat(NEXT_QUESTION), WEATHER_CALL),
         ("a forced call", chat(CALLED) + forced, FORCED_CALL_TAIL),
+        ("a required call", chat([QUESTION]) + '<tool_call>\n{"name": "', WEATHER_CALL.split('"name": "')[1]),
     ]
     return [(name, tokenizer.encode(text), reply) for name, text, reply in prompts]
 
@@ -115,26 +115,21 @@ def test_the_greedy_reply_is_the_script_in_a_batch_of_eight(
 
 
 def test_every_greedy_choice_has_the_margin(scripted: LoadedModel) -> None:
-    # Logits at every position of long prompts: each token predicts its scripted successor (the end of turn
-    # for all others) by MARGIN over every other token, whatever came before it.
+    # Logits at every position of long prompts and their replies: each token predicts its scripted successor
+    # (the end of turn for all others) by MARGIN over every other token, whatever came before it.
+    assert scripted.dtype == torch.float32
     tokenizer = scripted.tokenizer
-    for _, ids, reply in _cases(tokenizer):
-        ids = ids + tokenizer.encode(reply) + [tokenizer.token_to_id(END_OF_TURN)]
+    end_of_turn = tokenizer.encode(END_OF_TURN)
+    for name, ids, reply in _cases(tokenizer):
+        ids = ids + tokenizer.encode(reply) + end_of_turn
         with torch.inference_mode():
-            positions = torch.arange(len(ids))
-            hidden = scripted.model(torch.tensor(ids), positions, CausalSelfAttention())
-            logits = scripted.model.compute_logits(hidden).float()
-        assert logits.dtype == torch.float32
-        top = logits.topk(2, dim=-1)
-        end_of_turn = tokenizer.token_to_id(END_OF_TURN)
-        expected = [
-            tokenizer.token_to_id(SCRIPT.get(tokenizer.id_to_token(i) or "", END_OF_TURN)) for i in ids
-        ]
-        assert expected.count(end_of_turn) < len(ids)  # the script's contexts are in the prompt
-        assert top.indices[:, 0].tolist() == expected
+            hidden = scripted.model(torch.tensor(ids), torch.arange(len(ids)), CausalSelfAttention())
+            top = scripted.model.compute_logits(hidden).topk(2, dim=-1)
+        expected = [tokenizer.encode(SCRIPT.get(tokenizer.id_to_token(i) or "", END_OF_TURN)) for i in ids]
+        assert [[i] for i in top.indices[:, 0].tolist()] == expected, name
         margins = top.values[:, 0] - top.values[:, 1]
-        assert margins.min().item() >= 0.999 * MARGIN, margins.min().item()
-        assert top.values[:, 1].abs().max().item() == 0.0  # every other logit is exactly zero
+        assert margins.min().item() >= 0.999 * MARGIN, (name, margins.min().item())
+        assert top.values[:, 1].abs().max().item() == 0.0, name  # every other logit is exactly zero
 
 
 def test_transformers_reads_the_same_model(scripted_model_dir: Path, scripted: LoadedModel) -> None:
