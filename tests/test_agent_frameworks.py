@@ -42,7 +42,7 @@ pytestmark = pytest.mark.e2e  # each test runs a real server
 API_KEY = "test-key"
 QUESTION = "What is the weather and the time in Paris?"
 INSTRUCTIONS = "You answer questions about cities using the tools. Answer in one short sentence."
-CITY_SCHEMA = {
+CITY_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {"city": {"type": "string", "description": "The city"}},
     "required": ["city"],
@@ -96,7 +96,7 @@ def _agents_sdk_tools(calls: list[tuple[str, str]]) -> list[Any]:
 class _NextTool(RunHooks):
     """Moves the agent's tool_choice on after each tool runs, as an application steering its agent would."""
 
-    async def on_tool_end(self, context: Any, agent: Agent[Any], tool: Any, result: str) -> None:
+    async def on_tool_end(self, context: Any, agent: Agent[Any], tool: Any, result: object) -> None:
         agent.model_settings = agent.model_settings.resolve(ModelSettings(tool_choice=NEXT_TOOL[tool.name]))
 
 

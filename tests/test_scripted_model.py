@@ -28,16 +28,22 @@ from swarmkv.models.loader import LoadedModel, load_model
 from swarmkv.server import create_app
 from swarmkv.server.background import BackgroundServer
 
-CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-TOOLS = [
+Message = dict[str, Any]
+
+CITY_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+}
+TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {"name": name, "description": f"{name} in a city", "parameters": CITY_SCHEMA},
     }
     for name in ("get_weather", "get_time")
 ]
-SYSTEM = {"role": "system", "content": "You answer questions about cities using the tools."}
-QUESTION = {"role": "user", "content": "What is the weather and the time in Paris?"}
+SYSTEM: Message = {"role": "system", "content": "You answer questions about cities using the tools."}
+QUESTION: Message = {"role": "user", "content": "What is the weather and the time in Paris?"}
 
 
 def _call(call_id: str, name: str) -> dict[str, Any]:
@@ -45,25 +51,25 @@ def _call(call_id: str, name: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-CALLED = [
+CALLED: list[Message] = [
     SYSTEM,
     QUESTION,
     {"role": "assistant", "content": "", "tool_calls": [_call("c1", "get_weather")]},
     {"role": "tool", "tool_call_id": "c1", "content": "Sunny, 21 C"},
 ]
-CALLED_TWICE = [
+CALLED_TWICE: list[Message] = [
     *CALLED,
     {"role": "assistant", "content": "", "tool_calls": [_call("c2", "get_time")]},
     {"role": "tool", "tool_call_id": "c2", "content": "14:05"},
 ]
 # Two results of one turn's parallel calls, rendered in one user turn.
-PARALLEL = [
+PARALLEL: list[Message] = [
     QUESTION,
     {"role": "assistant", "content": "", "tool_calls": [_call("c1", "get_weather"), _call("c2", "get_time")]},
     {"role": "tool", "tool_call_id": "c1", "content": "Sunny, 21 C"},
     {"role": "tool", "tool_call_id": "c2", "content": "14:05"},
 ]
-NEXT_QUESTION = [
+NEXT_QUESTION: list[Message] = [
     *CALLED,
     {"role": "assistant", "content": ANSWER},
     {"role": "user", "content": "And in Rome?"},
@@ -135,7 +141,7 @@ def test_every_greedy_choice_has_the_margin(scripted: LoadedModel) -> None:
 def test_transformers_reads_the_same_model(scripted_model_dir: Path, scripted: LoadedModel) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf_tokenizer = AutoTokenizer.from_pretrained(str(scripted_model_dir))
+    hf_tokenizer: Any = AutoTokenizer.from_pretrained(str(scripted_model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(scripted_model_dir), dtype=torch.float32).eval()
     messages = CALLED
     text = hf_tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
