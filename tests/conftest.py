@@ -30,3 +30,15 @@ def smol() -> Tokenizer:
 def qwen() -> Tokenizer:
     """Our tokenizer for the Qwen3 HF files."""
     return qwen_tokenizer()
+
+
+# The scripted checkpoint (tests/scripted_model.py): a tiny model whose greedy reply is a known tool call.
+from pathlib import Path  # noqa: E402
+
+from scripted_model import make_scripted_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def scripted_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The scripted checkpoint's folder, built once per session (per xdist worker)."""
+    return make_scripted_checkpoint(tmp_path_factory.mktemp("scripted") / "scripted")
