@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from swarmkv.engine.sampling_params import SamplingParams
 
 from scripted_model import (
     ANSWER,
@@ -22,7 +23,6 @@ from scripted_model import (
     WEATHER_CALL,
 )
 from swarmkv import LLM
-from swarmkv.engine.sampling_params import SamplingParams
 from swarmkv.models.attention import CausalSelfAttention
 from swarmkv.models.loader import LoadedModel, load_model
 from swarmkv.server import create_app

@@ -185,7 +185,7 @@ class Router:
             hit = core.kv.lookup(tokens, key.salt)
         matched = hit.num_tokens
         session = key.session
-        if session is not None and not core.sessions.is_valid_id(session):
+        if session is not None and not core.valid_session_id(session):
             session = None  # the replica refuses such a request: it caches nothing under that session
         while tokens:
             seq = core.prefill(f"route-{next(self._request_ids)}", tokens, key.salt, session)

@@ -99,7 +99,6 @@ class _Events:
         self._manager = core.kv
         self._heap: list[tuple[float, int, int, Turn]] = []
         self._order = count()
-        self.live: set[str] = set()  # requests holding pages
 
     def push(self, at_s: float, request: Turn, num_computed_tokens: int) -> None:
         """At `at_s`, the request has KV for its first `num_computed_tokens` tokens (all: it finished)."""
@@ -114,7 +113,6 @@ class _Events:
             if num_computed == len(request.token_ids):
                 self._manager.free(request)
                 self._manager.close(request.request_id)
-                self.live.discard(request.request_id)
 
 
 def simulate(trace: Trace, spec: ClusterSpec, policy: SimPolicy) -> SimResult:
@@ -155,8 +153,8 @@ def simulate(trace: Trace, spec: ClusterSpec, policy: SimPolicy) -> SimResult:
         manager = core.kv
         tokens = prompt + list(req.reply)
         request = Turn(f"q{next(order)}", tokens, SamplingParams(max_tokens=1), session_id=req.session)
-        if req.session is not None and core.sessions.is_valid_id(req.session):
-            core.sessions.open_turn(request, events.live)
+        if req.session is not None and core.valid_session_id(req.session):
+            core.open_turn(request)
         evict_ahead(manager, tokens, None, spec.evict_ahead_pages)
         hit = manager.lookup(prompt[:-1], None)
         cached = manager.allocate(request, hit, len(tokens) - hit.num_tokens) is not None
@@ -166,7 +164,6 @@ def simulate(trace: Trace, spec: ClusterSpec, policy: SimPolicy) -> SimResult:
         queue_free_s[rid] = start_s + (len(prompt) - hit_here) / spec.prefill_tokens_per_s
         finish_s = queue_free_s[rid] + len(req.reply) / spec.decode_tokens_per_s
         if cached:
-            events.live.add(request.request_id)
             events.push(queue_free_s[rid], request, len(prompt))
             events.push(finish_s, request, len(tokens))
         else:

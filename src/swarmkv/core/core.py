@@ -1,7 +1,7 @@
 """EngineCore: the engine's bookkeeping without a model, for `LLMEngine` and every tool that needs it.
 
-It owns the scheduler, the KV manager (pages, prefix index, retention, host tier and state slots under it),
-the sessions, the pins and the counters, and computes no tensor. `LLMEngine` drives it around the model:
+It owns the scheduler, the KV manager (pages, prefix index, host tier and state slots under it, and the
+sessions in its retention), the pins and the counters, and computes no tensor. `LLMEngine` drives it around the model:
 `schedule` -> run the model on the plan's chunks -> `commit` -> `finish` the requests that stopped. The
 planner's measurement, lint's replay, the cluster's shadow indexes and its simulator drive the same object
 with `prefill`, so their books are the engine's books, eviction order and sessions included.
@@ -16,11 +16,11 @@ from swarmkv.core.pins import Pins
 from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.core.scheduler import Chunk, PreemptionCost, Scheduler, SchedulerLimits, StepPlan
 from swarmkv.core.sequence import FinishReason, Sequence, Status
-from swarmkv.core.sessions import Sessions
 from swarmkv.core.stats import EngineCounters, EngineStats, StateStats
 from swarmkv.errors import InvalidRequestError
 from swarmkv.kv import KVCacheManager, PageMover, Retention
 from swarmkv.kv.state_index import StateMover
+from swarmkv.prefix import common_prefix_length
 
 # A measuring or replaying run's own page size in bytes when it has none: figures then count pages.
 _ONE_BYTE_PAGES = 1
@@ -55,7 +55,7 @@ class EngineCore:
             config.block_size,
             prefix_caching=config.prefix_caching,
             copy_page=copy_page,
-            retention=Retention(config.retention),
+            retention=Retention(config.retention, config.max_open_sessions),
             num_host_pages=num_host_pages,
             mover=page_mover,
             num_state_slots=num_state_slots,
@@ -70,7 +70,6 @@ class EngineCore:
         )
         self.scheduler = Scheduler(self.kv, limits, self.counters, cost)
         self.pins = Pins(self.kv, page_bytes, config.max_pinned_bytes)
-        self.sessions = Sessions(self.kv, config.max_open_sessions, config.max_session_id_chars)
         self._requests: dict[str, Sequence] = {}
         self._arrivals = 0
 
@@ -88,8 +87,10 @@ class EngineCore:
         queued) if its id is taken or its session id is not one."""
         if request_id in self._requests or request_id in self.pins:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if session_id is not None:
-            self.sessions.check_id(session_id)
+        if session_id is not None and not self.valid_session_id(session_id):
+            raise InvalidRequestError(
+                f"a session id is a non-empty string of at most {self.config.max_session_id_chars} characters"
+            )
         self._arrivals += 1
         seq = Sequence(
             request_id,
@@ -100,10 +101,27 @@ class EngineCore:
             session_id=session_id,
         )
         if session_id is not None:
-            self.sessions.open_turn(seq, self._requests)
+            self.open_turn(seq)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def valid_session_id(self, session_id: object) -> bool:
+        """Whether `session_id` is one a request may name: a non-empty string, not too long."""
+        return isinstance(session_id, str) and 0 < len(session_id) <= self.config.max_session_id_chars
+
+    def open_turn(self, seq: Sequence) -> None:
+        """Make `seq` its session's newest turn (the KV manager's retention keeps the sessions). The positions
+        the previous turn processed and this one repeats count as the session's own: computing them again
+        is recomputation, not new prompt."""
+        assert seq.session_id is not None
+        previous = self.kv.newest_turn(seq.session_id)
+        if isinstance(previous, Sequence):
+            common = common_prefix_length(previous.token_ids, seq.prompt_token_ids)
+            seq.num_processed_tokens = min(
+                common, previous.num_processed_tokens, len(seq.prompt_token_ids) - 1
+            )
+        self.kv.open_turn(seq)
 
     def get_sequence(self, request_id: str) -> Sequence | None:
         """The live sequence of a request, if any."""
@@ -155,7 +173,7 @@ class EngineCore:
 
     def release_session(self, session_id: str) -> bool:
         """End a session: its private pages become the first to be evicted. False if it is not open."""
-        return self.sessions.release(session_id)
+        return self.kv.release_session(session_id)
 
     def add_prompt(
         self,

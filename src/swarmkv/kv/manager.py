@@ -517,6 +517,11 @@ class KVCacheManager:
         """A request finished for good: unless it is its session's newest turn, its pages rank as unreached."""
         self.retention.close(request_id)
 
+    def newest_turn(self, session_id: str) -> KVRequest | None:
+        """The open session's newest turn (the request its next turn continues), or None."""
+        turn: KVRequest | None = self.retention.newest_turn(session_id)
+        return turn
+
     def release_session(self, session_id: str) -> bool:
         """End a session: its pages reach nothing and are the first to go. False if it is not open."""
         return self.retention.release(session_id)
@@ -525,7 +530,7 @@ class KVCacheManager:
         """The request is its session's newest turn: the cached pages its prompt continues stay reachable
         (and the session's older branch does not) from now, before it is admitted."""
         assert request.session_id is not None
-        self.retention.open(request.request_id, request.session_id)
+        self.retention.open(request.request_id, request.session_id, request)
         if self.prefix_caching:
             tokens = request.token_ids
             self.retention.mark_path(

@@ -324,9 +324,12 @@ class RadixIndex:
         self._device_leaves.pop(node.page, None)
         node.page = None
         parent = node.parent
-        if parent is not None and parent.page is not None:
-            if all(child.page is None for child in parent.children.values()):
-                self._device_leaves[parent.page] = parent
+        if (
+            parent is not None
+            and parent.page is not None
+            and all(child.page is None for child in parent.children.values())
+        ):
+            self._device_leaves[parent.page] = parent
 
     def _drop_subtree(self, node: Node) -> list[int]:
         """Forget every host node under `node` (they hang from a node being dropped)."""

@@ -1,4 +1,5 @@
-"""Retention: which unheld cached pages leave the device first, judged by what agent sessions still need.
+"""Retention: the sessions (the one owner of their state), and which unheld cached pages leave the device
+first, judged by what those sessions still need.
 
 A request may belong to a session (one agent's conversation). A session's newest turn supersedes its older
 branches, a finished turn leaves the session paused (its agent waits on a tool and will come back), and a
@@ -16,7 +17,9 @@ release ends it. With the `session` policy, eviction takes unheld leaves in this
 
 Within a rank the least recently used page goes first, and only leaves go, so a path is evicted tail first.
 The ranks are read at eviction time, so a session's priority changes after the fact: a new turn demotes the
-old branch the moment it arrives. The `lru` policy gives every page the same rank: plain LRU.
+old branch the moment it arrives. The `lru` policy gives every page the same rank: plain LRU. Sessions are
+kept under either policy: each one's newest turn (the request the next turn continues), and at most
+`max_open` of them, past which the one idle longest is released as if its client had released it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class Rank(enum.IntEnum):
 @dataclass
 class _Session:
     newest: str  # the request id of its newest turn
+    newest_turn: Any = None  # that request, as the caller gave it: what the next turn continues
     live: set[str] = field(default_factory=set)  # its requests waiting or running
     running: set[str] = field(default_factory=set)  # those holding pages
     last_active: int = 0
@@ -54,10 +58,11 @@ class _Session:
 class Retention:
     """Session states and the eviction order they imply; told about requests by the KV manager's caller."""
 
-    def __init__(self, policy: RetentionPolicy = "session") -> None:
+    def __init__(self, policy: RetentionPolicy = "session", max_open: int | None = None) -> None:
         if policy not in RETENTION_POLICIES:
             raise ValueError(f"retention must be one of {RETENTION_POLICIES}, got {policy!r}")
         self.policy = policy
+        self.max_open = max_open
         self._sessions: dict[str, _Session] = {}
         self._session_of: dict[str, str] = {}  # request id -> session, while the request reaches pages
         self._paths: dict[str, list[Node]] = {}  # request id -> the nodes it marked as reached
@@ -68,6 +73,11 @@ class Retention:
     def session_of(self, request_id: str) -> str | None:
         """The session a live or newest request belongs to."""
         return self._session_of.get(request_id)
+
+    def newest_turn(self, session_id: str) -> Any:
+        """The open session's newest turn, as given to `open` (None if the session is not open)."""
+        session = self._sessions.get(session_id)
+        return session.newest_turn if session is not None else None
 
     @property
     def num_open(self) -> int:
@@ -99,8 +109,9 @@ class Retention:
 
     # Changing.
 
-    def open(self, request_id: str, session_id: str) -> None:
-        """A new turn of `session_id` arrives: it becomes the newest, superseding a finished older turn."""
+    def open(self, request_id: str, session_id: str, turn: Any = None) -> None:
+        """A new turn of `session_id` arrives (`turn`: the request itself, for `newest_turn`): it becomes the
+        newest, superseding a finished older turn. Past `max_open` sessions, the one idle longest goes."""
         if (
             request_id in self._session_of
         ):  # a finished turn's id, reused: keep the old turn under another key
@@ -113,9 +124,14 @@ class Retention:
             session.newest = request_id
             if previous not in session.live:
                 self._forget(previous)
+        session.newest_turn = turn
         session.live.add(request_id)
         session.last_active = next(self._clock)
         self._session_of[request_id] = session_id
+        if self.max_open is not None and len(self._sessions) > self.max_open:
+            idle = [(s.last_active, sid) for sid, s in self._sessions.items() if not s.live]
+            if idle:  # clients that never release: end the longest idle
+                self.release(min(idle)[1])
 
     def run(self, request_id: str, running: bool) -> None:
         """The request was admitted (holds pages) or stopped running (preempted or finished)."""
