@@ -30,7 +30,7 @@ from agents import (
 from anthropic import beta_tool
 
 from swarmkv.engine.llm import LLM
-from swarmkv.server import create_app
+from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
 from swarmkv.server.context import ServerContext
 
@@ -63,7 +63,7 @@ class Served:
 def served() -> Iterator[Served]:
     set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
     llm = LLM(kv_cache_memory="96MiB", max_model_len=2048, max_num_seqs=8)
-    app = create_app(llm, api_key=API_KEY)
+    app = create_app(llm, ServerConfig(api_key=API_KEY))
     with BackgroundServer(app) as server:
         ctx: ServerContext = app.state.ctx
         yield Served(server.url, ctx)
