@@ -18,14 +18,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from swarmkv.api.outputs import StepOutput
 from swarmkv.engine.engine import LLMEngine, RequestDelta
 from swarmkv.engine.pins import PinInfo
 from swarmkv.engine.sampling_params import SamplingParams
 from swarmkv.engine.sequence import Sequence
-from swarmkv.server.engine_loop.commands import Abort, Add, AddPin, Call, Command, DropPin, Stop
+from swarmkv.server.engine_loop.commands import (
+    Abort,
+    Add,
+    AddPin,
+    Call,
+    Command,
+    DropPin,
+    Stop,
+    fail_unapplied,
+)
 from swarmkv.server.engine_loop.pending_pins import PendingPins
-from swarmkv.server.engine_loop.request_stream import EngineStepError, EngineUnavailableError, RequestStream
+from swarmkv.server.engine_loop.request_stream import (
+    EngineStepError,
+    EngineUnavailableError,
+    RequestStream,
+    step_output,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -229,18 +242,7 @@ class AsyncEngine:
             with contextlib.suppress(RuntimeError):  # the stream's event loop has closed
                 live.stream.put(EngineStepError(delta.error))
             return
-        seq = live.seq
-        output = StepOutput(
-            text=delta.new_text,
-            num_new_tokens=len(delta.new_token_ids),
-            finished=delta.finished,
-            finish_reason=delta.finish_reason,
-            num_prompt_tokens=len(seq.prompt_token_ids),
-            num_cached_tokens=seq.num_cached_tokens,
-            num_output_tokens=len(seq.output_token_ids),
-            emitted_at_s=now,
-            stop_string=delta.stop_string,
-        )
+        output = step_output(delta, live.seq, now)
         if delta.finished:
             del self._live[delta.request_id]
         try:
@@ -266,10 +268,4 @@ class AsyncEngine:
             self._closed = True
         self._fail_all(error)
         # Commands taken from the queue but not applied, and those still queued, would wait forever.
-        for command in pending + self._next_commands(block=False):
-            if isinstance(command, Add) and command.accepted.set_running_or_notify_cancel():
-                command.accepted.set_exception(error)
-            elif isinstance(command, Call) and command.result.set_running_or_notify_cancel():
-                command.result.set_exception(error)
-            elif isinstance(command, AddPin) and command.ready.set_running_or_notify_cancel():
-                command.ready.set_exception(error)
+        fail_unapplied(pending + self._next_commands(block=False), error)

@@ -63,3 +63,14 @@ class Stop:
 
 
 Command = Add | AddPin | DropPin | Abort | Call | Stop
+
+
+def fail_unapplied(commands: list[Command], error: Exception) -> None:
+    """Hand `error` to whoever waits on a command the loop will never apply (it is shutting down)."""
+    for command in commands:
+        if isinstance(command, Add) and command.accepted.set_running_or_notify_cancel():
+            command.accepted.set_exception(error)
+        elif isinstance(command, Call) and command.result.set_running_or_notify_cancel():
+            command.result.set_exception(error)
+        elif isinstance(command, AddPin) and command.ready.set_running_or_notify_cancel():
+            command.ready.set_exception(error)

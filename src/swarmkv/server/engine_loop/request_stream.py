@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from swarmkv.api.outputs import StepOutput
+from swarmkv.engine.engine import RequestDelta
+from swarmkv.engine.sequence import Sequence
 from swarmkv.errors import SwarmkvError
 
 
@@ -18,6 +20,21 @@ class EngineStepError(EngineUnavailableError):
     """The engine step computing this request failed; the engine itself goes on serving."""
 
     status = 500
+
+
+def step_output(delta: RequestDelta, seq: Sequence, now_s: float) -> StepOutput:
+    """What the request's consumer sees of one engine delta, with the sequence's totals after it."""
+    return StepOutput(
+        text=delta.new_text,
+        num_new_tokens=len(delta.new_token_ids),
+        finished=delta.finished,
+        finish_reason=delta.finish_reason,
+        num_prompt_tokens=len(seq.prompt_token_ids),
+        num_cached_tokens=seq.num_cached_tokens,
+        num_output_tokens=len(seq.output_token_ids),
+        emitted_at_s=now_s,
+        stop_string=delta.stop_string,
+    )
 
 
 class RequestStream:

@@ -2,10 +2,10 @@
 
 `/v1/cache/tree` answers `{"object": "cache.tree", "page_size": tokens per page, "num_indexed_pages":
 pages in the tree (both tiers), "pool": {...}, "nodes": [...]}`. `nodes` are the tree's view nodes, parents
-first (schema in `observability/cache_tree.py`). `pool`: `page_size`, `pages_total`, `pages_in_use` (held by a request
-or a pin), `pages_cached` (indexed, unheld), `pages_free`, `offloaded_bytes` (host tier), `pinned_bytes`,
-`prompt_tokens`, `prefix_hit_tokens` and `hit_rate` = prefix_hit_tokens / prompt_tokens (None before
-any prompt). The tree, the pins and the counters are read together on the engine's thread, between steps,
+first (schema in `observability/cache_tree.py`). `pool`: `page_size`, `pages_total`, `pages_in_use` (held
+by a request or a pin), `pages_cached` (indexed, unheld), `pages_free`, `offloaded_bytes` (host tier),
+`pinned_bytes`, `prompt_tokens`, `prefix_hit_tokens` and `hit_rate` = prefix_hit_tokens / prompt_tokens
+(None before any prompt). The tree, the pins and the counters are read together on the engine's thread, between steps,
 so they agree; collapsing the tree for the view happens on a worker thread.
 """
 
