@@ -33,7 +33,7 @@ from anthropic import beta_tool
 
 from scripted_model import ANSWER, CITY
 from swarmkv.engine.llm import LLM
-from swarmkv.server import create_app
+from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
 from swarmkv.server.context import ServerContext
 
@@ -70,7 +70,7 @@ def served(scripted_model_dir: Path) -> Iterator[Served]:
     llm = LLM(
         str(scripted_model_dir), dtype="float32", kv_cache_memory="32MiB", max_model_len=4096, max_num_seqs=8
     )
-    app = create_app(llm, api_key=API_KEY)
+    app = create_app(llm, ServerConfig(api_key=API_KEY))
     with BackgroundServer(app) as server:
         ctx: ServerContext = app.state.ctx
         yield Served(server.url, ctx)

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from swarmkv.engine.llm import LLM
-from swarmkv.server import create_app
+from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
 from swarmkv.server.context import ServerContext
 
@@ -55,7 +55,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     llm = LLM(kv_cache_memory="96MiB", max_model_len=1024, max_num_seqs=8, max_pinned_memory="32MiB")
-    app = create_app(llm, api_key=API_KEY, max_request_bytes=MAX_REQUEST_BYTES)
+    app = create_app(llm, ServerConfig(api_key=API_KEY, max_request_bytes=MAX_REQUEST_BYTES))
     with BackgroundServer(app) as server:
         ctx: ServerContext = app.state.ctx
         yield Served(server.url, ctx, ctx.model_name)

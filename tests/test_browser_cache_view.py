@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from swarmkv.engine.llm import LLM
-from swarmkv.server import create_app
+from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
 from swarmkv.server.context import ServerContext
 from tiny_models import make_tiny_checkpoint
@@ -75,7 +75,7 @@ class _Nodes(HTMLParser):
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ServerContext]]:
     folder = make_tiny_checkpoint(tmp_path_factory.mktemp("browser") / "qwen3", "qwen3")
     llm = LLM(str(folder), kv_cache_memory="8MiB", block_size=BLOCK, max_model_len=512)
-    app = create_app(llm, model_name="tiny")
+    app = create_app(llm, ServerConfig(served_model_name="tiny"))
     with BackgroundServer(app) as server:
         yield server.url, app.state.ctx
 

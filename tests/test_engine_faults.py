@@ -12,7 +12,7 @@ from engine_helpers import TINY_VOCAB, tiny_llm
 from swarmkv import SamplingParams
 from swarmkv.core.scheduler import StepPlan
 from swarmkv.errors import InvalidRequestError
-from swarmkv.server import create_app
+from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -69,7 +69,7 @@ def test_a_failed_step_fails_its_requests_and_leaves_no_stale_state(
 
 def test_a_failed_step_is_a_server_error_and_health_recovers(monkeypatch: pytest.MonkeyPatch) -> None:
     llm = tiny_llm()
-    app = create_app(llm, model_name="tiny")
+    app = create_app(llm, ServerConfig(served_model_name="tiny"))
     body = {"model": "tiny", "prompt": head(20), "max_tokens": 4, "temperature": 0}
     with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
         assert http.get("/health").status_code == 200

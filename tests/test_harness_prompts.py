@@ -14,7 +14,7 @@ import pytest
 
 from harness_prompt import as_function_tools, harness_head
 from swarmkv.engine.llm import LLM
-from swarmkv.server import create_app
+from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
 from swarmkv.server.context import ServerContext
 from tiny_models import make_tiny_checkpoint
@@ -40,7 +40,7 @@ class Served:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     folder = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny32k"), "qwen3", max_position_embeddings=32768)
     llm = LLM(model=str(folder), max_model_len=32768, kv_cache_memory="96MiB", max_num_seqs=4)
-    app = create_app(llm, api_key=API_KEY, model_name="tiny")
+    app = create_app(llm, ServerConfig(api_key=API_KEY, served_model_name="tiny"))
     with BackgroundServer(app) as server:
         ctx: ServerContext = app.state.ctx
         yield Served(server.url, ctx)

@@ -226,11 +226,6 @@ def test_kernels_import_nothing_from_models() -> None:
                 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="server/cli.py imports server/app.py in a function and server/app.py imports server/cli.py's "
-    "defaults: the server restructuring (ServerConfig) removes it",
-)
 def test_no_import_cycle_even_in_functions() -> None:
     cycles = find_cycles(import_graph(in_functions=True))
     assert not cycles, f"import cycles, function-local imports included:\n{_describe(cycles)}"

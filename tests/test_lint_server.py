@@ -13,7 +13,7 @@ from lint_logs import Breakers, agent_requests
 from swarmkv.engine.llm import LLM
 from swarmkv.lint.log_file import read_log
 from swarmkv.lint.run import lint_log
-from swarmkv.server import create_app
+from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
 
 PAGE_BYTES = 4096  # the replay's page size in bytes: only page counts are compared
@@ -46,7 +46,7 @@ def swarm_log() -> list[dict[str, Any]]:
 def test_replay_caches_what_the_server_caches(tmp_path: Path) -> None:
     served_log = tmp_path / "served.jsonl"
     llm = LLM(kv_cache_memory="512MiB", max_model_len=4096)
-    app = create_app(llm, log_requests=served_log)
+    app = create_app(llm, ServerConfig(log_requests=served_log))
     usages = []
     with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=120) as client:
         for record in swarm_log():

@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 
 from conftest_tokenizer_helpers import CORPUS
 from lint_logs import Breakers, agent_requests, write_log
+from swarmkv.api.chat_request import parse_chat_request
 from swarmkv.breaks.patterns import volatile_at, volatile_spans
 from swarmkv.lint.fix import fix_log
 from swarmkv.lint.log_file import LoggedRequest, read_log
 from swarmkv.lint.prefix_index import PrefixIndex
 from swarmkv.lint.render import Renderer, RenderError
-from swarmkv.server.chat_request import parse_chat_request
 from swarmkv.tokenizer import Tokenizer
 
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from swarmkv.engine.llm import LLM
-from swarmkv.server import create_app
+from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
 from swarmkv.server.context import ServerContext
 from swarmkv.server.responses_store import ResponseStore, StoredResponse
@@ -54,7 +54,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     llm = LLM(kv_cache_memory="96MiB", max_model_len=1024, max_num_seqs=8)
-    app = create_app(llm, api_key=API_KEY)
+    app = create_app(llm, ServerConfig(api_key=API_KEY))
     with BackgroundServer(app) as server:
         ctx: ServerContext = app.state.ctx
         yield Served(server.url, ctx, ctx.model_name)

@@ -12,7 +12,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from swarmkv.engine.sampling_params import SamplingParams
 
 from scripted_model import (
     ANSWER,
@@ -23,6 +22,7 @@ from scripted_model import (
     WEATHER_CALL,
 )
 from swarmkv import LLM
+from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.models.attention import CausalSelfAttention
 from swarmkv.models.loader import LoadedModel, load_model
 from swarmkv.server import create_app

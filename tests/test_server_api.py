@@ -19,9 +19,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarmkv.engine.llm import LLM
-from swarmkv.server import create_app
+from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
-from swarmkv.server.completions import ServerContext
+from swarmkv.server.context import ServerContext
 from swarmkv.swarm.http_driver import run_swarm_over_http
 from swarmkv.swarm.workload import build_workload, prefix_token_count
 
@@ -83,7 +83,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     llm = LLM(kv_cache_memory="96MiB", max_model_len=MAX_MODEL_LEN, max_num_seqs=16)
-    app = create_app(llm, api_key=API_KEY)
+    app = create_app(llm, ServerConfig(api_key=API_KEY))
     with BackgroundServer(app) as server:
         ctx: ServerContext = app.state.ctx
         yield Served(server.url, ctx, ctx.model_name)

@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarmkv.engine.llm import LLM
-from swarmkv.server import create_app
+from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
 from swarmkv.server.context import ServerContext
 from tiny_models import make_tiny_checkpoint
@@ -59,7 +59,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     folder = make_tiny_checkpoint(tmp_path_factory.mktemp("breaks") / "qwen3", "qwen3")
     log_path = tmp_path_factory.mktemp("logs") / "requests.jsonl"
     llm = LLM(str(folder), kv_cache_memory="8MiB", block_size=BLOCK, max_model_len=512)
-    app = create_app(llm, model_name="tiny", log_requests=log_path)
+    app = create_app(llm, ServerConfig(served_model_name="tiny", log_requests=log_path))
     with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
         yield Served(http, app.state.ctx, log_path)
 
@@ -103,7 +103,7 @@ def test_each_generation_request_is_one_whole_log_line(served: Served) -> None:
 def test_a_rewritten_timestamp_is_a_timestamp_break_at_its_first_changed_token(
     served: Served, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="swarmkv.server.cache_breaks")
+    caplog.set_level(logging.INFO, logger="swarmkv.server.observability.cache_breaks")
     user = {"role": "user", "content": "The build is red again."}
     first = [_system("2025-03-14 09:26:53"), user]
     second = [_system("2025-03-14 09:31:07"), user]

@@ -17,10 +17,10 @@ import pytest
 from swarmkv.engine.llm import LLM
 from swarmkv.kv.page_pool import PagePool
 from swarmkv.kv.radix_index import RadixIndex
-from swarmkv.server import create_app
+from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
-from swarmkv.server.cache_tree import MAX_CHILDREN, build_view
 from swarmkv.server.context import ServerContext
+from swarmkv.server.observability.cache_tree import MAX_CHILDREN, build_view
 from tiny_models import make_tiny_checkpoint
 
 PAGE = 4
@@ -111,7 +111,7 @@ def test_the_empty_cache_has_no_nodes() -> None:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Client, ServerContext]]:
     folder = make_tiny_checkpoint(tmp_path_factory.mktemp("cache_view") / "qwen3", "qwen3")
     llm = LLM(str(folder), kv_cache_memory="8MiB", block_size=BLOCK, max_model_len=512)
-    app = create_app(llm, model_name="tiny")
+    app = create_app(llm, ServerConfig(served_model_name="tiny"))
     with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
         yield http, app.state.ctx
         app.state.ctx.engine.call(lambda engine: engine.check_integrity()).result(timeout=30)

@@ -18,7 +18,7 @@ from swarmkv.engine.llm import LLM
 from swarmkv.models.loader import load_model
 from swarmkv.server import create_app
 from swarmkv.server.background import BackgroundServer
-from swarmkv.server.completions import ServerContext
+from swarmkv.server.context import ServerContext
 
 NUM_REQUESTS = 64
 MAX_TOKENS = 16

@@ -7,10 +7,11 @@ from typing import Any
 
 import pytest
 
+from swarmkv.api.chat_request import parse_chat_request
+from swarmkv.api.completion_request import parse_completion_request
+from swarmkv.api.errors import APIError, parse_json_body
 from swarmkv.options import engine_kwargs
-from swarmkv.server.chat_request import parse_chat_request
 from swarmkv.server.cli import register
-from swarmkv.server.protocol import APIError, parse_completion_request, parse_json_body
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 OTHER_TOOL = {"type": "function", "function": {"name": "search"}}

@@ -19,18 +19,19 @@ import httpx
 import openai
 import pytest
 
+from swarmkv.api.errors import APIError
+from swarmkv.api.pin_request import parse_pin_request
+from swarmkv.api.session_id import resolve_session_id
 from swarmkv.core.pins import PinInfo
 from swarmkv.engine.llm import LLM
 from swarmkv.engine.output_processor import RequestDelta
 from swarmkv.errors import PinLimitError
-from swarmkv.server import create_app
+from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
 from swarmkv.server.context import ServerContext
-from swarmkv.server.engine_commands import AddPin
-from swarmkv.server.pending_pins import PendingPins
-from swarmkv.server.pin_request import parse_pin_request
-from swarmkv.server.protocol import APIError, resolve_session_id
-from swarmkv.server.request_stream import EngineStepError, EngineUnavailableError
+from swarmkv.server.engine_loop.commands import AddPin
+from swarmkv.server.engine_loop.pending_pins import PendingPins
+from swarmkv.server.engine_loop.request_stream import EngineStepError, EngineUnavailableError
 from tiny_models import make_tiny_checkpoint
 
 BLOCK = 16
@@ -90,7 +91,7 @@ class Served:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     folder = make_tiny_checkpoint(tmp_path_factory.mktemp("sessions") / "qwen3", "qwen3")
     llm = _llm(folder)
-    app = create_app(llm, model_name="tiny")
+    app = create_app(llm, ServerConfig(served_model_name="tiny"))
     with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
         yield Served(server.url, app.state.ctx, http)
         app.state.ctx.engine.call(lambda engine: engine.check_integrity()).result(timeout=30)

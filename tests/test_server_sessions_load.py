@@ -29,7 +29,7 @@ from engine_helpers import TINY_VOCAB, tiny_llm, tiny_loaded
 from swarmkv import SamplingParams
 from swarmkv.engine.engine import LLMEngine
 from swarmkv.engine.llm import LLM
-from swarmkv.server import create_app
+from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
 from swarmkv.server.context import ServerContext
 
@@ -242,7 +242,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, ServerContext
     )
     assert llm.stats()["kv_pages_total"] == POOL_PAGES
     watch = IntegrityWatch(llm.engine, monkeypatch)
-    app = create_app(llm, model_name="tiny")
+    app = create_app(llm, ServerConfig(served_model_name="tiny"))
     with BackgroundServer(app) as server:
         yield server.url, app.state.ctx, watch
 

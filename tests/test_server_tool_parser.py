@@ -9,8 +9,8 @@ from collections.abc import Callable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmkv.server.tool_call_stream import CallPiece
-from swarmkv.server.tool_parser import ParsedDelta, StreamingToolParser, ToolCall, parse_tool_calls
+from swarmkv.api.tool_call_stream import CallPiece
+from swarmkv.api.tool_parser import ParsedDelta, StreamingToolParser, ToolCall, parse_tool_calls
 
 
 def _ids() -> Callable[[], str]:

@@ -133,12 +133,12 @@ def test_swarm_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None
 
 def test_swarm_over_http_reports_cached_tokens(tmp_path: Path) -> None:
     from swarmkv import LLM
-    from swarmkv.server import create_app
+    from swarmkv.server import ServerConfig, create_app
     from swarmkv.server.background import BackgroundServer
 
     out = tmp_path / "http.json"
     llm = LLM(kv_cache_memory="256MiB", max_model_len=2048)
-    with BackgroundServer(create_app(llm, model_name="smol")) as server:
+    with BackgroundServer(create_app(llm, ServerConfig(served_model_name="smol"))) as server:
         args = ["swarm", "--server", server.url, "--model", "smol", "--agents", "2", "--turns", "2"]
         assert main([*args, "--prefix-tokens", "300", "--max-tokens", "3", "--json", str(out)]) == 0
     report = json.loads(out.read_text())

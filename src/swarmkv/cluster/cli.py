@@ -14,12 +14,12 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from swarmkv.cluster.config import ClusterConfig
 from swarmkv.cluster.routing import DEFAULT_IMBALANCE, DEFAULT_MIN_MATCH, POLICIES
 from swarmkv.options import engine_kwargs, model_kwargs
 from swarmkv.server import cli as server_cli
+from swarmkv.server.config import ServerConfig
 
 CONNECT_TIMEOUT_S = 10.0  # how long an unreachable --ray-address may take to be reported
 
@@ -35,8 +35,7 @@ def run(args: argparse.Namespace) -> int:
     """One engine without --replicas, else the cluster."""
     if args.replicas is None:
         return server_cli.run(args)
-    server_cli.prepare(args)
-    return run_cluster(args, server_cli.app_kwargs(args))
+    return run_cluster(args, server_cli.prepare(args))
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +69,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def cluster_config(args: argparse.Namespace, app_kwargs: dict[str, Any], num_gpus: float) -> ClusterConfig:
+def cluster_config(args: argparse.Namespace, server: ServerConfig, num_gpus: float) -> ClusterConfig:
     """The deployment's config from parsed arguments; paths made absolute (replicas run elsewhere)."""
     models = model_kwargs(args)
     if models.get("model") is not None:
@@ -83,7 +82,7 @@ def cluster_config(args: argparse.Namespace, app_kwargs: dict[str, Any], num_gpu
         imbalance=args.route_imbalance,
         model_kwargs=models,
         engine_kwargs=engine_kwargs(args),
-        app_kwargs=app_kwargs,
+        server=server,
         num_gpus=num_gpus,
         torch_threads=per_replica_threads,
     )
@@ -117,7 +116,7 @@ def start_ray(address: str | None, replicas: int) -> bool:
     return address is None
 
 
-def run_cluster(args: argparse.Namespace, app_kwargs: dict[str, Any]) -> int:
+def run_cluster(args: argparse.Namespace, server: ServerConfig) -> int:
     """Deploy and serve until interrupted; Serve (and a local Ray) are shut down on the way out."""
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
@@ -129,8 +128,8 @@ def run_cluster(args: argparse.Namespace, app_kwargs: dict[str, Any]) -> int:
     started = start_ray(args.ray_address, args.replicas)
     try:
         num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= args.replicas else 0.0
-        config = cluster_config(args, app_kwargs, num_gpus)
-        serve.start(http_options={"host": args.host, "port": args.port})
+        config = cluster_config(args, server, num_gpus)
+        serve.start(http_options={"host": server.host, "port": server.port})
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         print(
             f"swarmkv serve: {args.replicas} replicas ({args.router} routing) on http://{args.host}:{args.port}",

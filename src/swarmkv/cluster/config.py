@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from swarmkv.cluster.routing import DEFAULT_IMBALANCE, DEFAULT_MIN_MATCH, Policy
+from swarmkv.server.config import ServerConfig
 
 # "ray-prefix" is Ray Serve's own PrefixCacheAffinityRouter, for the bench's comparison.
 RouterName = Policy | Literal["ray-prefix"]
@@ -23,7 +24,9 @@ class ClusterConfig:
     imbalance: int = DEFAULT_IMBALANCE
     model_kwargs: dict[str, Any] = field(default_factory=dict)  # ModelOptions fields (model, dtype, ...)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
-    app_kwargs: dict[str, Any] = field(default_factory=dict)  # create_app's keyword arguments
+    server: ServerConfig = (
+        ServerConfig()
+    )  # each replica's app's (its host and port unused: the ingress listens)
     num_gpus: float = 0.0  # per replica: 1 on a GPU machine
     num_cpus: float = 0.5  # per replica: small, so N replicas fit on a small CPU machine
     torch_threads: int | None = None  # per replica on the CPU, so N replicas do not fight over the cores

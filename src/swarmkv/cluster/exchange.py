@@ -11,10 +11,11 @@ from typing import Any
 from ray.exceptions import RayError
 from starlette.responses import JSONResponse
 
+from swarmkv.api.errors import APIError
+from swarmkv.api.messages_objects import anthropic_error
+from swarmkv.api.paths import is_messages_route
 from swarmkv.cluster.config import ClusterConfig
 from swarmkv.cluster.forward import ForwardedRequest, ResponseHead
-from swarmkv.server.messages_responses import anthropic_error, is_messages_route
-from swarmkv.server.protocol import APIError
 
 
 class ReplicaLost(Exception):

@@ -37,7 +37,7 @@ class EngineReplica:
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
         llm = LLM(**config.model_kwargs, **config.engine_kwargs)
-        self._app = create_app(llm, **config.app_kwargs)
+        self._app = create_app(llm, config.server)
         self._engine = self._app.state.ctx.engine
         self._engine.start()  # the app's lifespan is not run: nothing serves it over a socket
         replica = serve.get_replica_context().replica_id.unique_id

@@ -1,7 +1,7 @@
 """The ingress's view of a request: its rendered token prefix and session (a RouteKey), and Responses chains.
 
-The prompt is rendered exactly as a replica will render it (the server's own parsers and `render_chat`, the
-model's own tokenizer and chat template), so the router matches tokens, not characters. A request the
+The prompt is rendered exactly as a replica will render it (the protocol layer's parsers and renderer,
+`swarmkv.api`, with the model's own tokenizer and chat template), so the router matches tokens, not characters. A request the
 server would refuse gets an empty key: it goes wherever load says, and the replica answers the 400.
 """
 
@@ -13,12 +13,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from swarmkv.api.chat_request import parse_chat_request
+from swarmkv.api.completion_request import parse_completion_request
+from swarmkv.api.errors import APIError
+from swarmkv.api.messages_request import parse_messages_request
+from swarmkv.api.paths import CHAT_ROUTE, COMPLETIONS_ROUTE, MESSAGES_ROUTE, RESPONSES_ROUTE
+from swarmkv.api.render import render_chat, render_completion
+from swarmkv.api.responses_request import parse_responses_request, previous_response_id
+from swarmkv.api.session_id import SESSION_HEADER, resolve_session_id
 from swarmkv.cluster.routing import RouteKey
-from swarmkv.server.chat_request import parse_chat_request
-from swarmkv.server.completions import render_chat
-from swarmkv.server.messages_request import parse_messages_request
-from swarmkv.server.protocol import SESSION_HEADER, APIError, parse_completion_request, resolve_session_id
-from swarmkv.server.responses_request import parse_responses_request, previous_response_id
 from swarmkv.tokenizer import Tokenizer
 
 EMPTY_KEY = RouteKey(tokens=())
@@ -56,8 +59,8 @@ class RouteKeyer:
     def route(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Routed:
         """The route of one HTTP request (header names lower-case)."""
         header_session = headers.get(SESSION_HEADER)
-        if path.startswith("/v1/responses/") and method in ("GET", "DELETE"):
-            response_id = path.removeprefix("/v1/responses/")
+        if path.startswith(RESPONSES_ROUTE + "/") and method in ("GET", "DELETE"):
+            response_id = path.removeprefix(RESPONSES_ROUTE + "/")
             return self._to_chain(EMPTY_KEY, response_id)
         if method != "POST":
             return Routed(self._session_only(header_session))
@@ -105,25 +108,22 @@ class RouteKeyer:
             return EMPTY_KEY
 
     def _route_post(self, path: str, header_session: str | None, payload: dict[str, Any]) -> Routed:
-        if path == "/v1/chat/completions":
+        if path == CHAT_ROUTE:
             chat = parse_chat_request(payload)
             session = resolve_session_id(chat.options.session_id, header_session)
             tokens = render_chat(self._tokenizer, chat).token_ids
             return Routed(RouteKey(tokens, chat.options.cache_salt, session))
-        if path == "/v1/completions":
+        if path == COMPLETIONS_ROUTE:
             req = parse_completion_request(payload)
             session = resolve_session_id(req.options.session_id, header_session)
-            prompt = req.prompt
-            ids = (
-                self._tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
-            )
+            ids = render_completion(self._tokenizer, req.prompt)
             return Routed(RouteKey(ids, req.options.cache_salt, session))
-        if path in ("/v1/messages", "/v1/messages/count_tokens"):
-            msg = parse_messages_request(payload, needs_max_tokens=path == "/v1/messages")
+        if path in (MESSAGES_ROUTE, MESSAGES_ROUTE + "/count_tokens"):
+            msg = parse_messages_request(payload, needs_max_tokens=path == MESSAGES_ROUTE)
             session = resolve_session_id(msg.user_id, header_session)
             tokens = render_chat(self._tokenizer, msg.chat).token_ids
             return Routed(RouteKey(tokens, msg.chat.options.cache_salt, session))
-        if path in ("/v1/responses", "/v1/responses/input_tokens"):
+        if path in (RESPONSES_ROUTE, RESPONSES_ROUTE + "/input_tokens"):
             return self._route_response(payload, header_session)
         return Routed(self._session_only(header_session))
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from swarmkv.api.paths import CHAT_ROUTE, COMPLETIONS_ROUTE
 from swarmkv.errors import SwarmkvError
-from swarmkv.server.completions import CHAT_ROUTE, COMPLETIONS_ROUTE
 
 ROUTES = (CHAT_ROUTE, COMPLETIONS_ROUTE)
 

@@ -1,12 +1,9 @@
-"""Request bodies -> the token ids the server computes for them, parsed by the server's own parsers.
+"""Logged request bodies -> the token ids the server computes for them, by the server's own parsers and renderer.
 
-Rendering follows `swarmkv.server.completions`: a chat body goes through `parse_chat_request`, the model's
-template (tools unless tool_choice is "none") plus the forced tool-call prefix, then `encode` without
-special tokens; a completions body is encoded with them, or taken as ids.
-
-Tokenizing dominates a lint, and a session's turns repeat their history, so the text is encoded in
-pieces split at the special tokens (the tokenizer splits there first itself, so the ids are the same)
-and each distinct piece is encoded once.
+A body is parsed as its route parses it and rendered by `swarmkv.api.render`, the renderer the server runs.
+Tokenizing dominates a lint, and a session's turns repeat their history, so a chat prompt is rendered once
+per distinct (messages, tools, forced opening), and its text is encoded in pieces split at the special
+tokens (the tokenizer splits there first itself, so the ids are the same), each distinct piece once.
 """
 
 from __future__ import annotations
@@ -14,13 +11,14 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
 
+from swarmkv.api.chat_request import ChatRequest, parse_chat_request
+from swarmkv.api.completion_request import parse_completion_request
+from swarmkv.api.errors import APIError
+from swarmkv.api.render import render_chat, render_completion
 from swarmkv.breaks.causes import RenderedPrompt
 from swarmkv.errors import InvalidRequestError
 from swarmkv.lint.log_file import LoggedRequest
-from swarmkv.server.chat_request import parse_chat_request
-from swarmkv.server.protocol import APIError, parse_completion_request
 from swarmkv.tokenizer import Tokenizer
 
 
@@ -63,8 +61,7 @@ class Renderer:
             if request.is_chat:
                 chat = parse_chat_request(request.body)
                 options = chat.options
-                tools = chat.tools if chat.tool_choice.mode != "none" else None
-                prompt = self._chat(chat.messages, tools, chat.forced_prefix())
+                prompt = self._chat(chat)
                 stop, param = chat.forced_stop(), "messages"
             else:
                 completion = parse_completion_request(request.body)
@@ -97,19 +94,16 @@ class Renderer:
             ids += cached
         return ids
 
-    def _chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, forced: str
-    ) -> RenderedPrompt:
-        key = json.dumps([messages, tools, forced], sort_keys=True, ensure_ascii=False)
+    def _chat(self, chat: ChatRequest) -> RenderedPrompt:
+        key = json.dumps(
+            [chat.messages, chat.prompt_tools, chat.forced_prefix()], sort_keys=True, ensure_ascii=False
+        )
         prompt = self._prompts.get(key)
         if prompt is None:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools) + forced
-            prompt = self._prompts[key] = RenderedPrompt(self.encode(text), text, messages, tools)
+            prompt = self._prompts[key] = render_chat(self.tokenizer, chat, self.encode)
         return prompt
 
     def _completion(self, prompt: str | list[int]) -> RenderedPrompt:
-        if isinstance(prompt, str):
-            return RenderedPrompt(self.tokenizer.encode(prompt, add_special_tokens=True), prompt, [], None)
-        return RenderedPrompt(
-            list(prompt), self.tokenizer.decode(prompt, skip_special_tokens=False), [], None
-        )
+        ids = list(render_completion(self.tokenizer, prompt))
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)
+        return RenderedPrompt(ids, text, [], None)

@@ -1,20 +1,23 @@
-"""`swarmkv serve`: the OpenAI-compatible server on uvicorn, loopback unless told otherwise."""
+"""`swarmkv serve`: the OpenAI-compatible server on uvicorn, loopback unless told otherwise.
+
+The server's flags are derived from `ServerConfig`'s fields (their defaults and help), after the model's and
+the engine's, which `swarmkv.options` derives from `ModelOptions` and `EngineConfig`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import logging
 import os
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
 from swarmkv.options import add_engine_arguments, add_model_arguments, engine_kwargs, model_kwargs
-
-API_KEY_ENV = "SWARMKV_API_KEY"
-DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # here, not in body.py, so `swarmkv --help` imports no server
-DEFAULT_RESPONSES_STORE_MAX = 1000  # stored Responses API responses, for `previous_response_id`
+from swarmkv.server.config import ServerConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -22,41 +25,39 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("serve", help="serve the OpenAI API (chat, completions, tools, /metrics)")
     add_model_arguments(parser)
     add_engine_arguments(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1/ routes (default: ${API_KEY_ENV}, else none)",
-    )
-    parser.add_argument(
-        "--served-model-name", default=None, help="the `model` clients send (default: file stem)"
-    )
-    parser.add_argument(
-        "--log-requests",
-        type=Path,
-        default=None,
-        metavar="FILE.jsonl",
-        help="append every chat and completions request body to FILE, one JSON line each (for `swarmkv lint`)",
-    )
-    parser.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        help=f"refuse request bodies larger than this with a 400 (default {DEFAULT_MAX_REQUEST_BYTES}, 32 MiB)",
-    )
-    parser.add_argument(
-        "--responses-store-max",
-        type=int,
-        default=DEFAULT_RESPONSES_STORE_MAX,
-        help="keep at most this many stored /v1/responses responses for previous_response_id, each at most "
-        f"an hour (default {DEFAULT_RESPONSES_STORE_MAX}; 0 stores none)",
-    )
-    parser.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
-    )
+    add_server_arguments(parser)
     parser.set_defaults(run=run)
     return parser
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServerConfig field; a field naming an environment variable takes its default from there."""
+    hints = typing.get_type_hints(ServerConfig)
+    for f in dataclasses.fields(ServerConfig):
+        env = f.metadata.get("env")
+        options: dict[str, Any] = {
+            "default": os.environ.get(env, f.default) if env else f.default,
+            "help": f.metadata["help"],
+        }
+        if "metavar" in f.metadata:
+            options["metavar"] = f.metadata["metavar"]
+        kind = hints[f.name]
+        if typing.get_origin(kind) is typing.Literal:
+            options["choices"] = typing.get_args(kind)
+        elif kind is int:
+            options["type"] = int
+        elif Path in typing.get_args(kind):
+            options["type"] = Path
+        parser.add_argument("--" + f.name.replace("_", "-"), **options)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig of parsed flags (paths absolute: a replica may run elsewhere); a ValueError if invalid."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)}
+    values["api_key"] = values["api_key"] or None
+    if values["log_requests"] is not None:
+        values["log_requests"] = values["log_requests"].resolve()
+    return ServerConfig(**values)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,35 +67,20 @@ def run(args: argparse.Namespace) -> int:
     from swarmkv.engine.llm import LLM
     from swarmkv.server.app import create_app
 
-    prepare(args)
+    config = prepare(args)
     llm = LLM(**model_kwargs(args), **engine_kwargs(args))
-    app = create_app(llm, **app_kwargs(args))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    app = create_app(llm, config)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
     return 0
 
 
-def prepare(args: argparse.Namespace) -> None:
+def prepare(args: argparse.Namespace) -> ServerConfig:
     """Check the flags every way of serving shares, warn of an open listener, show swarmkv's logs."""
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    if args.max_request_bytes < 1:
-        raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
-    if args.responses_store_max < 0:
-        raise ValueError(f"--responses-store-max must be at least 0, got {args.responses_store_max}")
-    if not args.api_key and not _is_loopback(args.host):
-        print(f"swarmkv serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
-    _show_swarmkv_logs(args.log_level)
-
-
-def app_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """`create_app`'s keyword arguments from the parsed flags (paths absolute: a replica may run elsewhere)."""
-    return {
-        "api_key": args.api_key or None,
-        "model_name": args.served_model_name,
-        "log_requests": args.log_requests.resolve() if args.log_requests is not None else None,
-        "max_request_bytes": args.max_request_bytes,
-        "responses_store_max": args.responses_store_max,
-    }
+    config = server_config(args)
+    if not config.api_key and not _is_loopback(config.host):
+        print(f"swarmkv serve: warning: listening on {config.host} without --api-key", file=sys.stderr)
+    _show_swarmkv_logs(config.log_level)
+    return config
 
 
 def _show_swarmkv_logs(level: str) -> None:

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 
-from swarmkv.server.async_engine import AsyncEngine
-from swarmkv.server.body import read_json_body
-from swarmkv.server.cache_breaks import CacheBreaks
-from swarmkv.server.cli import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_RESPONSES_STORE_MAX
-from swarmkv.server.metrics import ServerMetrics
-from swarmkv.server.protocol import APIError
-from swarmkv.server.request_log import RequestLog
+from swarmkv.api.errors import APIError
+from swarmkv.server.engine_loop.async_engine import AsyncEngine
+from swarmkv.server.http.body import read_json_body
+from swarmkv.server.observability.cache_breaks import CacheBreaks
+from swarmkv.server.observability.metrics import ServerMetrics
+from swarmkv.server.observability.request_log import RequestLog
 from swarmkv.server.responses_store import ResponseStore
 from swarmkv.tokenizer import Tokenizer
 
@@ -28,10 +27,10 @@ class ServerContext:
     max_model_len: int
     metrics: ServerMetrics
     breaks: CacheBreaks
-    request_log: RequestLog | None = None  # `--log-requests`
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # `--max-request-bytes`
+    request_log: RequestLog | None  # `--log-requests`
+    max_request_bytes: int  # `--max-request-bytes`
     # Stored Responses API responses (`--responses-store-max`); mutable, shared by the routes of one app.
-    responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_RESPONSES_STORE_MAX))
+    responses: ResponseStore
 
     async def read_body(self, request: Request) -> dict[str, Any]:
         """The request's body as a JSON object, under the size cap, or a 400."""

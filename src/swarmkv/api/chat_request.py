@@ -1,0 +1,221 @@
+"""The /v1/chat/completions body: messages normalised for the chat template, tools and tool_choice."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from swarmkv.api.errors import bad_request, get_field, type_name
+from swarmkv.api.options import Options, parse_options
+from swarmkv.api.tool_parser import CLOSE_TAG, OPEN_TAG
+
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """OpenAI's tool_choice: "function" names one tool the reply must call."""
+
+    mode: Literal["none", "auto", "required", "function"]
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A validated /v1/chat/completions body."""
+
+    options: Options
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None
+    tool_choice: ToolChoice
+    diagnostics: bool = False  # `swarmkv_diagnostics`: add `usage.swarmkv` (the cache break, if any)
+
+    @property
+    def prompt_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template renders: the request's, unless tool_choice "none" switched them off."""
+        return self.tools if self.tool_choice.mode != "none" else None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the reply is scanned for tool calls (tools offered and not switched off)."""
+        return bool(self.prompt_tools)
+
+    def forced_prefix(self) -> str:
+        """Reply text written for the model when the call is required, so that it completes one call.
+
+        Without constrained decoding, "required" and a named tool are honoured by starting the reply
+        inside a Hermes tool-call block (naming the tool when it is named or the only one); the block's
+        end stops generation, so the reply is one call. A named call's arguments open with what its schema
+        fixes, the first required property's key, which keeps small models to the schema's names.
+        """
+        name = self.tool_choice.name
+        if self.tool_choice.mode == "required" and self.tools and len(self.tools) == 1:
+            name = self.tools[0]["function"]["name"]
+        if name is not None:
+            tool: dict[str, Any] = next(
+                (t["function"] for t in self.tools or () if t["function"]["name"] == name), {}
+            )
+            opening = _arguments_opening(tool.get("parameters"))
+            return f'{OPEN_TAG}\n{{"name": {json.dumps(name)}, "arguments": {opening}'
+        if self.tool_choice.mode == "required":
+            return f'{OPEN_TAG}\n{{"name": "'
+        return ""
+
+    def forced_stop(self) -> tuple[str, ...]:
+        """Stop strings added to the client's for a forced call."""
+        return (CLOSE_TAG,) if self.forced_prefix() else ()
+
+
+def _arguments_opening(schema: Any) -> str:
+    """The start of a call's arguments that its JSON schema fixes: the first required property's key, and
+    the opening quote of a string value; nothing when the schema requires nothing."""
+    if not isinstance(schema, dict):
+        return ""
+    required, properties = schema.get("required"), schema.get("properties")
+    if not (isinstance(required, list) and required and isinstance(properties, dict)):
+        return ""
+    key = required[0]
+    if not isinstance(key, str) or not isinstance(properties.get(key), dict):
+        return ""
+    quote = '"' if properties[key].get("type") == "string" else ""
+    return f"{{{json.dumps(key, ensure_ascii=False)}: {quote}"
+
+
+def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
+    """Validate a chat completions body."""
+    options = parse_options(body)
+    messages = parse_messages(body.get("messages"))
+    tools = parse_tools(body.get("tools"))
+    diagnostics = get_field(body, "swarmkv_diagnostics", bool, "a boolean", False)
+    return ChatRequest(options, messages, tools, _tool_choice(body.get("tool_choice"), tools), diagnostics)
+
+
+def parse_messages(raw_messages: Any, allow_empty: bool = False) -> list[Message]:
+    """Validate `messages` and normalise each for the chat template (a pin's head may have none)."""
+    if not isinstance(raw_messages, list) or not (raw_messages or allow_empty):
+        kind = "an array" if allow_empty else "a non-empty array"
+        raise bad_request(f"'messages' must be {kind} of message objects", param="messages")
+    return [_message(i, m) for i, m in enumerate(raw_messages)]
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _message(i: int, m: Any) -> Message:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise bad_request(f"{where} must be an object, got {type_name(m)}", param=where)
+    role = m.get("role")
+    if role not in _ROLES:
+        raise bad_request(
+            f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", param=f"{where}.role"
+        )
+    content = _content(where, m.get("content"))
+    out: Message = {"role": "system" if role == "developer" else role, "content": content}
+    calls = m.get("tool_calls") if role == "assistant" else None
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise bad_request(f"{where}.tool_calls must be an array", param=f"{where}.tool_calls")
+        out["tool_calls"] = [_history_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls)]
+    if content is None and not calls:
+        raise bad_request(f"{where} has no content", param=f"{where}.content")
+    for key in ("name", "tool_call_id"):
+        value = get_field(m, key, str, "a string")
+        if value is not None:
+            out[key] = value
+    return out
+
+
+# Content part types of images, video and audio in OpenAI's and compatible servers' chat APIs.
+_MEDIA_PARTS = frozenset({"image_url", "input_image", "image", "video", "video_url", "input_audio", "audio"})
+
+
+def _content(where: str, content: Any) -> str | None:
+    """Message text; an array of text parts is joined with newlines, as vLLM does."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _MEDIA_PARTS:
+                raise bad_request(
+                    f"{where}.content: {kind} parts are not supported: swarmkv runs the text model only (of a "
+                    f"vision checkpoint such as Qwen3.5, its language model)",
+                    param=f"{where}.content",
+                )
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise bad_request(f"{where}.content: only text parts are supported", param=f"{where}.content")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise bad_request(f"{where}.content must be a string or an array of text parts", param=f"{where}.content")
+
+
+def _history_call(where: str, call: Any) -> dict[str, Any]:
+    """A tool call of an earlier assistant turn, with its arguments decoded for the chat template."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad_request(f"{where} must be {{'type': 'function', 'function': {{'name': ...}}}}", param=where)
+    arguments: Any = function.get("arguments", {})
+    if isinstance(arguments, str):
+        # Templates expect a mapping (transformers' convention); OpenAI clients send a JSON string. Arguments
+        # a model wrote that are not JSON come back as they were written, and templates render the string.
+        with contextlib.suppress(ValueError):
+            arguments = json.loads(arguments) if arguments.strip() else {}
+    out: dict[str, Any] = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
+def parse_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """Validate `tools`: function definitions, each with a name and a JSON-schema `parameters` object."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be an array", param="tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not function["name"]
+        ):
+            raise bad_request(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", param=f"tools[{i}]"
+            )
+        if not isinstance(function.get("parameters", {}), dict):
+            raise bad_request(
+                f"tools[{i}].function.parameters must be a JSON schema object", param=f"tools[{i}]"
+            )
+    return tools or None
+
+
+def _tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> ToolChoice:
+    if choice is None:
+        return ToolChoice("auto" if tools else "none")
+    if choice in ("none", "auto"):
+        return ToolChoice(choice)
+    names = [t["function"]["name"] for t in tools or []]
+    if choice == "required":
+        if not names:
+            raise bad_request("tool_choice 'required' needs 'tools'", param="tool_choice")
+        return ToolChoice("required")
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise bad_request(
+            "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+            param="tool_choice",
+        )
+    if name not in names:
+        raise bad_request(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+    return ToolChoice("function", name)

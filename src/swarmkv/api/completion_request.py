@@ -1,0 +1,38 @@
+"""The /v1/completions body: the shared generation fields and one prompt, as text or token ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from swarmkv.api.errors import bad_request, get_field
+from swarmkv.api.options import Options, parse_options
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A validated /v1/completions body: one prompt, as text or token ids."""
+
+    options: Options
+    prompt: str | list[int]
+
+
+def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
+    """Validate a completions body."""
+    options = parse_options(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if not isinstance(prompt, str) and not (is_ids and prompt):
+        raise bad_request(
+            "'prompt' must be a string or a non-empty array of token ids (one prompt per request)",
+            param="prompt",
+        )
+    if (
+        body.get("echo")
+        or body.get("suffix") is not None
+        or get_field(body, "best_of", int, "an integer", 1) != 1
+    ):
+        raise bad_request("echo, suffix and best_of are not supported", param="prompt")
+    return CompletionRequest(options, prompt)

@@ -1,0 +1,166 @@
+"""Anthropic content blocks -> OpenAI-form chat messages, with a snapshot of the conversation at each cache mark.
+
+Text blocks of one turn join with newlines, tool_use blocks become the assistant turn's `tool_calls`, and
+tool_result blocks become `tool` messages; a block carrying `cache_control` records the conversation up to
+and including it, for the Messages route to pin.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from swarmkv.api.chat_request import Message
+from swarmkv.api.errors import bad_request, type_name
+
+TTL_S = {"5m": 300.0, "1h": 3600.0}
+
+
+def _ttl_s(where: str, block: dict[str, Any]) -> float | None:
+    """The block's cache_control TTL in seconds; None when it has no cache_control."""
+    control = block.get("cache_control")
+    if control is None:
+        return None
+    if not isinstance(control, dict) or control.get("type") != "ephemeral":
+        raise bad_request(
+            f"{where}.cache_control must be {{'type': 'ephemeral'}}", param=f"{where}.cache_control"
+        )
+    ttl = control.get("ttl", "5m")
+    if ttl not in TTL_S:
+        raise bad_request(
+            f"{where}.cache_control.ttl must be '5m' or '1h', got {ttl!r}", param=f"{where}.cache_control"
+        )
+    return TTL_S[ttl]
+
+
+class MessagesBuilder:
+    """Builds the OpenAI-form messages block by block, snapshotting the conversation at each cache mark."""
+
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+        self.pending: Message | None = None  # the message the current blocks go into
+        self.marks: list[tuple[list[Message], float]] = []
+
+    def done(self) -> list[Message]:
+        """Every message, the pending one included."""
+        self._flush()
+        return self.messages
+
+    def mark(self, where: str, block: dict[str, Any]) -> None:
+        """Snapshot the conversation so far if `block` carries cache_control."""
+        ttl_s = _ttl_s(where, block)
+        if ttl_s is not None:
+            pending = [copy.deepcopy(self.pending)] if self.pending is not None else []
+            self.marks.append((copy.deepcopy(self.messages) + pending, ttl_s))
+
+    def system(self, system: Any) -> None:
+        if system is None:
+            return
+        if isinstance(system, str):
+            self.messages.append({"role": "system", "content": system})
+            return
+        if not isinstance(system, list):
+            raise bad_request(
+                f"'system' must be a string or an array of text blocks, got {type_name(system)}",
+                param="system",
+            )
+        self.pending = {"role": "system", "content": ""}
+        for j, block in enumerate(system):
+            where = f"system[{j}]"
+            self._text(where, _block(where, block, ("text",)))
+            self.mark(where, block)
+        self._flush()
+
+    def message(self, i: int, m: Any) -> None:
+        where = f"messages[{i}]"
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ("user", "assistant"):
+            raise bad_request(f"{where} must be an object with role 'user' or 'assistant'", param=where)
+        content = m.get("content")
+        if isinstance(content, str):
+            self._flush()
+            self.messages.append({"role": role, "content": content})
+            return
+        if not isinstance(content, list):
+            raise bad_request(
+                f"{where}.content must be a string or an array of blocks", param=f"{where}.content"
+            )
+        allowed = ("text", "tool_result") if role == "user" else ("text", "tool_use")
+        self._flush()
+        for j, raw in enumerate(content):
+            bwhere = f"{where}.content[{j}]"
+            block = _block(bwhere, raw, allowed)
+            if block["type"] == "tool_result":
+                self._flush()
+                self.messages.append(_tool_result(bwhere, block))
+            else:
+                self._open(role)
+                if block["type"] == "text":
+                    self._text(bwhere, block)
+                else:
+                    self._tool_use(bwhere, block)
+            self.mark(bwhere, block)
+        self._flush()
+
+    def _open(self, role: str) -> None:
+        if self.pending is None or self.pending["role"] != role:
+            self._flush()
+            self.pending = {"role": role, "content": ""}
+
+    def _flush(self) -> None:
+        if self.pending is not None:
+            if self.pending["content"] or self.pending.get("tool_calls"):
+                self.messages.append(self.pending)
+            self.pending = None
+
+    def _text(self, where: str, block: dict[str, Any]) -> None:
+        assert self.pending is not None
+        text = block.get("text")
+        if not isinstance(text, str):
+            raise bad_request(f"{where}.text must be a string", param=where)
+        # Blocks of one turn join with newlines, as chat completions joins text parts.
+        self.pending["content"] = f"{self.pending['content']}\n{text}" if self.pending["content"] else text
+
+    def _tool_use(self, where: str, block: dict[str, Any]) -> None:
+        assert self.pending is not None
+        if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+            raise bad_request(f"{where} must be a tool_use block with a string 'id' and 'name'", param=where)
+        arguments = block.get("input", {})
+        if not isinstance(arguments, dict):
+            raise bad_request(f"{where}.input must be an object", param=where)
+        call = {
+            "id": block["id"],
+            "type": "function",
+            "function": {"name": block["name"], "arguments": arguments},
+        }
+        self.pending.setdefault("tool_calls", []).append(call)
+
+
+def _block(where: str, block: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
+    """A content block of one of the `allowed` types, or a 400 naming what it is."""
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind in ("image", "document"):
+        raise bad_request(
+            f"{where}: {kind} blocks are not supported: swarmkv runs the text model only", param=where
+        )
+    if not isinstance(block, dict) or kind not in allowed:
+        raise bad_request(
+            f"{where}: block type {kind!r} is not supported here (allowed: {', '.join(allowed)})", param=where
+        )
+    return block
+
+
+def _tool_result(where: str, block: dict[str, Any]) -> Message:
+    """A tool_result block as the OpenAI `tool` message the chat template renders."""
+    if not isinstance(block.get("tool_use_id"), str):
+        raise bad_request(f"{where}.tool_use_id must be a string", param=where)
+    content = block.get("content", "")
+    if isinstance(content, list):
+        content = "\n".join(
+            _block(f"{where}.content[{k}]", b, ("text",)).get("text", "") for k, b in enumerate(content)
+        )
+    if not isinstance(content, str):
+        raise bad_request(f"{where}.content must be a string or an array of text blocks", param=where)
+    if block.get("is_error"):
+        content = f"Error: {content}"  # the template has no error flag, so the model reads it in the text
+    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}

@@ -1,0 +1,146 @@
+"""The Anthropic /v1/messages body -> the chat completions body it means, plus its cache breakpoints.
+
+Messages is a thin layer: the body is rewritten into OpenAI's form (`messages_blocks.py`: tool_use blocks as
+assistant `tool_calls`, tool_result blocks as `tool` messages), which the chat template already renders, and
+then validated by the same parser chat completions uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from swarmkv.api.chat_request import ChatRequest, Message, parse_chat_request, parse_messages, parse_tools
+from swarmkv.api.errors import APIError, bad_request, get_field
+from swarmkv.api.messages_blocks import MessagesBuilder
+from swarmkv.api.session_id import MAX_SESSION_ID_CHARS, check_session_id
+
+MAX_BREAKPOINTS = 4  # Anthropic's limit on cache_control blocks per request
+THREAD_UNSUPPORTED = "thread_unsupported_request"
+
+
+@dataclass(frozen=True)
+class Breakpoint:
+    """A cache_control mark: the conversation up to and including its block, to pin for `ttl_s`."""
+
+    messages: list[Message]  # normalised; empty when the mark is on a tool (the tools alone)
+    ttl_s: float
+
+
+@dataclass(frozen=True)
+class MessagesRequest:
+    """A validated /v1/messages (or count_tokens) body."""
+
+    chat: ChatRequest
+    breakpoints: list[Breakpoint]
+    user_id: str | None  # metadata.user_id: the session, for retention
+    chat_body: dict[str, Any]  # the equivalent chat completions body, which `swarmkv lint` reads from the log
+
+
+def parse_messages_request(body: dict[str, Any], needs_max_tokens: bool = True) -> MessagesRequest:
+    """Validate a Messages body; every mistake is a 400 naming the field."""
+    max_tokens = get_field(body, "max_tokens", int, "an integer")
+    if needs_max_tokens and max_tokens is None:
+        raise bad_request("'max_tokens' is required", param="max_tokens")
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if body.get("thread") is not None:
+        # A continued thread would send only its new messages: answering those alone would lose the history.
+        # This error code tells Anthropic's clients to go on without a thread, sending the whole history.
+        raise APIError(
+            400,
+            "message threads are not supported: send the whole conversation",
+            param="thread",
+            code=THREAD_UNSUPPORTED,
+            details={"error_code": THREAD_UNSUPPORTED, "unsupported": ["thread"]},
+        )
+    metadata = get_field(body, "metadata", dict, "an object", {})
+    user_id = _session_of(metadata.get("user_id"))
+    builder = MessagesBuilder()
+    tools = _tools(get_field(body, "tools", list, "an array"), builder)
+    builder.system(body.get("system"))
+    raw_messages = body.get("messages")
+    if not isinstance(raw_messages, list) or not raw_messages:
+        raise bad_request("'messages' must be a non-empty array of message objects", param="messages")
+    for i, m in enumerate(raw_messages):
+        builder.message(i, m)
+    stop = get_field(body, "stop_sequences", list, "an array of strings")
+    chat_body: dict[str, Any] = {
+        "model": body.get("model"),
+        "messages": builder.done(),
+        "tools": tools,
+        "tool_choice": _tool_choice(body.get("tool_choice")),
+        "stream": body.get("stream"),
+        "max_tokens": max_tokens,
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "top_k": body.get("top_k"),
+        "stop": stop or None,
+    }
+    chat_body = {key: value for key, value in chat_body.items() if value is not None}
+    chat = parse_chat_request(chat_body)
+    if len(builder.marks) > MAX_BREAKPOINTS:
+        raise bad_request(
+            f"at most {MAX_BREAKPOINTS} blocks may have cache_control, got {len(builder.marks)}",
+            param="cache_control",
+        )
+    # A mark on a tool pins the head every request with these tools opens with: the system turn, when there is
+    # one (templates render the tools inside it), else the head shared by all chats opening with a user turn.
+    head = chat.messages[:1] if chat.messages[0]["role"] == "system" else []
+    breakpoints = [
+        Breakpoint(parse_messages(msgs, allow_empty=True) or head, ttl_s) for msgs, ttl_s in builder.marks
+    ]
+    return MessagesRequest(chat, breakpoints, user_id, chat_body)
+
+
+def _session_of(user_id: Any) -> str | None:
+    """metadata.user_id as a session id; one too long for a session id is replaced by its digest."""
+    if isinstance(user_id, str) and len(user_id) > MAX_SESSION_ID_CHARS:
+        # Clients such as Claude Code send long composite ids; refusing them would refuse the client.
+        return f"user-{hashlib.sha256(user_id.encode()).hexdigest()[:32]}"
+    return check_session_id(user_id, "'metadata.user_id'")
+
+
+def _tools(tools: list[Any] | None, builder: MessagesBuilder) -> list[dict[str, Any]] | None:
+    """Anthropic tools as OpenAI function tools; a cache mark on a tool pins the tools alone."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "custom") != "custom"
+            or not isinstance(tool.get("name"), str)
+            or not tool["name"]
+            or not isinstance(tool.get("input_schema"), dict)
+        ):
+            raise bad_request(
+                f"{where} must be {{'name': ..., 'description': ..., 'input_schema': {{...}}}} "
+                "(Anthropic's server tools are not supported)",
+                param=where,
+            )
+        function = {"name": tool["name"], "parameters": tool["input_schema"]}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+        builder.mark(where, tool)
+    return parse_tools(out)
+
+
+def _tool_choice(choice: Any) -> Any:
+    """Anthropic's tool_choice as OpenAI's."""
+    if choice is None:
+        return None
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise bad_request(
+        "tool_choice must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': ...}",
+        param="tool_choice",
+    )

@@ -1,0 +1,123 @@
+"""The fields every generation body shares (model, stream, sampling, stop, cache salt, session), validated.
+
+Chat completions and completions parse them from their own bodies; Messages and Responses rewrite theirs
+into a chat completions body first, so every protocol's sampling is validated here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from swarmkv.api.errors import bad_request, get_field
+from swarmkv.api.session_id import check_session_id
+from swarmkv.core.sampling_params import SamplingParams
+from swarmkv.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class Options:
+    """The fields both generation endpoints share, validated."""
+
+    model: str | None
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None  # None: whatever the context leaves after the prompt
+    temperature: float
+    top_p: float
+    top_k: int | None
+    seed: int | None
+    stop: tuple[str, ...]
+    ignore_eos: bool
+    cache_salt: str | None
+    session_id: str | None  # the body's; see resolve_session_id for the header
+
+    def sampling_params(
+        self, num_prompt_tokens: int, max_model_len: int, prompt_param: str, extra_stop: tuple[str, ...] = ()
+    ) -> SamplingParams:
+        """Engine settings for a prompt of `num_prompt_tokens`; a 400 when prompt and reply overflow the context."""
+        if num_prompt_tokens >= max_model_len:
+            raise bad_request(
+                f"this model's maximum context length is {max_model_len} tokens, and the prompt alone has "
+                f"{num_prompt_tokens}; shorten the {prompt_param}",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        max_tokens = self.max_tokens if self.max_tokens is not None else max_model_len - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > max_model_len:
+            raise bad_request(
+                f"this model's maximum context length is {max_model_len} tokens, but {num_prompt_tokens + max_tokens} "
+                f"were requested ({num_prompt_tokens} in the prompt, {max_tokens} for the completion); lower max_tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                seed=self.seed,
+                stop=self.stop + extra_stop,
+                ignore_eos=self.ignore_eos,
+            )
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc)) from exc
+
+
+def parse_options(body: dict[str, Any]) -> Options:
+    """Validate the fields both generation endpoints share."""
+    model = get_field(body, "model", str, "a string")
+    stream = get_field(body, "stream", bool, "a boolean", False)
+    stream_options = get_field(body, "stream_options", dict, "an object")
+    if stream_options is not None and not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    include_usage = get_field(stream_options or {}, "include_usage", bool, "a boolean", False)
+    max_tokens = get_field(body, "max_completion_tokens", int, "an integer")
+    if max_tokens is None:
+        max_tokens = get_field(body, "max_tokens", int, "an integer")
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    temperature = float(get_field(body, "temperature", (int, float), "a number", 1.0))
+    if not 0 <= temperature <= 2:
+        raise bad_request(f"temperature must be between 0 and 2, got {temperature}", param="temperature")
+    top_p = float(get_field(body, "top_p", (int, float), "a number", 1.0))
+    if not 0 < top_p <= 1:
+        raise bad_request(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    top_k = get_field(body, "top_k", int, "an integer")  # vLLM's extension; -1 and 0 mean no limit there
+    stop_value = get_field(body, "stop", (str, list), "a string or an array of strings")
+    stop = (stop_value,) if isinstance(stop_value, str) else tuple(stop_value or ())
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise bad_request("'stop' must be a non-empty string or an array of non-empty strings", param="stop")
+    cache_salt = get_field(body, "cache_salt", str, "a string")
+    if cache_salt == "":
+        raise bad_request("'cache_salt' must be a non-empty string", param="cache_salt")
+    _refuse_unsupported(body)
+    return Options(
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k if top_k is not None and top_k > 0 else None,
+        seed=get_field(body, "seed", int, "an integer"),
+        stop=stop,
+        ignore_eos=get_field(body, "ignore_eos", bool, "a boolean", False),
+        cache_salt=cache_salt,
+        session_id=check_session_id(body.get("session_id"), "'session_id'"),
+    )
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """Fields whose non-default values this server cannot honour: a 400 rather than a silently different reply."""
+    if get_field(body, "n", int, "an integer", 1) != 1:
+        raise bad_request("only n=1 is supported", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if get_field(body, name, (int, float), "a number", 0) != 0:
+            raise bad_request(f"'{name}' is not supported", param=name)
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+        raise bad_request("logprobs are not supported", param="logprobs")
+    response_format = get_field(body, "response_format", dict, "an object")
+    if response_format is not None and response_format.get("type") != "text":
+        raise bad_request("only the 'text' response_format is supported", param="response_format")

@@ -1,0 +1,70 @@
+"""The one renderer: a validated request -> the prompt token ids the engine computes, for every caller.
+
+The server's routes, `swarmkv lint` and the cluster's router all render here, so a prompt is the same tokens
+wherever it is rendered. A chat prompt is the model's chat template over the messages and the tools (unless
+tool_choice is "none"), then the forced opening of a required tool call, encoded without special tokens
+(the template writes them); a completions prompt's text is encoded with them (the tokenizer's BOS); a pin's
+messages render as a chat prompt's head, without the generation prompt.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from swarmkv.api.chat_request import ChatRequest
+from swarmkv.api.errors import bad_request
+from swarmkv.api.pin_request import PinRequest
+from swarmkv.breaks.causes import RenderedPrompt
+from swarmkv.errors import InvalidRequestError
+from swarmkv.tokenizer import Tokenizer
+
+# Text -> token ids without special tokens: the tokenizer's `encode`, or an equal one that caches (lint's).
+Encode = Callable[[str], list[int]]
+
+
+def render_chat(tokenizer: Tokenizer, req: ChatRequest, encode: Encode | None = None) -> RenderedPrompt:
+    """The chat prompt as the engine will see it; a 400 when the template cannot render the messages."""
+    tools = req.prompt_tools
+    try:
+        text = tokenizer.apply_chat_template(req.messages, tools=tools) + req.forced_prefix()
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param="messages") from exc
+    token_ids = encode(text) if encode is not None else tokenizer.encode(text, add_special_tokens=False)
+    return RenderedPrompt(token_ids, text, req.messages, tools)
+
+
+def render_completion(tokenizer: Tokenizer, prompt: str | list[int]) -> list[int]:
+    """A completions prompt's token ids: text encoded with the tokenizer's special tokens, ids as given."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=True)
+    return prompt
+
+
+def render_pin(tokenizer: Tokenizer, req: PinRequest) -> list[int]:
+    """The token ids to pin: the given ids, or the messages rendered as a chat prompt's head."""
+    if req.prompt_token_ids is not None:
+        return req.prompt_token_ids
+    assert req.messages is not None
+    try:
+        if req.messages:
+            text = tokenizer.apply_chat_template(req.messages, tools=req.tools, add_generation_prompt=False)
+        else:
+            text = _shared_head(tokenizer, req.tools)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param="messages") from exc
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _shared_head(tokenizer: Tokenizer, tools: list[dict[str, Any]] | None) -> str:
+    """What every chat opening with a user message starts with: the template's default system prompt, the
+    tools, the user turn's header. Two chats whose user text differs from its first character share exactly
+    that, whatever the template."""
+    a, b = (
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": c}], tools=tools, add_generation_prompt=False
+        )
+        for c in ("A", "B")
+    )
+    return os.path.commonprefix([a, b])

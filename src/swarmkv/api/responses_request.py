@@ -1,0 +1,206 @@
+"""The OpenAI /v1/responses body -> the chat completions body it means, plus the fields a response echoes.
+
+Responses is a thin layer like Messages: input items become OpenAI chat messages (function_call items as
+assistant `tool_calls`, function_call_output items as `tool` messages), a stored chain's items come first,
+and the result is validated by the same parser chat completions uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from swarmkv.api.chat_request import ChatRequest, Message, parse_chat_request
+from swarmkv.api.errors import bad_request, get_field, type_name
+
+Item = dict[str, Any]
+
+_ROLES = ("user", "assistant", "system", "developer")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_MEDIA_PARTS = ("input_image", "input_file", "input_audio", "image_url")
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    """A validated /v1/responses (or input_tokens) body."""
+
+    chat: ChatRequest
+    chat_body: dict[str, Any]  # the equivalent chat completions body, which `swarmkv lint` reads from the log
+    input_items: list[Item]  # this request's input, normalised; stored after the chain's earlier items
+    echo: dict[str, Any]  # request fields the response object repeats
+    store: bool
+    previous_response_id: str | None
+
+
+def previous_response_id(body: dict[str, Any]) -> str | None:
+    """The chain this request continues, if any."""
+    value = get_field(body, "previous_response_id", str, "a string")
+    if value == "":
+        raise bad_request("'previous_response_id' must not be empty", param="previous_response_id")
+    return value
+
+
+def parse_responses_request(body: dict[str, Any], history: list[Item]) -> ResponsesRequest:
+    """Validate a Responses body continuing the chain `history` (empty for a new one); mistakes are 400s."""
+    max_output_tokens = get_field(body, "max_output_tokens", int, "an integer")
+    if max_output_tokens is not None and max_output_tokens < 1:
+        raise bad_request(
+            f"max_output_tokens must be at least 1, got {max_output_tokens}", param="max_output_tokens"
+        )
+    _refuse_unsupported(body)
+    instructions = get_field(body, "instructions", str, "a string")
+    metadata = get_field(body, "metadata", dict, "an object")
+    store = get_field(body, "store", bool, "a boolean", True)
+    tools = _tools(get_field(body, "tools", list, "an array"))
+    items = _input_items(body.get("input"))
+    # Instructions are not inherited along a chain (OpenAI's semantics): each request's go first, unstored.
+    head: list[Message] = [{"role": "system", "content": instructions}] if instructions else []
+    chat_body: dict[str, Any] = {
+        "model": body.get("model"),
+        "messages": head + items_to_messages(history + items),
+        "tools": tools,
+        "tool_choice": _tool_choice(body.get("tool_choice")),
+        "stream": body.get("stream"),
+        "max_tokens": max_output_tokens,
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+    }
+    chat_body = {key: value for key, value in chat_body.items() if value is not None}
+    chat = parse_chat_request(chat_body)
+    echo = {
+        "instructions": instructions,
+        "tools": body.get("tools") or [],
+        "tool_choice": body.get("tool_choice", "auto"),
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "max_output_tokens": max_output_tokens,
+        "metadata": metadata or {},
+        "store": store,
+        "parallel_tool_calls": get_field(body, "parallel_tool_calls", bool, "a boolean", True),
+        "text": {"format": {"type": "text"}},
+    }
+    return ResponsesRequest(chat, chat_body, items, echo, store, previous_response_id(body))
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """Fields whose values this server cannot honour: a 400 rather than a silently different reply."""
+    if body.get("background"):
+        raise bad_request("background responses are not supported", param="background")
+    text = get_field(body, "text", dict, "an object", {})
+    text_format = text.get("format") or {"type": "text"}
+    if not isinstance(text_format, dict) or text_format.get("type") != "text":
+        raise bad_request("only the 'text' text.format is supported", param="text.format")
+
+
+def _input_items(raw: Any) -> list[Item]:
+    """`input` as a list of items: a string is one user message."""
+    if isinstance(raw, str):
+        return [{"type": "message", "role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("'input' must be a string or a non-empty array of items", param="input")
+    return [parse_item(f"input[{i}]", item) for i, item in enumerate(raw)]
+
+
+def parse_item(where: str, item: Any) -> Item:
+    """One input (or stored output) item, normalised: message content as one string."""
+    if not isinstance(item, dict):
+        raise bad_request(f"{where} must be an object, got {type_name(item)}", param=where)
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in _ROLES:
+            raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", param=where)
+        return {"type": "message", "role": role, "content": _text(where, item.get("content"))}
+    if kind == "function_call":
+        for key in ("call_id", "name", "arguments"):
+            if not isinstance(item.get(key), str):
+                raise bad_request(f"{where}.{key} must be a string", param=f"{where}.{key}")
+        return {key: item[key] for key in ("type", "call_id", "name", "arguments")}
+    if kind == "function_call_output":
+        if not isinstance(item.get("call_id"), str):
+            raise bad_request(f"{where}.call_id must be a string", param=f"{where}.call_id")
+        output = _text(f"{where}.output", item.get("output"))
+        return {"type": kind, "call_id": item["call_id"], "output": output}
+    if kind in _MEDIA_PARTS:
+        raise bad_request(f"{where}: {kind} is not supported: swarmkv runs the text model only", param=where)
+    raise bad_request(
+        f"{where}: item type {kind!r} is not supported (allowed: message, function_call, function_call_output)",
+        param=where,
+    )
+
+
+def _text(where: str, content: Any) -> str:
+    """Message text: a string, or text parts joined with newlines as chat completions joins them."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or an array of text parts", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _MEDIA_PARTS:
+            raise bad_request(
+                f"{where}[{j}]: {kind} parts are not supported: swarmkv runs the text model only",
+                param=where,
+            )
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}[{j}] must be an input_text or output_text part", param=where)
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def items_to_messages(items: list[Item]) -> list[Message]:
+    """Normalised items as chat messages; consecutive calls join the assistant turn before them."""
+    messages: list[Message] = []
+    for item in items:
+        if item["type"] == "message":
+            messages.append({"role": item["role"], "content": item["content"]})
+        elif item["type"] == "function_call":
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            last = messages[-1] if messages else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": None}
+                messages.append(last)
+            last.setdefault("tool_calls", []).append(call)
+        else:
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+    return messages
+
+
+def _tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    """Responses function tools as chat function tools; any hosted tool type is a 400 naming it."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise bad_request(
+                f"{where}: tool type {kind!r} is not supported: only 'function' tools are "
+                "(swarmkv runs no hosted tools)",
+                param=where,
+            )
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise bad_request(f"{where}.name must be a non-empty string", param=where)
+        function = {"name": tool["name"], "parameters": tool.get("parameters") or {}}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out or None
+
+
+def _tool_choice(choice: Any) -> Any:
+    """Responses' tool_choice as chat's."""
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise bad_request(
+        "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
+        param="tool_choice",
+    )

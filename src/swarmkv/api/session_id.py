@@ -1,0 +1,36 @@
+"""Session ids: the body's `session_id` (or Messages' `metadata.user_id`) and the `X-Session-Id` header, checked once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from swarmkv.api.errors import bad_request, type_name
+from swarmkv.core.config import EngineConfig
+
+# The header a client (or a proxy in front of a swarm) may name a session with instead of the body field.
+SESSION_HEADER = "x-session-id"
+# The engine's default limit, written once in EngineConfig; an engine configured otherwise checks its own.
+MAX_SESSION_ID_CHARS: int = EngineConfig.max_session_id_chars
+
+
+def check_session_id(value: Any, where: str) -> str | None:
+    """A session id: None when absent, else a non-empty string of at most MAX_SESSION_ID_CHARS, or a 400."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_SESSION_ID_CHARS:
+        got = f"{len(value)} characters" if isinstance(value, str) else type_name(value)
+        raise bad_request(
+            f"{where} must be a non-empty string of at most {MAX_SESSION_ID_CHARS} characters, got {got}",
+            param="session_id",
+        )
+    return value
+
+
+def resolve_session_id(body_value: str | None, header_value: str | None) -> str | None:
+    """The request's session: the body's `session_id` wins over the `X-Session-Id` header; both are checked.
+
+    The body names the request itself, while a header may be set for a whole connection by a proxy or
+    client default, so the more specific one wins.
+    """
+    header = check_session_id(header_value, "the X-Session-Id header")
+    return body_value if body_value is not None else header

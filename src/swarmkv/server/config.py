@@ -1,0 +1,56 @@
+"""ServerConfig: the one source of the server's settings; `create_app` takes it and `swarmkv serve`'s flags derive from it.
+
+Each field carries its help text (argparse fills `%(default)s`), as `EngineConfig`'s do; `cli.py` turns the
+fields into flags, so a default written here is the default everywhere. Imports nothing of the server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+API_KEY_ENV = "SWARMKV_API_KEY"
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+
+
+def _opt(default: Any, help: str, **flag: Any) -> Any:
+    """A field with its help text; `flag` holds extra argparse settings (metavar, env)."""
+    return field(default=default, metadata={"help": help, **flag})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How one server listens, authenticates, names its model and bounds what it keeps."""
+
+    host: str = _opt("127.0.0.1", "address to bind (default loopback only)")
+    port: int = _opt(8000, "port to listen on (default %(default)s; 0: any free port)")
+    api_key: str | None = _opt(
+        None,
+        f"require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1/ routes (default: ${API_KEY_ENV}, "
+        "else none)",
+        env=API_KEY_ENV,
+    )
+    served_model_name: str | None = _opt(None, "the `model` clients send (default: file stem)")
+    log_requests: Path | None = _opt(
+        None,
+        "append every chat and completions request body to FILE, one JSON line each (for `swarmkv lint`)",
+        metavar="FILE.jsonl",
+    )
+    max_request_bytes: int = _opt(
+        32 * 1024 * 1024, "refuse request bodies larger than this with a 400 (default %(default)s, 32 MiB)"
+    )
+    responses_store_max: int = _opt(
+        1000,
+        "keep at most this many stored /v1/responses responses for previous_response_id, each at most "
+        "an hour (default %(default)s; 0 stores none)",
+    )
+    log_level: LogLevel = _opt("info", "swarmkv's and uvicorn's log level (default %(default)s)")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"--max-request-bytes must be positive, got {self.max_request_bytes}")
+        if self.responses_store_max < 0:
+            raise ValueError(f"--responses-store-max must be at least 0, got {self.responses_store_max}")

@@ -1,0 +1,65 @@
+"""What a request's consumer sees: a stream of per-step outputs, fed from the engine's loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+
+from swarmkv.api.outputs import StepOutput
+from swarmkv.core.sequence import Sequence
+from swarmkv.engine.engine import RequestDelta
+from swarmkv.errors import SwarmkvError
+
+
+class EngineUnavailableError(SwarmkvError):
+    """The engine loop stopped (shutdown) or failed while the request was in flight."""
+
+    status = 503
+
+
+class EngineStepError(EngineUnavailableError):
+    """The engine step computing this request failed; the engine itself goes on serving."""
+
+    status = 500
+
+
+def step_output(delta: RequestDelta, seq: Sequence, now_s: float) -> StepOutput:
+    """What the request's consumer sees of one engine delta, with the sequence's totals after it."""
+    return StepOutput(
+        text=delta.new_text,
+        num_new_tokens=len(delta.new_token_ids),
+        finished=delta.finished,
+        finish_reason=delta.finish_reason,
+        num_prompt_tokens=len(seq.prompt_token_ids),
+        num_cached_tokens=seq.num_cached_tokens,
+        num_output_tokens=len(seq.output_token_ids),
+        emitted_at_s=now_s,
+        stop_string=delta.stop_string,
+    )
+
+
+class RequestStream:
+    """The outputs of one request, in order; iterate with `async for`."""
+
+    def __init__(self, request_id: str, arrival_s: float) -> None:
+        self.request_id = request_id
+        self.arrival_s = arrival_s
+        self._queue: asyncio.Queue[StepOutput | Exception] = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.finished = False
+
+    def put(self, item: StepOutput | Exception) -> None:
+        """Hand an item over from any thread."""
+        self.loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, Exception):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item

@@ -1,0 +1,1 @@
+"""HTTP plumbing the routes share: bodies under a size cap, disconnects, event streams, the gate, error shapes."""

@@ -1,0 +1,33 @@
+"""Reading a request body under the server's size cap, as a JSON object or a 400."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+
+from swarmkv.api.errors import bad_request, parse_json_body
+
+
+async def read_json_body(request: Request, max_request_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object; a 400 once it passes `max_request_bytes`, before all of it is read."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_request_bytes:
+        raise _too_large(max_request_bytes)
+    chunks: list[bytes] = []
+    num_bytes = 0
+    # Streamed and counted, so a chunked body without a Content-Length cannot grow past the cap in memory.
+    async for chunk in request.stream():
+        num_bytes += len(chunk)
+        if num_bytes > max_request_bytes:
+            raise _too_large(max_request_bytes)
+        chunks.append(chunk)
+    return parse_json_body(b"".join(chunks))
+
+
+def _too_large(max_request_bytes: int) -> Exception:
+    return bad_request(
+        f"the request body is larger than this server's limit of {max_request_bytes} bytes "
+        f"(swarmkv serve --max-request-bytes)",
+        code="request_too_large",
+    )

@@ -1,0 +1,60 @@
+"""The app's exception handlers: every failure answers in OpenAI's error shape, or Anthropic's on its routes."""
+
+from __future__ import annotations
+
+import logging
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from swarmkv.api.errors import APIError
+from swarmkv.api.messages_objects import anthropic_error
+from swarmkv.api.paths import is_messages_route
+from swarmkv.server.engine_loop.request_stream import EngineUnavailableError
+from swarmkv.server.http.disconnect import STATUS_CLIENT_GONE
+
+log = logging.getLogger(__name__)
+
+
+def error_response(error: APIError, path: str) -> JSONResponse:
+    """`error` as the response a client of `path` expects."""
+    # The Anthropic routes answer errors in Anthropic's shape, so its clients raise their typed errors.
+    if is_messages_route(path):
+        status, body = anthropic_error(error)
+        return JSONResponse(body, status_code=status)
+    return JSONResponse(error.to_json(), status_code=error.status)
+
+
+async def api_error(request: Request, exc: Exception) -> Response:
+    """A client mistake (a 4xx the routes raised)."""
+    assert isinstance(exc, APIError)
+    return error_response(exc, request.url.path)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors: an unknown path (404) or method (405)."""
+    assert isinstance(exc, HTTPException)
+    code = "not_found" if exc.status_code == 404 else None
+    return error_response(
+        APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code),
+        request.url.path,
+    )
+
+
+async def engine_unavailable(request: Request, exc: Exception) -> Response:
+    """The engine loop stopped or its step failed."""
+    assert isinstance(exc, EngineUnavailableError)
+    return error_response(APIError(exc.status, str(exc), error_type="server_error"), request.url.path)
+
+
+async def client_gone(request: Request, exc: Exception) -> Response:
+    """The client left while its body was still arriving: not a server error, and nobody reads the answer."""
+    return Response(status_code=STATUS_CLIENT_GONE)
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    """Anything else: logged, and a 500 that says no more."""
+    log.error("unhandled error on %s", request.url.path, exc_info=exc)
+    error = APIError(500, "the server failed on this request", error_type="server_error")
+    return error_response(error, request.url.path)

@@ -1,0 +1,77 @@
+"""Run a rendered request on the engine: submit its prompt, and collect its outputs unless the client leaves."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable
+
+from starlette.requests import Request
+
+from swarmkv.api.chat_request import ChatRequest
+from swarmkv.api.errors import bad_request
+from swarmkv.api.options import Options
+from swarmkv.api.outputs import StepOutput
+from swarmkv.api.render import render_chat
+from swarmkv.api.session_id import SESSION_HEADER, resolve_session_id
+from swarmkv.breaks.causes import Break, RenderedPrompt
+from swarmkv.core.sampling_params import SamplingParams
+from swarmkv.errors import InvalidRequestError
+from swarmkv.server.context import ServerContext
+from swarmkv.server.engine_loop.request_stream import RequestStream
+from swarmkv.server.http.disconnect import ClientDisconnected, unless_disconnected
+from swarmkv.server.observability.latency import Latency
+
+
+def request_session_id(request: Request, body_value: str | None) -> str | None:
+    """The request's session: `body_value` (named by its body), else its X-Session-Id header; both checked."""
+    return resolve_session_id(body_value, request.headers.get(SESSION_HEADER))
+
+
+async def submit(
+    ctx: ServerContext,
+    id_prefix: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    options: Options,
+    session_id: str | None,
+    arrival_s: float,
+) -> RequestStream:
+    """Queue a prompt under a fresh request id; the engine's refusal is a 400."""
+    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    try:
+        return await ctx.engine.submit(
+            request_id, prompt_ids, params, options.cache_salt, arrival_s, session_id=session_id
+        )
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc)) from exc
+
+
+async def start_chat(
+    ctx: ServerContext, req: ChatRequest, session_id: str | None, arrival_s: float, id_prefix: str
+) -> tuple[RequestStream, RenderedPrompt, Awaitable[Break | None]]:
+    """Render and submit a chat request; its stream, its prompt, and the cache break it causes (if any)."""
+    rendered = render_chat(ctx.tokenizer, req)
+    params = req.options.sampling_params(
+        len(rendered.token_ids), ctx.max_model_len, "messages", req.forced_stop()
+    )
+    stream = await submit(ctx, id_prefix, rendered.token_ids, params, req.options, session_id, arrival_s)
+    return stream, rendered, ctx.breaks.watch(session_id, req.options.cache_salt, rendered)
+
+
+async def collect_unless_disconnected(
+    request: Request, ctx: ServerContext, stream: RequestStream, latency: Latency
+) -> list[StepOutput] | None:
+    """Every output of a non-streamed request; None (and the request aborted) if the client disconnects first."""
+
+    async def collect() -> list[StepOutput]:
+        outputs = []
+        async for out in stream:
+            latency.observe(out)
+            outputs.append(out)
+        return outputs
+
+    try:
+        return await unless_disconnected(request, collect())
+    except ClientDisconnected:
+        ctx.engine.abort(stream.request_id)
+        return None

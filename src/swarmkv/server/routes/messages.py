@@ -1,0 +1,139 @@
+"""POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages API over the chat pipeline.
+
+The body becomes a chat request (`api/messages_request.py`), runs through the same renderer, engine, tool
+parser and stream as a chat completion (`pipeline/`), and its outputs are dressed as Anthropic's message and
+events (`api/messages_objects.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from swarmkv.api.errors import APIError
+from swarmkv.api.messages_objects import (
+    CacheTokens,
+    ContentBlocks,
+    anthropic_error,
+    anthropic_event,
+    matched_stop,
+    message_json,
+    stop_reason,
+    tool_use_block,
+)
+from swarmkv.api.messages_request import Breakpoint, MessagesRequest, parse_messages_request
+from swarmkv.api.outputs import StepOutput
+from swarmkv.api.paths import CHAT_ROUTE
+from swarmkv.api.pin_request import PinRequest
+from swarmkv.api.render import render_chat, render_pin
+from swarmkv.errors import InvalidRequestError
+from swarmkv.server.context import ServerContext
+from swarmkv.server.engine_loop.request_stream import EngineUnavailableError, RequestStream
+from swarmkv.server.http.disconnect import STATUS_CLIENT_GONE
+from swarmkv.server.http.event_stream import EventStream
+from swarmkv.server.observability.latency import Latency
+from swarmkv.server.pipeline.chat_stream import chat_deltas, parse_whole_reply
+from swarmkv.server.pipeline.generate import collect_unless_disconnected, request_session_id, start_chat
+
+log = logging.getLogger(__name__)
+
+
+async def messages(request: Request) -> Response:
+    """POST /v1/messages."""
+    arrival_s = time.perf_counter()
+    ctx: ServerContext = request.app.state.ctx
+    payload = await ctx.read_body(request)
+    req = parse_messages_request(payload)
+    ctx.check_model(req.chat.options.model)
+    session_id = request_session_id(request, req.user_id)
+    ctx.log_request(CHAT_ROUTE, session_id, req.chat_body)  # logged as the chat request it runs as
+    num_pinned = await _pin_breakpoints(ctx, req)
+    stream, rendered, _ = await start_chat(ctx, req.chat, session_id, arrival_s, "msg")
+    msg_id = f"msg_{stream.request_id.removeprefix('msg-')}"
+    latency = Latency(ctx.metrics, arrival_s)
+    if req.chat.options.stream:
+        events = _events(ctx, req, stream, latency, msg_id, len(rendered.token_ids), num_pinned)
+        return EventStream(events, lambda: ctx.engine.abort(stream.request_id))
+    outputs = await collect_unless_disconnected(request, ctx, stream, latency)
+    if outputs is None:
+        return Response(status_code=STATUS_CLIENT_GONE)
+    last = outputs[-1] if outputs else None
+    parsed = parse_whole_reply(req.chat, outputs)
+    content = [{"type": "text", "text": parsed.content}] if parsed.content else []
+    content += [tool_use_block(call) for call in parsed.tool_calls]
+    usage = CacheTokens.of(last, num_pinned).usage(last.num_output_tokens if last else 0)
+    reason = stop_reason(last, len(parsed.tool_calls))
+    body = message_json(msg_id, ctx.model_name, content, reason, usage, matched_stop(last, reason))
+    return JSONResponse(body)
+
+
+async def count_tokens(request: Request) -> Response:
+    """POST /v1/messages/count_tokens: the prompt's length as /v1/messages would render it, nothing generated."""
+    ctx: ServerContext = request.app.state.ctx
+    req = parse_messages_request(await ctx.read_body(request), needs_max_tokens=False)
+    ctx.check_model(req.chat.options.model)
+    return JSONResponse({"input_tokens": len(render_chat(ctx.tokenizer, req.chat).token_ids)})
+
+
+async def _pin_breakpoints(ctx: ServerContext, req: MessagesRequest) -> int:
+    """Pin each cache_control mark's prefix; the number of tokens newly pinned (refreshed pins count 0)."""
+    num_new_tokens = 0
+    for mark in req.breakpoints:
+        num_new_tokens += await _pin(ctx, req, mark)
+    return num_new_tokens
+
+
+async def _pin(ctx: ServerContext, req: MessagesRequest, mark: Breakpoint) -> int:
+    salt = req.chat.options.cache_salt
+    pin = PinRequest(None, mark.messages, req.chat.prompt_tools, None, mark.ttl_s, salt)
+    ids = render_pin(ctx.tokenizer, pin)
+    # The id follows from the prefix and salt, so a repeated request refreshes its pin instead of adding one.
+    digest = hashlib.sha256(f"{salt}\0{ids}".encode()).hexdigest()[:32]
+    pin_id = f"pin-msg-{digest}"
+    refreshed = await ctx.engine.unpin(pin_id)
+    try:
+        info = await ctx.engine.pin(pin_id, ids, mark.ttl_s, salt)
+    except InvalidRequestError as exc:  # over --max-pinned-memory, or a concurrent twin holds the id
+        # A cache hint must not fail the message: answer it unpinned.
+        log.info("cache_control prefix of %d tokens not pinned: %s", len(ids), exc)
+        return 0
+    return 0 if refreshed or info is None else info.num_tokens
+
+
+async def _events(
+    ctx: ServerContext,
+    req: MessagesRequest,
+    stream: RequestStream,
+    latency: Latency,
+    msg_id: str,
+    num_prompt_tokens: int,
+    num_pinned: int,
+) -> AsyncIterator[str]:
+    start_usage = CacheTokens(num_prompt_tokens, 0, 0).usage(0)
+    yield anthropic_event(
+        "message_start", {"message": message_json(msg_id, ctx.model_name, [], None, start_usage)}
+    )
+    yield anthropic_event("ping", {})
+    blocks = ContentBlocks()
+    last: StepOutput | None = None
+    try:
+        async for out, parsed in chat_deltas(req.chat, stream, latency):
+            last = out
+            for event in blocks.add(parsed):
+                yield event
+    except EngineUnavailableError as exc:
+        _, body = anthropic_error(APIError(exc.status, str(exc), error_type="server_error"))
+        yield anthropic_event("error", {"error": body["error"]})
+        return
+    for event in blocks.close_text():
+        yield event
+    usage = CacheTokens.of(last, num_pinned).usage(last.num_output_tokens if last else 0)
+    reason = stop_reason(last, blocks.num_calls)
+    end = {"stop_reason": reason, "stop_sequence": matched_stop(last, reason)}
+    yield anthropic_event("message_delta", {"delta": end, "usage": usage})
+    yield anthropic_event("message_stop", {})

@@ -1,0 +1,70 @@
+"""/v1/cache/pin: hold a prefix's KV pages (a swarm's system prompt and tools) so eviction never drops them.
+
+POST pins a prefix and answers once its prefill finished and the engine holds its pages; GET shows a
+pin; DELETE unpins it. A pin past the engine's cap is a 400 with code "pin_limit_exceeded": the cap is
+a configured limit a retry cannot pass until the client unpins something, so it is not a 429 (which
+OpenAI clients retry on their own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from swarmkv.api.errors import APIError, bad_request
+from swarmkv.api.pin_objects import pin_json
+from swarmkv.api.pin_request import parse_pin_request
+from swarmkv.api.render import render_pin
+from swarmkv.errors import InvalidRequestError, PinLimitError
+from swarmkv.server.context import ServerContext
+from swarmkv.server.http.disconnect import STATUS_CLIENT_GONE, ClientDisconnected, unless_disconnected
+
+
+def _not_found(pin_id: str) -> APIError:
+    return APIError(
+        404, f"no pin {pin_id!r}: it was never made, expired or was unpinned", code="pin_not_found"
+    )
+
+
+async def create_pin(request: Request) -> Response:
+    """POST /v1/cache/pin: pin `messages` (+ `tools`) or `prompt_token_ids` for `ttl_s` seconds."""
+    ctx: ServerContext = request.app.state.ctx
+    req = parse_pin_request(await ctx.read_body(request))
+    ctx.check_model(req.model)
+    ids = render_pin(ctx.tokenizer, req)
+    pin_id = f"pin-{uuid.uuid4().hex}"
+    try:
+        info = await unless_disconnected(request, ctx.engine.pin(pin_id, ids, req.ttl_s, req.cache_salt))
+    except PinLimitError as exc:
+        raise APIError(400, str(exc), code="pin_limit_exceeded") from exc
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc)) from exc
+    except ClientDisconnected:
+        return Response(status_code=STATUS_CLIENT_GONE)  # and the pin was dropped
+    if info is None:
+        raise APIError(
+            404, "the pin was deleted, or its TTL ran out, before it was ready", code="pin_not_found"
+        )
+    return JSONResponse(pin_json(info))
+
+
+async def get_pin(request: Request) -> Response:
+    """GET /v1/cache/pin/{pin_id}: the pin's size and remaining time, or 404."""
+    ctx: ServerContext = request.app.state.ctx
+    pin_id = request.path_params["pin_id"]
+    info = await asyncio.wrap_future(ctx.engine.call(lambda engine: engine.get_pin(pin_id)))
+    if info is None:
+        raise _not_found(pin_id)
+    return JSONResponse(pin_json(info))
+
+
+async def delete_pin(request: Request) -> Response:
+    """DELETE /v1/cache/pin/{pin_id}: unpin; its pages stay cached (evictable) like any finished request's."""
+    ctx: ServerContext = request.app.state.ctx
+    pin_id = request.path_params["pin_id"]
+    if not await ctx.engine.unpin(pin_id):
+        raise _not_found(pin_id)
+    return JSONResponse({"id": pin_id, "object": "cache.pin", "deleted": True})

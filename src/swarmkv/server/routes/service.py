@@ -1,0 +1,43 @@
+"""GET /v1/models, /health and /metrics: which model this server runs, whether its engine works, its counters."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from swarmkv.server.context import ServerContext
+
+
+async def models(request: Request) -> Response:
+    """GET /v1/models: the one model this server runs."""
+    ctx: ServerContext = request.app.state.ctx
+    card = {
+        "id": ctx.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "swarmkv",
+        "max_model_len": ctx.max_model_len,
+    }
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def health(request: Request) -> Response:
+    """GET /health: 200 while the engine loop runs and its latest step (or a probe) succeeded, else 503."""
+    ctx: ServerContext = request.app.state.ctx
+    if not ctx.engine.is_running:
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+    if ctx.engine.last_step_error is not None:  # is it still failing? an idle engine tries one token
+        await asyncio.wrap_future(ctx.engine.call(lambda engine: engine.probe()))
+    error = ctx.engine.last_step_error
+    if error is not None:
+        return JSONResponse({"status": "engine step failed", "error": error}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    """GET /metrics in the Prometheus text format."""
+    ctx: ServerContext = request.app.state.ctx
+    return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
