@@ -10,8 +10,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "swarmkv"
 

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.engine.llm import LLM
 from swarmkv.kv.page_pool import PagePool
 from swarmkv.kv.radix_index import RadixIndex
@@ -177,3 +178,20 @@ def test_the_cache_page_is_one_self_contained_document(served: tuple[httpx.Clien
     # Nothing else is fetched: no external scripts, styles, images or fonts (users may be offline).
     for marker in ("<script src", "<link", "@import", "url(http", "https://", "http://cdn"):
         assert marker not in page
+
+
+def test_the_tree_export_is_made_again_only_when_the_tree_changed() -> None:
+    from engine_helpers import tiny_llm
+    from swarmkv.server.observability.cache_snapshot import TreeSnapshots
+
+    llm = tiny_llm(block_size=4)
+    snapshots = TreeSnapshots()
+    llm.generate([list(range(1, 14))], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    first = snapshots.take(llm.engine)
+    again = snapshots.take(llm.engine)
+    assert again.records is first.records, "an unchanged tree is not exported again"
+    assert again.stats == first.stats
+    llm.generate([list(range(50, 63))], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    changed = snapshots.take(llm.engine)
+    assert changed.records is not first.records and len(changed.records) > len(first.records)
+    assert changed.records == llm.engine.kv.index.export()

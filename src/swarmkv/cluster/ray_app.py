@@ -41,7 +41,7 @@ class EngineReplica:
         self._engine = self._app.state.ctx.engine
         self._engine.start()  # the app's lifespan is not run: nothing serves it over a socket
         replica = serve.get_replica_context().replica_id.unique_id
-        pages = int(llm.engine.stats()["kv_pages_total"])
+        pages = llm.engine.snapshot().kv_pages_total
         engine_config = llm.engine.config
         self._info = ReplicaInfo(
             replica, os.getpid(), pages, engine_config.block_size, engine_config.retention

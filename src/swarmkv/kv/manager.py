@@ -183,6 +183,12 @@ class KVCacheManager:
         """Open sessions with no request running."""
         return self.retention.num_paused
 
+    @property
+    def tree_version(self) -> tuple[int, int]:
+        """Changes whenever the prefix index's nodes or the pages' holders change: an export of the tree
+        (`index.export()`) made at one version holds until the next."""
+        return self.index.version, self.pool.version
+
     def page_table(self, request_id: str) -> Sequence[int]:
         """The request's pages, in token order (empty if it holds none). Read-only."""
         table = self._tables.get(request_id)

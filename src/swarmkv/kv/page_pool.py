@@ -20,6 +20,7 @@ class PagePool:
         self._free = list(range(num_pages - 1, -1, -1))
         self._is_free = [True] * num_pages
         self.num_held = 0
+        self.version = 0  # bumped by every change to refcounts or the free list
 
     @property
     def num_free(self) -> int:
@@ -30,6 +31,7 @@ class PagePool:
         """Take `num_pages` free pages, each held once by the caller."""
         assert num_pages <= len(self._free), "allocate() beyond the free list"
         pages = [self._free.pop() for _ in range(num_pages)]
+        self.version += bool(pages)
         for page in pages:
             self._is_free[page] = False
             self.refcounts[page] = 1
@@ -38,6 +40,7 @@ class PagePool:
 
     def retain(self, pages: list[int]) -> None:
         """Add one holder to each page (a request taking a cached or shared page)."""
+        self.version += bool(pages)
         for page in pages:
             assert not self._is_free[page], f"retain of free page {page}"
             self.num_held += self.refcounts[page] == 0
@@ -46,6 +49,7 @@ class PagePool:
     def release(self, pages: list[int]) -> list[int]:
         """Drop one holder from each page; return the pages no request holds any more."""
         unheld = []
+        self.version += bool(pages)
         for page in pages:
             assert self.refcounts[page] > 0, f"release of unheld page {page}"
             self.refcounts[page] -= 1
@@ -56,6 +60,7 @@ class PagePool:
 
     def free(self, pages: list[int]) -> None:
         """Return unheld pages to the free list."""
+        self.version += bool(pages)
         for page in pages:
             assert self.refcounts[page] == 0 and not self._is_free[page], f"bad free of page {page}"
             self._is_free[page] = True

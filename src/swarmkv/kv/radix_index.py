@@ -84,6 +84,7 @@ class RadixIndex:
         # Device nodes with no child on the device, kept as pages come and go: eviction's candidates are
         # the unheld ones among them, so it never scans the whole tree.
         self._device_leaves: dict[int, Node] = {}
+        self.version = 0  # bumped by every change to the tree's nodes or tiers (not by `touch`)
         self._clock = itertools.count(1)
         self._superseded_hosts: list[int] = []  # host copies a fresh device page replaced (see insert)
 
@@ -310,6 +311,7 @@ class RadixIndex:
     def _to_device(self, node: Node, page: int) -> None:
         """The node's KV is now in device page `page`: it is a device leaf, and its parent no longer is."""
         node.page = page
+        self.version += 1
         self._node_of_page[page] = node
         if all(child.page is None for child in node.children.values()):
             self._device_leaves[page] = node
@@ -320,6 +322,7 @@ class RadixIndex:
     def _off_device(self, node: Node) -> None:
         """The node's device page goes (to the host, or with the node): its parent may become a leaf."""
         assert node.page is not None
+        self.version += 1
         del self._node_of_page[node.page]
         self._device_leaves.pop(node.page, None)
         node.page = None
@@ -334,6 +337,7 @@ class RadixIndex:
     def _drop_subtree(self, node: Node) -> list[int]:
         """Forget every host node under `node` (they hang from a node being dropped)."""
         hosts: list[int] = []
+        self.version += 1
         stack = list(node.children.values())
         while stack:
             child = stack.pop()
@@ -346,6 +350,7 @@ class RadixIndex:
         return hosts
 
     def _unlink(self, node: Node) -> None:
+        self.version += 1
         parent = node.parent
         assert parent is not None
         del parent.children[node.key]

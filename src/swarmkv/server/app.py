@@ -46,7 +46,7 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> Starlette:
     does. One app per LLM; `config.host`, `port` and `log_level` are for whoever runs it (`swarmkv serve`)."""
     config = config if config is not None else ServerConfig()
     engine = AsyncEngine(llm.engine)
-    metrics = ServerMetrics(engine.stats)
+    metrics = ServerMetrics(engine.snapshot, lambda: engine.num_aborted)
     log = config.log_requests
     ctx = ServerContext(
         engine=engine,

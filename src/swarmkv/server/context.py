@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -11,6 +11,7 @@ from swarmkv.api.errors import APIError
 from swarmkv.server.engine_loop.async_engine import AsyncEngine
 from swarmkv.server.http.body import read_json_body
 from swarmkv.server.observability.cache_breaks import CacheBreaks
+from swarmkv.server.observability.cache_snapshot import TreeSnapshots
 from swarmkv.server.observability.metrics import ServerMetrics
 from swarmkv.server.observability.request_log import RequestLog
 from swarmkv.server.responses_store import ResponseStore
@@ -31,6 +32,8 @@ class ServerContext:
     max_request_bytes: int  # `--max-request-bytes`
     # Stored Responses API responses (`--responses-store-max`); mutable, shared by the routes of one app.
     responses: ResponseStore
+    # The cache view's last snapshot, reused while the tree is unchanged; used on the engine's thread only.
+    tree_snapshots: TreeSnapshots = field(default_factory=TreeSnapshots)
 
     async def read_body(self, request: Request) -> dict[str, Any]:
         """The request's body as a JSON object, under the size cap, or a 400."""

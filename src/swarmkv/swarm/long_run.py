@@ -186,11 +186,9 @@ def run_long_swarm(
             continue
         deltas = engine.step()
         now = time.perf_counter()
-        stats = engine.stats()
+        stats = engine.snapshot()
         result.timeline.append(
-            KVSample(
-                now - start, stats["kv_bytes_used"], stats["offloaded_bytes"], stats["recomputed_tokens"]
-            )
+            KVSample(now - start, stats.kv_bytes_used, stats.offloaded_bytes, stats.recomputed_tokens)
         )
         for delta in deltas:
             if delta.error is not None:
@@ -251,20 +249,17 @@ def _next_turn(
 
 
 def _read_counters(engine: LLMEngine, result: PolicyResult) -> None:
-    stats = engine.stats()
-    for name in (
-        "prefill_tokens_computed",
-        "recomputed_tokens",
-        "prefix_hit_tokens",
-        "evictions",
-        "offload_loads",
-        "offload_load_bytes",
-        "offload_stores",
-        "offload_drops",
-        "preemptions",
-        "swap_preemptions",
-        "recompute_preemptions",
-    ):
-        setattr(result, name, stats[name])
-    result.peak_kv_bytes = stats["peak_kv_bytes_used"]
+    stats = engine.snapshot()
+    result.prefill_tokens_computed = stats.prefill_tokens_computed
+    result.recomputed_tokens = stats.recomputed_tokens
+    result.prefix_hit_tokens = stats.prefix_hit_tokens
+    result.evictions = stats.evictions
+    result.offload_loads = stats.offload_loads
+    result.offload_load_bytes = stats.offload_load_bytes
+    result.offload_stores = stats.offload_stores
+    result.offload_drops = stats.offload_drops
+    result.preemptions = stats.preemptions
+    result.swap_preemptions = stats.swap_preemptions
+    result.recompute_preemptions = stats.recompute_preemptions
+    result.peak_kv_bytes = stats.peak_kv_bytes_used
     result.peak_offloaded_bytes = max((s.host_bytes for s in result.timeline), default=0)

@@ -120,8 +120,7 @@ def run_swarm(
         if engine.counters.prefill_tokens_computed == prefill_before:
             result.decode_s += now - step_start
             result.decode_tokens += sum(len(d.new_token_ids) for d in deltas)
-        stats = engine.stats()
-        result.kv_bytes_timeline.append(stats["kv_bytes_used"])
+        result.kv_bytes_timeline.append(engine.snapshot().kv_bytes_used)
         for delta in deltas:
             i = index_of[delta.request_id.split("/")[0]]
             if not replies[delta.request_id] and delta.new_token_ids:
@@ -138,15 +137,15 @@ def run_swarm(
             if progress is not None:
                 progress(done_turns, total_turns, result)
     result.wall_s = time.perf_counter() - start
-    stats = engine.stats()
-    result.peak_kv_bytes = stats["peak_kv_bytes_used"]
-    result.final_kv_bytes = stats["kv_bytes_used"]
-    result.prompt_tokens = stats["prompt_tokens"]
-    result.prefill_tokens_computed = stats["prefill_tokens_computed"]
-    result.prefix_hit_tokens = stats["prefix_hit_tokens"]
-    result.recomputed_tokens = stats["recomputed_tokens"]
-    result.generated_tokens = stats["generated_tokens"]
-    result.cascade_decode_rows = stats["cascade_decode_rows"]
+    stats = engine.snapshot()
+    result.peak_kv_bytes = stats.peak_kv_bytes_used
+    result.final_kv_bytes = stats.kv_bytes_used
+    result.prompt_tokens = stats.prompt_tokens
+    result.prefill_tokens_computed = stats.prefill_tokens_computed
+    result.prefix_hit_tokens = stats.prefix_hit_tokens
+    result.recomputed_tokens = stats.recomputed_tokens
+    result.generated_tokens = stats.generated_tokens
+    result.cascade_decode_rows = stats.cascade_decode_rows
     result.agent_tokens = [
         len(tokenizer.encode(tokenizer.apply_chat_template(m, tools=list(workload.tools)))) for m in messages
     ]

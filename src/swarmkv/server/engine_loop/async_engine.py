@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from swarmkv.core.pins import PinInfo
 from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.core.sequence import Sequence
+from swarmkv.core.stats import EngineStats
 from swarmkv.engine.engine import LLMEngine, RequestDelta
 from swarmkv.server.engine_loop.commands import (
     Abort,
@@ -59,7 +60,7 @@ class AsyncEngine:
         self._live: dict[str, _Live] = {}
         self._pins = PendingPins()
         self._thread: threading.Thread | None = None
-        self._stats: dict[str, Any] = {**engine.stats(), "requests_aborted": 0}
+        self._snapshot: EngineStats = engine.snapshot()
         self._num_aborted = 0
         # Guards `_closed` so that no command is queued after the loop's final drain.
         self._lock = threading.Lock()
@@ -157,9 +158,13 @@ class AsyncEngine:
         """Requests aborted (their client went away) since the loop started."""
         return self._num_aborted
 
+    def snapshot(self) -> EngineStats:
+        """The engine's stats as of its latest step or command (immutable: safe from any thread)."""
+        return self._snapshot
+
     def stats(self) -> dict[str, Any]:
-        """The engine's counters as of its latest step or command, plus `requests_aborted`."""
-        return self._stats
+        """`snapshot()` as a flat dict, plus `requests_aborted`."""
+        return {**self._snapshot.to_dict(), "requests_aborted": self._num_aborted}
 
     # Everything below runs on the loop thread only.
 
@@ -186,7 +191,7 @@ class AsyncEngine:
             now = time.perf_counter()
             for delta in deltas:
                 self._dispatch(delta, now)
-        self._stats = {**self.engine.stats(), "requests_aborted": self._num_aborted}
+        self._snapshot = self.engine.snapshot()
         return True
 
     def _next_commands(self, block: bool) -> list[Command]:

@@ -7,70 +7,106 @@ their numbers and nothing lives in module globals.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from swarmkv.core.stats import EngineStats
+
 PREFIX = "swarmkv"
 
-# (metric name, engine stats key, help); each gauge is a current value.
-_GAUGES = (
-    ("kv_pages_total", "kv_pages_total", "KV pages in the pool."),
-    ("kv_pages_in_use", "kv_pages_in_use", "KV pages held by at least one running request."),
-    ("kv_pages_cached", "kv_pages_cached", "KV pages kept by the prefix cache that no request holds."),
-    ("kv_bytes_in_use", "kv_bytes_in_use", "Bytes of the KV pages held by running requests."),
-    ("kv_bytes_logical", "kv_bytes_logical", "Bytes the running requests' KV would take without sharing."),
-    ("requests_running", "requests_running", "Requests admitted to the engine."),
-    ("requests_waiting", "requests_waiting", "Requests queued for admission (new or preempted)."),
-    ("offloaded_bytes", "offloaded_bytes", "Bytes of KV pages kept in the host-memory tier."),
-    ("pinned_bytes", "pinned_bytes", "Bytes of KV pages held by pins."),
-    ("pins", "pins", "Pins the engine holds."),
-    ("sessions_open", "sessions_open", "Sessions a request named that are not yet released."),
+Read = Callable[[EngineStats], int]
+
+# (metric name, help, the field it reads); each gauge is a current value. Fields are read by attribute, so a
+# renamed stats field fails the type check here.
+_GAUGES: tuple[tuple[str, str, Read], ...] = (
+    ("kv_pages_total", "KV pages in the pool.", lambda s: s.kv_pages_total),
+    ("kv_pages_in_use", "KV pages held by at least one running request.", lambda s: s.kv_pages_in_use),
+    (
+        "kv_pages_cached",
+        "KV pages kept by the prefix cache that no request holds.",
+        lambda s: s.kv_pages_cached,
+    ),
+    ("kv_bytes_in_use", "Bytes of the KV pages held by running requests.", lambda s: s.kv_bytes_in_use),
+    (
+        "kv_bytes_logical",
+        "Bytes the running requests' KV would take without sharing.",
+        lambda s: s.kv_bytes_logical,
+    ),
+    (
+        "kv_bytes_reclaimed_by_sharing",
+        "Logical KV bytes of running requests minus the bytes they hold: what sharing saves now.",
+        lambda s: s.kv_bytes_reclaimed,
+    ),
+    ("requests_running", "Requests admitted to the engine.", lambda s: s.requests_running),
+    ("requests_waiting", "Requests queued for admission (new or preempted).", lambda s: s.requests_waiting),
+    ("offloaded_bytes", "Bytes of KV pages kept in the host-memory tier.", lambda s: s.offloaded_bytes),
+    ("pinned_bytes", "Bytes of KV pages held by pins.", lambda s: s.pinned_bytes),
+    ("pins", "Pins the engine holds.", lambda s: s.pins),
+    ("sessions_open", "Sessions a request named that are not yet released.", lambda s: s.sessions_open),
     (
         "sessions_paused",
-        "sessions_paused",
         "Open sessions with no request waiting or running (their agent is away, e.g. on a tool call).",
+        lambda s: s.sessions_paused,
     ),
 )
 # Monotonic since the engine started; exposed with the `_total` suffix.
-_COUNTERS = (
-    ("prompt_tokens", "prompt_tokens", "Prompt tokens processed (served by the prefix cache or computed)."),
+_COUNTERS: tuple[tuple[str, str, Read], ...] = (
     (
-        "prefill_tokens_computed",
+        "prompt_tokens",
+        "Prompt tokens processed (served by the prefix cache or computed).",
+        lambda s: s.prompt_tokens,
+    ),
+    (
         "prefill_tokens_computed",
         "Prompt tokens whose KV was computed, not reused.",
+        lambda s: s.prefill_tokens_computed,
     ),
     (
-        "prefix_hit_tokens",
         "prefix_hit_tokens",
         "Prompt tokens served by the prefix cache instead of computed.",
+        lambda s: s.prefix_hit_tokens,
     ),
     (
-        "recomputed_tokens",
         "recomputed_tokens",
         "Tokens computed again after a preemption or an eviction"
         " (prefill_tokens_computed = prompt_tokens - prefix_hit_tokens + recomputed_tokens).",
+        lambda s: s.recomputed_tokens,
     ),
-    ("cascade_decode_rows", "cascade_decode_rows", "Decode rows that read a shared prefix once per group."),
-    ("generation_tokens", "generated_tokens", "Tokens generated."),
-    ("preemptions", "preemptions", "Requests preempted (pages dropped, recomputed later)."),
-    ("swap_preemptions", "swap_preemptions", "Preemptions whose private pages went to the host tier."),
+    (
+        "cascade_decode_rows",
+        "Decode rows that read a shared prefix once per group.",
+        lambda s: s.cascade_decode_rows,
+    ),
+    ("generation_tokens", "Tokens generated.", lambda s: s.generated_tokens),
+    ("preemptions", "Requests preempted (pages dropped, recomputed later).", lambda s: s.preemptions),
+    (
+        "swap_preemptions",
+        "Preemptions whose private pages went to the host tier.",
+        lambda s: s.swap_preemptions,
+    ),
     (
         "recompute_preemptions",
-        "recompute_preemptions",
         "Preemptions that dropped the request's KV, to be recomputed.",
+        lambda s: s.recompute_preemptions,
     ),
-    ("offload_stores", "offload_stores", "KV pages copied from the device to the host tier."),
-    ("offload_loads", "offload_loads", "KV pages copied back from the host tier to the device."),
-    ("offload_load_bytes", "offload_load_bytes", "Bytes copied back from the host tier to the device."),
-    ("offload_drops", "offload_drops", "Host-tier pages whose KV was dropped because the tier was full."),
-    ("evictions", "evictions", "Cached KV pages evicted to make room."),
-    ("requests_finished", "requests_finished", "Requests that finished (stop or length)."),
-    ("requests_aborted", "requests_aborted", "Requests aborted because their client went away."),
-    ("requests_failed", "requests_failed", "Requests failed by an engine step that raised."),
-    ("failed_steps", "failed_steps", "Engine steps whose forward or sampler raised."),
+    ("offload_stores", "KV pages copied from the device to the host tier.", lambda s: s.offload_stores),
+    ("offload_loads", "KV pages copied back from the host tier to the device.", lambda s: s.offload_loads),
+    (
+        "offload_load_bytes",
+        "Bytes copied back from the host tier to the device.",
+        lambda s: s.offload_load_bytes,
+    ),
+    (
+        "offload_drops",
+        "Host-tier pages whose KV was dropped because the tier was full.",
+        lambda s: s.offload_drops,
+    ),
+    ("evictions", "Cached KV pages evicted to make room.", lambda s: s.evictions),
+    ("requests_finished", "Requests that finished (stop or length).", lambda s: s.requests_finished),
+    ("requests_failed", "Requests failed by an engine step that raised.", lambda s: s.requests_failed),
+    ("failed_steps", "Engine steps whose forward or sampler raised.", lambda s: s.failed_steps),
 )
 
 # Seconds; a CPU step of a small model takes tens of milliseconds, a long prefill seconds.
@@ -80,29 +116,29 @@ _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
 class _EngineCollector(Collector):
     """Reads the engine's stats snapshot whenever Prometheus scrapes."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], num_aborted: Callable[[], int]) -> None:
         self._stats = stats
+        self._num_aborted = num_aborted
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self._stats()
-        for name, key, doc in _GAUGES:
-            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=stats[key])
-        reclaimed = max(0, stats["kv_bytes_logical"] - stats["kv_bytes_in_use"])
-        yield GaugeMetricFamily(
-            f"{PREFIX}_kv_bytes_reclaimed_by_sharing",
-            "Logical KV bytes of running requests minus the bytes they hold: what sharing saves now.",
-            value=reclaimed,
+        for name, doc, read in _GAUGES:
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=read(stats))
+        for name, doc, read in _COUNTERS:
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=read(stats))
+        yield CounterMetricFamily(
+            f"{PREFIX}_requests_aborted",
+            "Requests aborted because their client went away.",
+            value=self._num_aborted(),
         )
-        for name, key, doc in _COUNTERS:
-            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=stats[key])
 
 
 class ServerMetrics:
     """The registry one app serves at /metrics."""
 
-    def __init__(self, engine_stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats], num_aborted: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine_stats))
+        self.registry.register(_EngineCollector(engine_stats, num_aborted))
         self.time_to_first_token = Histogram(
             f"{PREFIX}_time_to_first_token_seconds",
             "From the request's arrival to its first generated token.",

@@ -5,58 +5,43 @@ pages in the tree (both tiers), "pool": {...}, "nodes": [...]}`. `nodes` are the
 first (schema in `observability/cache_tree.py`). `pool`: `page_size`, `pages_total`, `pages_in_use` (held
 by a request or a pin), `pages_cached` (indexed, unheld), `pages_free`, `offloaded_bytes` (host tier),
 `pinned_bytes`, `prompt_tokens`, `prefix_hit_tokens` and `hit_rate` = prefix_hit_tokens / prompt_tokens
-(None before any prompt). The tree, the pins and the counters are read together on the engine's thread, between steps,
-so they agree; collapsing the tree for the view happens on a worker thread.
+(None before any prompt). The tree, the pins and the counters are read together on the engine's thread, between
+steps, so they agree. The tree's export is made there only when the tree or its pages' holders changed since the
+last poll (`KVCacheManager.tree_version`); collapsing it for the view happens on a worker thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
-from swarmkv.engine.engine import LLMEngine
+from swarmkv.core.stats import EngineStats
 from swarmkv.server.context import ServerContext
 from swarmkv.server.observability.cache_page import PAGE
+from swarmkv.server.observability.cache_snapshot import CacheSnapshot
 from swarmkv.server.observability.cache_tree import build_view
 
 
-@dataclass(frozen=True)
-class _Snapshot:
-    """What the engine thread reads in one go."""
-
-    records: list[dict[str, Any]]
-    pinned: frozenset[int]
-    stats: dict[str, Any]
-    page_size: int
-
-
-def _snapshot(engine: LLMEngine) -> _Snapshot:
-    kv = engine.kv
-    return _Snapshot(kv.index.export(), kv.all_pinned_pages(), engine.stats(), kv.page_size)
-
-
-def pool_json(stats: dict[str, Any], page_size: int) -> dict[str, Any]:
+def pool_json(stats: EngineStats, page_size: int) -> dict[str, Any]:
     """The pool's occupancy and the prefix cache's hit rate, from the engine's stats."""
-    prompt_tokens = stats["prompt_tokens"]
     return {
         "page_size": page_size,
-        "pages_total": stats["kv_pages_total"],
-        "pages_in_use": stats["kv_pages_in_use"],
-        "pages_cached": stats["kv_pages_cached"],
-        "pages_free": stats["kv_pages_free"],
-        "offloaded_bytes": stats["offloaded_bytes"],
-        "pinned_bytes": stats["pinned_bytes"],
-        "prompt_tokens": prompt_tokens,
-        "prefix_hit_tokens": stats["prefix_hit_tokens"],
-        "hit_rate": stats["prefix_hit_tokens"] / prompt_tokens if prompt_tokens else None,
+        "pages_total": stats.kv_pages_total,
+        "pages_in_use": stats.kv_pages_in_use,
+        "pages_cached": stats.kv_pages_cached,
+        "pages_free": stats.kv_pages_free,
+        "offloaded_bytes": stats.offloaded_bytes,
+        "pinned_bytes": stats.pinned_bytes,
+        "prompt_tokens": stats.prompt_tokens,
+        "prefix_hit_tokens": stats.prefix_hit_tokens,
+        "hit_rate": stats.hit_rate,
     }
 
 
-def tree_json(snapshot: _Snapshot) -> dict[str, Any]:
+def tree_json(snapshot: CacheSnapshot) -> dict[str, Any]:
     """The /v1/cache/tree object of one snapshot."""
     return {
         "object": "cache.tree",
@@ -70,7 +55,7 @@ def tree_json(snapshot: _Snapshot) -> dict[str, Any]:
 async def cache_tree(request: Request) -> Response:
     """GET /v1/cache/tree: the radix tree, collapsed for reading, and the pool's occupancy."""
     ctx: ServerContext = request.app.state.ctx
-    snapshot = await asyncio.wrap_future(ctx.engine.call(_snapshot))
+    snapshot = await asyncio.wrap_future(ctx.engine.call(ctx.tree_snapshots.take))
     return JSONResponse(await asyncio.to_thread(tree_json, snapshot))
 
 
