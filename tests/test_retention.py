@@ -8,6 +8,7 @@ from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.core.sequence import Sequence
 from swarmkv.kv import KVCacheManager, Rank, Retention
 from swarmkv.kv.radix_index import Node
+from swarmkv.kv.retention import PageMarks
 
 PAGE = 2
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -103,7 +104,7 @@ def test_a_session_with_a_running_request_ranks_its_other_pages_as_active() -> N
     retention = Retention("session")
     retention.open("r1", "h")
     retention.run("r1", running=True)
-    node = Node(key=(1, 2), page=0, parent=None, reach={"h": 1}, owners={"h"})
+    node = Node(key=(1, 2), page=0, parent=None, marks=PageMarks(owners={"h"}, reach={"h": 1}))
     assert retention.key(node) == (Rank.ACTIVE, 0)
     retention.run("r1", running=False)
     assert retention.key(node)[0] == Rank.PAUSED
@@ -143,7 +144,7 @@ def test_a_new_turn_protects_the_tail_it_continues_before_admission() -> None:
     books.start([*first.token_ids, 84, 85], "f")  # f returns; not admitted yet
     for page in tail:
         node = books.kv.index.node(page)
-        assert node.reach == {"f": 1}
+        assert books.kv.retention.reach(node) == {"f": 1}
     order = evicted_in_order(books)
     assert not set(order[:2]) & set(tail), "the returning session's tail should outlive a paused one's"
 
@@ -178,5 +179,5 @@ def test_a_released_sessions_partial_tail_ranks_as_released() -> None:
     books.turn([*HEAD, 7, 8, 9], "gone")  # 7 tokens: the last page is partial when the turn stops
     assert books.kv.retention.release("gone")
     tail = books.kv.index.path([*HEAD, 7, 8, 9], None)[-1]
-    assert len(tail.key) < PAGE and tail.owners == {"gone"}
+    assert len(tail.key) < PAGE and books.kv.retention.owners(tail) == ["gone"]
     assert books.kv.retention.key(tail)[0] is Rank.RELEASED

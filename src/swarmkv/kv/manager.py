@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from swarmkv.kv.host_tier import HostTier, PageMover
 from swarmkv.kv.page_pool import PagePool, pages_for
@@ -186,8 +186,12 @@ class KVCacheManager:
     @property
     def tree_version(self) -> tuple[int, int]:
         """Changes whenever the prefix index's nodes or the pages' holders change: an export of the tree
-        (`index.export()`) made at one version holds until the next."""
+        (`export()`) made at one version holds until the next."""
         return self.index.version, self.pool.version
+
+    def export(self) -> list[dict[str, Any]]:
+        """The prefix index's nodes as plain data (`RadixIndex.export`), with the sessions that used each."""
+        return self.index.export(self.retention.owners)
 
     def page_table(self, request_id: str) -> Sequence[int]:
         """The request's pages, in token order (empty if it holds none). Read-only."""

@@ -49,9 +49,9 @@ class Node:
     host: int | None = None  # the host page while the KV is offloaded
     children: dict[PageKey, Node] = field(default_factory=dict)
     last_access: int = 0
-    owners: set[str] = field(default_factory=set)  # sessions whose requests computed or reused this page
-    anonymous: bool = False  # a request without a session computed or reused it
-    reach: dict[str, int] = field(default_factory=dict)  # session -> its requests whose path runs here
+    marks: Any = (
+        None  # the retention policy's record of this page (who used it, who reaches it): never read here
+    )
 
 
 EvictionKey = Callable[[Node], tuple[Any, ...]]
@@ -383,13 +383,14 @@ class RadixIndex:
         """Host pages the tree holds."""
         return set(self._node_of_host)
 
-    def export(self) -> list[dict[str, Any]]:
+    def export(self, owners: Callable[[Node], list[str]] = lambda node: []) -> list[dict[str, Any]]:
         """Every node as plain data, parents before children: a snapshot for views and scripts. Changes nothing.
 
         Each record: `id`, `parent` (an earlier record's id; None on a salt's root), `salt` (its root's),
         `num_tokens` (0 on a root, `page_size` on a full page, fewer on a partial leaf), `page` and `host`
         (the device or host page; both None on a root), `holders` (page tables and pins holding the
-        device page; 0 on the host and on a root) and `owners` (sorted sessions that computed or reused it).
+        device page; 0 on the host and on a root) and `owners` (what `owners` says of the node: the KV manager
+        passes its retention's sorted sessions that computed or reused it).
         """
         records: list[dict[str, Any]] = []
         stack: list[tuple[Node, int | None, Salt]] = [
@@ -407,7 +408,7 @@ class RadixIndex:
                     "page": node.page,
                     "host": node.host,
                     "holders": self.pool.refcounts[node.page] if node.page is not None else 0,
-                    "owners": sorted(node.owners),
+                    "owners": owners(node),
                 }
             )
             stack.extend((child, node_id, salt) for child in node.children.values())

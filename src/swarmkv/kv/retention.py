@@ -47,6 +47,26 @@ class Rank(enum.IntEnum):
 
 
 @dataclass
+class PageMarks:
+    """What retention records on a page's tree node: the sessions that used it and those that reach it."""
+
+    owners: set[str] = field(default_factory=set)  # sessions whose requests computed or reused this page
+    anonymous: bool = False  # a request without a session computed or reused it
+    reach: dict[str, int] = field(default_factory=dict)  # session -> its requests whose path runs here
+
+
+_NO_MARKS = PageMarks()
+
+
+def _marks(node: Node) -> PageMarks:
+    """The node's marks, made on first write."""
+    if node.marks is None:
+        node.marks = PageMarks()
+    marks: PageMarks = node.marks
+    return marks
+
+
+@dataclass
 class _Session:
     newest: str  # the request id of its newest turn
     newest_turn: Any = None  # that request, as the caller gave it: what the next turn continues
@@ -74,6 +94,16 @@ class Retention:
         """The session a live or newest request belongs to."""
         return self._session_of.get(request_id)
 
+    def owners(self, node: Node) -> list[str]:
+        """The sessions whose requests computed or reused the node's page, sorted."""
+        marks: PageMarks = node.marks or _NO_MARKS
+        return sorted(marks.owners)
+
+    def reach(self, node: Node) -> dict[str, int]:
+        """Session -> its live or newest requests whose path runs through the node (a copy)."""
+        marks: PageMarks = node.marks or _NO_MARKS
+        return dict(marks.reach)
+
     def newest_turn(self, session_id: str) -> Any:
         """The open session's newest turn, as given to `open` (None if the session is not open)."""
         session = self._sessions.get(session_id)
@@ -93,11 +123,12 @@ class Retention:
         """The eviction order of an unheld leaf before its last use: (rank, tie-break)."""
         if self.policy == "lru":
             return ()
-        reach = node.reach
+        marks: PageMarks = node.marks or _NO_MARKS
+        reach = marks.reach
         if not reach:
-            if node.anonymous or not node.owners:
+            if marks.anonymous or not marks.owners:
                 return (Rank.ACTIVE, 0)
-            if any(owner in self._sessions for owner in node.owners):
+            if any(owner in self._sessions for owner in marks.owners):
                 return (Rank.SUPERSEDED, 0)
             return (Rank.RELEASED, 0)
         if len(reach) > 1:
@@ -175,16 +206,17 @@ class Retention:
         self._unmark(request_id)
         path = list(nodes)
         for node in path:
-            node.reach[session_id] = node.reach.get(session_id, 0) + 1
+            reach = _marks(node).reach
+            reach[session_id] = reach.get(session_id, 0) + 1
         self._paths[request_id] = path
 
     def tag(self, nodes: Iterable[Node], session_id: str | None) -> None:
         """These pages were computed or reused by a request of `session_id` (None: of no session)."""
         for node in nodes:
             if session_id is None:
-                node.anonymous = True
+                _marks(node).anonymous = True
             else:
-                node.owners.add(session_id)
+                _marks(node).owners.add(session_id)
 
     def _rekey(self, request_id: str) -> None:
         old_key = f"{request_id}#{next(self._clock)}"
@@ -206,8 +238,9 @@ class Retention:
         session_id = self._session_of.get(request_id)
         for node in self._paths.pop(request_id, ()):
             assert session_id is not None
-            count = node.reach.get(session_id, 0) - 1
+            reach = _marks(node).reach
+            count = reach.get(session_id, 0) - 1
             if count > 0:
-                node.reach[session_id] = count
+                reach[session_id] = count
             else:
-                node.reach.pop(session_id, None)
+                reach.pop(session_id, None)

@@ -35,6 +35,6 @@ class TreeSnapshots:
         """The tree, the pins and the stats as they are now, between steps."""
         kv, last = engine.kv, self._last
         version = kv.tree_version
-        records = last.records if last is not None and last.version == version else kv.index.export()
+        records = last.records if last is not None and last.version == version else kv.export()
         self._last = CacheSnapshot(records, kv.all_pinned_pages(), engine.snapshot(), kv.page_size, version)
         return self._last
