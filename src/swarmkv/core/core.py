@@ -279,7 +279,7 @@ class EngineCore:
         )
 
     def _state_stats(self) -> StateStats | None:
-        states = self.kv.states
+        states = self.kv.states.index
         if states is None:
             return None
         per = self.state_bytes_per_sequence

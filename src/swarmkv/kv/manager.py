@@ -31,54 +31,17 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from swarmkv.kv.host_tier import HostTier, PageMover
 from swarmkv.kv.page_pool import PagePool, pages_for
 from swarmkv.kv.radix_index import Node, PageKey, PartialHit, RadixIndex, Salt
+from swarmkv.kv.request import NO_HIT, Hit, KVRequest
 from swarmkv.kv.retention import Retention
-from swarmkv.kv.state_index import MIN_SNAPSHOT_TOKENS, SnapshotKind, StateIndex, StateMover
+from swarmkv.kv.state_index import SnapshotKind, StateMover
+from swarmkv.kv.state_kinds import NoStates, RecurrentStates
 
-
-class KVRequest(Protocol):
-    """What the manager reads of a request: its id, its salt, its tokens and how many have KV."""
-
-    @property
-    def request_id(self) -> str: ...
-
-    @property
-    def cache_salt(self) -> Salt: ...
-
-    @property
-    def token_ids(self) -> list[int]: ...
-
-    @property
-    def num_computed_tokens(self) -> int: ...
-
-    @property
-    def session_id(self) -> str | None: ...
-
-
-@dataclass(frozen=True)
-class Hit:
-    """A cached prefix: full device pages, then full host pages to load, and possibly a partial page to
-    continue in. Holds no references."""
-
-    pages: tuple[int, ...] = ()
-    partial: PartialHit | None = None
-    num_tokens: int = 0
-    host_pages: tuple[int, ...] = ()
-    snapshot: int | None = None  # hybrids: the state slot to resume from, after num_tokens tokens
-    branch_tokens: int = 0  # hybrids: tokens the cached pages match, where the request leaves the tree
-    snapshot_kind: SnapshotKind | None = None  # hybrids: what the snapshot resumed from was taken at
-
-    @property
-    def num_loads(self) -> int:
-        """Host pages `allocate` copies back to the device for this hit."""
-        return len(self.host_pages) + (self.partial is not None and self.partial.on_host)
-
-
-NO_HIT = Hit()
+__all__ = ["NO_HIT", "Hit", "KVCacheManager", "KVRequest"]
 
 
 @dataclass
@@ -117,15 +80,16 @@ class KVCacheManager:
         self.prefix_caching = prefix_caching
         self.index = RadixIndex(self.pool, page_size)
         self.retention = retention or Retention("lru")
-        self.host = HostTier(num_host_pages if prefix_caching else 0)
+        self.host = HostTier(num_host_pages if prefix_caching else 0, mover)
         self._copy_page = copy_page
-        self._mover = mover
         self._tables: dict[str, _Table] = {}
         self._pins: dict[str, list[int]] = {}
         self._pin_holds: Counter[int] = Counter()  # device page -> pins holding it, kept as pins come and go
         self.num_evictions = 0
-        self.states = StateIndex(num_state_slots) if num_state_slots else None
-        self._state_mover = state_mover
+        # The recurrent-state cache kind beside the pages: a hybrid's slots, or none.
+        self.states: NoStates = (
+            RecurrentStates(num_state_slots, state_mover) if num_state_slots else NoStates()
+        )
 
     # Reading.
 
@@ -166,12 +130,12 @@ class KVCacheManager:
     @property
     def has_states(self) -> bool:
         """Whether a hybrid model's recurrent-state slots sit beside the pages."""
-        return self.states is not None
+        return self.states.enabled
 
     @property
     def takes_snapshots(self) -> bool:
         """Whether prefix hits resume recurrent states, so the scheduler cuts prefills where they pay."""
-        return self.states is not None and self.prefix_caching
+        return self.states.enabled and self.prefix_caching
 
     @property
     def num_open_sessions(self) -> int:
@@ -208,24 +172,11 @@ class KVCacheManager:
         if not self.prefix_caching:
             return NO_HIT
         hit = self._page_hit(tokens, salt, keys)
-        if self.states is None:
-            return hit
-        snapshot = self.states.deepest(tokens, salt, hit.num_tokens)
-        if snapshot is None:
-            return Hit(branch_tokens=hit.num_tokens)
-        branch = hit.num_tokens
-        if snapshot.position < branch:
-            hit = self._page_hit(tokens[: snapshot.position], salt)
-        assert hit.num_tokens == snapshot.position, "the pages before a snapshot are not all cached"
-        return Hit(
-            hit.pages, hit.partial, hit.num_tokens, hit.host_pages, snapshot.slot, branch, snapshot.kind
-        )
+        return self.states.resume(tokens, salt, hit, lambda prefix: self._page_hit(prefix, salt))
 
     def _page_hit(self, tokens: Sequence[int], salt: Salt, keys: Sequence[PageKey] | None = None) -> Hit:
         pages, host_pages, partial = self.index.lookup(tokens, salt, keys)
-        # A copy must spare at least half a page of compute to be worth a page copy, unless a state
-        # snapshot needs those tokens' KV.
-        min_copy = 1 if self.states is not None else self.page_size // 2
+        min_copy = self.states.min_partial_copy(self.page_size)
         if partial is not None and not partial.whole and partial.num_tokens < min_copy:
             partial = None
         num_full = len(pages) + len(host_pages)
@@ -236,7 +187,7 @@ class KVCacheManager:
         """Pages `allocate` would take from the pool (or from eviction) for this call."""
         table = self._tables.get(request.request_id)
         if table is None:
-            whole = hit.partial is not None and hit.partial.whole and self.states is None
+            whole = hit.partial is not None and hit.partial.whole and not self.states.copies_partials
             have, base = len(hit.pages) + len(hit.host_pages) + whole, hit.num_tokens
         else:
             have, base = len(table.pages), request.num_computed_tokens
@@ -251,7 +202,7 @@ class KVCacheManager:
         on_device = partial is not None and not partial.on_host and self.pool.refcounts[partial.page] == 0
         taken = sum(1 for p in hit.pages if self.pool.refcounts[p] == 0) + on_device
         available = self.pool.num_free + self.num_cached - taken
-        if self.states is not None and request.request_id not in self._tables and not self.states.can_take():
+        if request.request_id not in self._tables and not self.states.can_start():
             return False
         return self.num_new_pages(request, hit, num_new_tokens) + hit.num_loads <= available
 
@@ -284,8 +235,8 @@ class KVCacheManager:
             table.path = [*hit.pages, *loaded]
             appended += table.path
             self.retention.tag(self._nodes(table.path), request.session_id)
-            self._start_state(rid, hit)
-            if partial is not None and partial.whole and self.states is None:
+            self.states.start(rid, hit)
+            if partial is not None and partial.whole and not self.states.copies_partials:
                 self.index.detach(partial.page)
                 self.pool.retain([partial.page])
                 appended.append(partial.page)
@@ -303,31 +254,14 @@ class KVCacheManager:
         table.pages += appended
         return appended
 
-    def _start_state(self, request_id: str, hit: Hit) -> None:
-        """A hybrid request's running state: the hit's snapshot copied in, or zeros."""
-        if self.states is None:
-            return
-        if hit.snapshot is not None:
-            self.states.touch(hit.snapshot)  # first, so taking a slot drops another snapshot if it can
-        slot = self.states.take(request_id)
-        if self._state_mover is None:
-            return
-        if hit.snapshot is None:
-            self._state_mover.reset_state(slot)
-        elif hit.snapshot != slot:  # equal when the snapshot was the only slot to take: the state is there
-            self._state_mover.copy_state(hit.snapshot, slot)
-
     def state_slots(self, request_ids: Sequence[str]) -> dict[str, int]:
         """The running requests' state slots (hybrid models; empty otherwise)."""
-        if self.states is None:
-            return {}
-        return {rid: self.states.slot(rid) for rid in request_ids}
+        return self.states.slots(request_ids)
 
     def first_unsnapshotted(self, tokens: Sequence[int], salt: Salt, points: Sequence[int]) -> int | None:
         """The first of these ascending positions where no state snapshot of `tokens` is kept yet: where a
         prefill is worth cutting to take one. None if every one has a snapshot."""
-        assert self.states is not None
-        return next((p for p in points if not self.states.has(tokens[:p], salt)), None)
+        return self.states.first_unsnapshotted(tokens, salt, points)
 
     def can_swap_out(self, num_pages: int) -> bool:
         """Whether the host tier has `num_pages` free pages now, dropping nothing."""
@@ -338,11 +272,10 @@ class KVCacheManager:
         at, a "branch", or its prompt's end, a "turn"). At a branch, also cache a copy of its partly filled last
         page when no cached page holds those tokens yet, so every request sharing them resumes there at once
         (a turn's page is cached when the request stops). Whether a snapshot was stored."""
-        assert self.states is not None
         table = self._tables[request.request_id]
         computed = request.num_computed_tokens
         self.commit(request, computed)
-        stored = self._store_state(request, computed, kind)
+        stored = self.states.store(request, computed, kind)
         full, rest = divmod(computed, self.page_size)
         if not stored or kind == "turn" or not rest or len(table.path) < full:
             return stored
@@ -363,17 +296,6 @@ class KVCacheManager:
             self.pool.free([page])
         return stored
 
-    def _store_state(self, request: KVRequest, num_tokens: int, kind: SnapshotKind) -> bool:
-        assert self.states is not None
-        if num_tokens < MIN_SNAPSHOT_TOKENS:
-            return False
-        slot = self.states.store(request.token_ids[:num_tokens], request.cache_salt, kind)
-        if slot is None:
-            return False
-        if self._state_mover is not None:
-            self._state_mover.copy_state(self.states.slot(request.request_id), slot)
-        return True
-
     def _load(self, host_pages: list[int]) -> list[int]:
         """Copy host pages back into device pages (evicting others if need be): each is then held once by
         the caller and indexed where its host page was."""
@@ -382,12 +304,9 @@ class KVCacheManager:
         self._make_room(len(host_pages), keep_host=frozenset(host_pages))
         pages = self.pool.allocate(len(host_pages))
         moves = list(zip(host_pages, pages, strict=True))
-        if self._mover is not None:
-            self._mover.load(moves)
         for host, page in moves:
             self.index.load(host, page)
-        self.host.free(host_pages)
-        self.host.counters.loads += len(host_pages)
+        self.host.copy_in(moves)
         return pages
 
     def _make_room(self, num_pages: int, keep_host: frozenset[int] = frozenset()) -> None:
@@ -403,11 +322,8 @@ class KVCacheManager:
         leaves for room, never those in `keep_host`)."""
         host_page = (lambda: self._host_page(keep_host)) if self.host.num_pages else None
         eviction = self.index.evict(num_pages, self.retention.key, host_page)
-        if eviction.moved and self._mover is not None:
-            self._mover.offload(eviction.moved)  # before the device pages are handed out again
-        self.host.counters.stores += len(eviction.moved)
-        self.host.free(eviction.dropped_host)
-        self.host.counters.drops += len(eviction.dropped_host)
+        self.host.copy_out(eviction.moved)  # before the device pages are handed out again
+        self.host.drop(eviction.dropped_host)
         self.pool.free(eviction.device_pages)
         self.num_evictions += len(eviction.device_pages)
         return len(eviction.device_pages)
@@ -416,9 +332,7 @@ class KVCacheManager:
         """A free host page, dropping the least recently used host leaf not in `keep` if there is none."""
         page = self.host.allocate()
         if page is None:
-            dropped = self.index.drop_host(1, keep)
-            self.host.free(dropped)
-            self.host.counters.drops += len(dropped)
+            self.host.drop(self.index.drop_host(1, keep))
             page = self.host.allocate()
         return page
 
@@ -426,9 +340,7 @@ class KVCacheManager:
         """Move these unheld device pages (a stopped request's private tail, in token order) to free host
         pages now, dropping nothing there; returns how many moved."""
         moved = self.index.offload(pages, self.host.allocate)
-        if moved and self._mover is not None:
-            self._mover.offload(moved)
-        self.host.counters.stores += len(moved)
+        self.host.copy_out(moved)
         self.pool.free([page for page, _ in moved])
         return len(moved)
 
@@ -494,10 +406,9 @@ class KVCacheManager:
         if table is None:
             return
         computed = request.num_computed_tokens
-        if self.states is not None:
-            if keep_partial and keep_state and self.prefix_caching:
-                self._store_state(request, computed, "turn")
-            self.states.release(rid)
+        if keep_partial and keep_state and self.prefix_caching:
+            self.states.store(request, computed, "turn")
+        self.states.release(rid)
         self.commit(request, computed)
         full, rest = divmod(computed, self.page_size)
         if (
@@ -588,8 +499,7 @@ class KVCacheManager:
         )
         for pin_id, pages in self._pins.items():
             assert all(self.index.is_full(p) for p in pages), f"pin {pin_id} holds a page not indexed full"
-        if self.states is not None:
-            self.states.check(set(self._tables))
+        self.states.check(self._tables.keys())
         self.index.check()
 
     def check_writable(self, request_id: str, start: int, end: int) -> None:

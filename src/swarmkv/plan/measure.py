@@ -242,7 +242,7 @@ def measure_row(
 def _state_counts(core: EngineCore) -> tuple[int, int]:
     """(branch snapshots, running states) in the manager's state pool; (0, 0) without one. Each agent's
     prompt-end snapshot is its own state, which a per-slot engine keeps in its slot too: not counted."""
-    states = core.kv.states
+    states = core.kv.states.index
     return (states.count("branch"), states.num_running) if states is not None else (0, 0)
 
 

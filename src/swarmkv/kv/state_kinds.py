@@ -1,0 +1,136 @@
+"""The recurrent-state cache kind, as the KV manager coordinates it beside the pages.
+
+A hybrid model (Qwen3.5) keeps, besides the attention layers' KV pages, one recurrent state per running
+request and snapshots of states keyed by the exact tokens before them (`StateIndex`). The KV manager asks
+this kind the questions that differ between a plain transformer and a hybrid, so it holds no `if hybrid`
+branches of its own: where a prefix hit may resume (`resume`: the deepest snapshot at or before the page
+match), whether a partial page may be claimed or must be copied, whether a new request can get a slot,
+and what to do when a request starts, is cut at a snapshot point, or stops. `NoStates` answers for a plain
+transformer: every page hit resumes, nothing is stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+
+from swarmkv.kv.radix_index import Salt
+from swarmkv.kv.request import Hit, KVRequest
+from swarmkv.kv.state_index import MIN_SNAPSHOT_TOKENS, SnapshotKind, StateIndex, StateMover
+
+PageHit = Callable[[Sequence[int]], Hit]  # the pages' hit on a prefix of the request's tokens
+
+
+class NoStates:
+    """A model without recurrent layers: its cache is pages only."""
+
+    enabled = False
+    copies_partials = False  # a request continuing a cached partial page whole may take the page itself
+    index: StateIndex | None = None
+
+    def min_partial_copy(self, page_size: int) -> int:
+        """Tokens a cached partial page must spare to be copied: half a page, or the copy is not worth it."""
+        return page_size // 2
+
+    def resume(self, tokens: Sequence[int], salt: Salt, hit: Hit, page_hit: PageHit) -> Hit:
+        """Where a request for `tokens` resumes, given the pages' `hit`: right there."""
+        return hit
+
+    def can_start(self) -> bool:
+        """Whether a new request can get what this kind holds per request."""
+        return True
+
+    def start(self, request_id: str, hit: Hit) -> None:
+        """A request was given its first pages at `hit`."""
+
+    def slots(self, request_ids: Collection[str]) -> dict[str, int]:
+        """Each running request's state slot."""
+        return {}
+
+    def first_unsnapshotted(self, tokens: Sequence[int], salt: Salt, points: Sequence[int]) -> int | None:
+        """The first of these ascending positions with no snapshot of `tokens` yet."""
+        return None
+
+    def store(self, request: KVRequest, num_tokens: int, kind: SnapshotKind) -> bool:
+        """Keep the running request's state after `num_tokens` tokens; whether one was stored."""
+        return False
+
+    def release(self, request_id: str) -> None:
+        """The request stopped running."""
+
+    def check(self, request_ids: Collection[str]) -> None:
+        """Raise AssertionError unless exactly `request_ids` hold what this kind holds per request."""
+
+
+class RecurrentStates(NoStates):
+    """A hybrid's state slots: one running state per request with pages, the rest snapshots, LRU."""
+
+    enabled = True
+    copies_partials = True  # the page a snapshot's position falls in stays cached for all who resume there
+
+    def __init__(self, num_slots: int, mover: StateMover | None = None) -> None:
+        """`mover` copies and resets the state tensors (None: books only)."""
+        self.index: StateIndex = StateIndex(num_slots)
+        self._mover = mover
+
+    def min_partial_copy(self, page_size: int) -> int:
+        """Any partial page is worth copying: a snapshot needs the KV of every token before it."""
+        return 1
+
+    def resume(self, tokens: Sequence[int], salt: Salt, hit: Hit, page_hit: PageHit) -> Hit:
+        """The deepest snapshot at or before the pages' match, with the pages cut back to it; no hit (only
+        where the request leaves the tree, `branch_tokens`) when no snapshot lies there."""
+        snapshot = self.index.deepest(tokens, salt, hit.num_tokens)
+        if snapshot is None:
+            return Hit(branch_tokens=hit.num_tokens)
+        branch = hit.num_tokens
+        if snapshot.position < branch:
+            hit = page_hit(tokens[: snapshot.position])
+        assert hit.num_tokens == snapshot.position, "the pages before a snapshot are not all cached"
+        return Hit(
+            hit.pages, hit.partial, hit.num_tokens, hit.host_pages, snapshot.slot, branch, snapshot.kind
+        )
+
+    def can_start(self) -> bool:
+        """Whether a slot is free or a snapshot can be dropped for one."""
+        return self.index.can_take()
+
+    def start(self, request_id: str, hit: Hit) -> None:
+        """The request's running state: the hit's snapshot copied in, or zeros."""
+        if hit.snapshot is not None:
+            self.index.touch(hit.snapshot)  # first, so taking a slot drops another snapshot if it can
+        slot = self.index.take(request_id)
+        if self._mover is None:
+            return
+        if hit.snapshot is None:
+            self._mover.reset_state(slot)
+        elif hit.snapshot != slot:  # equal when the snapshot was the only slot to take: the state is there
+            self._mover.copy_state(hit.snapshot, slot)
+
+    def slots(self, request_ids: Collection[str]) -> dict[str, int]:
+        """Each running request's state slot."""
+        return {rid: self.index.slot(rid) for rid in request_ids}
+
+    def first_unsnapshotted(self, tokens: Sequence[int], salt: Salt, points: Sequence[int]) -> int | None:
+        """The first of these ascending positions with no snapshot of `tokens` yet: where a prefill is
+        worth cutting to take one."""
+        return next((p for p in points if not self.index.has(tokens[:p], salt)), None)
+
+    def store(self, request: KVRequest, num_tokens: int, kind: SnapshotKind) -> bool:
+        """Keep the running request's state after `num_tokens` tokens (too short a prefix is not worth a
+        slot); whether one was stored."""
+        if num_tokens < MIN_SNAPSHOT_TOKENS:
+            return False
+        slot = self.index.store(request.token_ids[:num_tokens], request.cache_salt, kind)
+        if slot is None:
+            return False
+        if self._mover is not None:
+            self._mover.copy_state(self.index.slot(request.request_id), slot)
+        return True
+
+    def release(self, request_id: str) -> None:
+        """The request's running slot is free again."""
+        self.index.release(request_id)
+
+    def check(self, request_ids: Collection[str]) -> None:
+        """Raise AssertionError unless exactly `request_ids` hold a running slot, and the slots add up."""
+        self.index.check(set(request_ids))
