@@ -38,7 +38,7 @@ def render_chat(tokenizer: Tokenizer, req: ChatRequest, encode: Encode | None = 
 def render_completion(tokenizer: Tokenizer, prompt: str | list[int]) -> list[int]:
     """A completions prompt's token ids: text encoded with the tokenizer's special tokens, ids as given."""
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_special_tokens=True)
+        return tokenizer.encode_text_prompt(prompt)
     return prompt
 
 

@@ -67,7 +67,7 @@ class LLM:
     ) -> list[int]:
         """Token ids of a prompt: raw text, chat messages (templated) or ids as given."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return self.tokenizer.encode_text_prompt(prompt)
         if prompt and all(isinstance(m, dict) for m in prompt):
             text = self.tokenizer.apply_chat_template(
                 list(prompt),  # type: ignore[arg-type]

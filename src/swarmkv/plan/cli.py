@@ -11,6 +11,7 @@ from swarmkv.choices import KV_CACHE_DTYPES
 from swarmkv.cluster.routing import DEFAULT_IMBALANCE, DEFAULT_MIN_MATCH, POLICIES
 from swarmkv.config import DTYPES
 from swarmkv.core.config import EngineConfig
+from swarmkv.kv import RETENTION_POLICIES
 from swarmkv.plan.checkpoint import Checkpoint
 from swarmkv.plan.flags import parse_counts, resolve_checkpoint
 from swarmkv.plan.hybrid import hybrid_rows
@@ -144,6 +145,13 @@ def _register_cluster(parser: argparse.ArgumentParser) -> None:
     )
     sim.add_argument(
         "--route-imbalance", type=int, default=DEFAULT_IMBALANCE, help="prefix policy's in-flight load slack"
+    )
+    sim.add_argument(
+        "--sim-retention",
+        choices=RETENTION_POLICIES,
+        default=EngineConfig.retention,
+        help=f"the simulated replicas' eviction policy, which the router's shadows follow (default"
+        f" {EngineConfig.retention}, a replica's own)",
     )
     sim.add_argument("--seed", type=int, default=0, help="seed of the trace and the router (default 0)")
     sim.add_argument("--plot", default=None, help="also save hit rate against replicas to this PNG")

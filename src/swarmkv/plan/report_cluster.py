@@ -36,6 +36,7 @@ class ClusterReport:
     kv_bytes_per_token: int
     reference: SimResult
     results: tuple[SimResult, ...]
+    retention: str = "session"  # the replicas' (and the router's shadows') eviction policy
 
     @property
     def page_bytes(self) -> int:
@@ -79,6 +80,7 @@ def to_json(report: ClusterReport) -> dict[str, Any]:
         "pages_per_replica": report.pages_per_replica,
         "kv_bytes_per_token": report.kv_bytes_per_token,
         "replica_kv_bytes": report.replica_kv_bytes,
+        "retention": report.retention,
         "reference": _result_json(report, report.reference),
         "rows": [_result_json(report, r) for r in report.results],
     }
@@ -117,7 +119,8 @@ def report_text(report: ClusterReport) -> str:
         f"Cluster simulator: {t.swarms} swarms x {t.agents} agents x {t.turns} turns, heads of ~{t.head_tokens}"
         f" tokens, seed {t.seed}; {sum(ref.requests_per_replica):,} requests, {ref.prompt_tokens:,} prompt tokens.",
         f"Each replica: {size(report.replica_kv_bytes)} of KV = {report.pages_per_replica:,} pages of"
-        f" {report.page_size} tokens at {report.kv_bytes_per_token // 1024} KiB per token.",
+        f" {report.page_size} tokens at {report.kv_bytes_per_token // 1024} KiB per token, {report.retention}"
+        " retention.",
         f"Reference: 1 replica whose KV holds the whole trace (no eviction): hit rate {100 * ref.hit_rate:.1f}%,"
         f" {ref.prefill_tokens:,} prefill tokens, {size(ref.cached_pages * report.page_bytes)} cached.",
         "The 1-replica row below has the per-replica budget only: it is bound by capacity, not by routing.",
@@ -192,13 +195,20 @@ def run_cluster(args: argparse.Namespace) -> int:
     pages = replica_pages(args.replica_kv, args.sim_page_size * per_token)
     config = TraceConfig(args.swarms, args.agents, args.turns, args.head_tokens, seed=args.seed)
     spec = ClusterSpec(
-        1, pages, args.sim_page_size, min_match=args.route_min_match, imbalance=args.route_imbalance
+        1,
+        pages,
+        args.sim_page_size,
+        min_match=args.route_min_match,
+        imbalance=args.route_imbalance,
+        retention=args.sim_retention,
     )
     if args.route_min_match < 0 or args.route_imbalance < 0:
         raise ValueError("--route-min-match and --route-imbalance must be >= 0")
     trace = make_trace(config)
     results = tuple(sweep(trace, spec, counts, policies))
-    report = ClusterReport(config, spec.page_size, pages, per_token, reference(trace, spec), results)
+    report = ClusterReport(
+        config, spec.page_size, pages, per_token, reference(trace, spec), results, spec.retention
+    )
     print(json.dumps(to_json(report)) if args.json else report_text(report))
     if args.plot is not None:
         save_plot(args.plot, report)

@@ -117,6 +117,12 @@ class Tokenizer:
         """Token ids of `text`; special tokens written in it (e.g. "<|im_start|>") become their single ids."""
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def encode_text_prompt(self, text: str) -> list[int]:
+        """Token ids of a raw text prompt (completions, `LLM.generate` on a string): with the tokenizer's own
+        special tokens, such as a BOS, as the model expects a prompt to start. A chat template writes its
+        special tokens itself, so templated text goes through `encode` instead."""
+        return self.encode(text, add_special_tokens=True)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text `ids` spell; invalid UTF-8 (a character cut in two) decodes to U+FFFD."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
