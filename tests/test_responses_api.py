@@ -20,7 +20,6 @@ from swarmkv.engine.llm import LLM
 from swarmkv.server import create_app
 from swarmkv.server.background import BackgroundServer
 from swarmkv.server.context import ServerContext
-from swarmkv.server.responses_store import ResponseStore, StoredResponse
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -32,6 +31,8 @@ WEATHER = {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
 INSTRUCTIONS = "You are a careful assistant for a team of software engineers. Answer briefly and precisely."
+
+pytestmark = [pytest.mark.model, pytest.mark.e2e]
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,18 @@ def test_response_from_a_string_and_from_items(served: Served) -> None:
             "content": [{"type": "input_text", "text": "Name three colors."}],
         },
     ]
+    # The same prompt: it finds the first reply's pages. The int4 model's rounding depends on a step's shapes
+    # and on the CPU, so the texts are compared between two requests that found the same pages.
     from_items = served.create(input=items, max_output_tokens=8)
-    assert from_items.output_text == reply.output_text  # the same prompt, greedy
+    again = served.create(input="Name three colors.", instructions=INSTRUCTIONS, max_output_tokens=8)
+    assert from_items.usage.input_tokens == reply.usage.input_tokens
+    cached = from_items.usage.input_tokens_details.cached_tokens
+    assert cached > 0 and again.usage.input_tokens_details.cached_tokens == cached
+    assert from_items.output_text == again.output_text
 
 
 def test_forced_function_call_then_its_output_continues_the_chain(served: Served) -> None:
-    # SmolLM2-135M seldom calls a tool by itself; a named tool_choice forces the call (greedy: same every run).
+    # SmolLM2-135M seldom calls a tool by itself; a named tool_choice forces the call.
     choice = {"type": "function", "name": "get_weather"}
     call_reply = served.create(
         input="What is the weather in Paris?", tools=[WEATHER], tool_choice=choice, max_output_tokens=48
@@ -137,6 +144,7 @@ def test_store_false_cannot_be_continued(served: Served) -> None:
 
 def test_stream_events_arrive_in_order(served: Served) -> None:
     kwargs: dict[str, Any] = {"input": "Name three colors.", "max_output_tokens": 8, "temperature": 0}
+    served.create(input=kwargs["input"], max_output_tokens=8)  # warms the cache for the three compared below
     whole = served.create(input=kwargs["input"], max_output_tokens=8)
     with served.client().responses.stream(model=served.model, **kwargs) as stream:
         kinds = [event.type for event in stream]
@@ -232,19 +240,3 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
     assert names in error["message"] and error["type"] == "invalid_request_error"
     assert served.create(input="Say hi.", max_output_tokens=2).status in ("completed", "incomplete")
 
-
-def test_store_evicts_the_oldest_past_its_count_and_expires_by_age() -> None:
-    now_s = [0.0]
-    store = ResponseStore(2, max_age_s=60.0, clock=lambda: now_s[0])
-
-    def put(response_id: str, session_id: str) -> None:
-        store.put(response_id, StoredResponse({"id": response_id}, [], session_id, store.now_s()))
-
-    put("resp_a", "resp_a")
-    put("resp_b", "resp_a")
-    put("resp_c", "resp_c")
-    assert store.get("resp_a") is None and len(store) == 2  # the oldest went first
-    deleted = store.delete("resp_b")
-    assert deleted is not None and deleted[1] is True  # resp_b was its chain's newest
-    now_s[0] = 61.0
-    assert store.get("resp_c") is None and len(store) == 0
