@@ -239,4 +239,3 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
     error = answer.json()["error"]
     assert names in error["message"] and error["type"] == "invalid_request_error"
     assert served.create(input="Say hi.", max_output_tokens=2).status in ("completed", "incomplete")
-
