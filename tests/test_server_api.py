@@ -34,8 +34,6 @@ from swarmkv.swarm.workload import build_workload, prefix_token_count
 API_KEY = "test-key"
 MAX_MODEL_LEN = 1024
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-pytestmark = [pytest.mark.model, pytest.mark.e2e]
 TOOLS = [
     {
         "type": "function",
@@ -66,6 +64,9 @@ SYSTEM = (
     "sentences unless asked for more detail. Use the tools when they help: get_weather for weather "
     "questions and search_docs for questions about the project's documentation."
 )
+
+
+pytestmark = [pytest.mark.model, pytest.mark.e2e]
 
 
 @dataclass(frozen=True)

@@ -142,6 +142,7 @@ def test_swarm_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None
 
 @pytest.mark.model
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_swarm_over_http_reports_cached_tokens(tmp_path: Path) -> None:
     from swarmkv import LLM
     from swarmkv.server import create_app
