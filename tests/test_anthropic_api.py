@@ -29,8 +29,6 @@ API_KEY = "test-key"
 # anthropic>=2 dropped `temperature` from create(); the API still takes it, so it travels in extra_body.
 GREEDY = {"temperature": 0}
 MAX_REQUEST_BYTES = 1 << 20
-
-pytestmark = [pytest.mark.model, pytest.mark.e2e]
 WEATHER = {
     "name": "get_weather",
     "description": "Get the current weather in a city",
@@ -42,6 +40,9 @@ SYSTEM = (
     "Prefer concrete examples over general advice. When you are unsure, say so and explain what you "
     "would check. Never invent file names, functions or command line flags."
 )
+
+
+pytestmark = [pytest.mark.model, pytest.mark.e2e]
 
 
 @dataclass(frozen=True)
