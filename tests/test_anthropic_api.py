@@ -26,6 +26,8 @@ from swarmkv.server.background import BackgroundServer
 from swarmkv.server.context import ServerContext
 
 API_KEY = "test-key"
+# Generous: a reply takes minutes on a slow CPU, or under ATEN_CPU_CAPABILITY=default's scalar kernels.
+TIMEOUT_S = 600.0
 # anthropic>=2 dropped `temperature` from create(); the API still takes it, so it travels in extra_body.
 GREEDY = {"temperature": 0}
 MAX_REQUEST_BYTES = 1 << 20
@@ -52,7 +54,7 @@ class Served:
     model: str
 
     def client(self) -> anthropic.Anthropic:
-        return anthropic.Anthropic(base_url=self.url, api_key=API_KEY, max_retries=0, timeout=120)
+        return anthropic.Anthropic(base_url=self.url, api_key=API_KEY, max_retries=0, timeout=TIMEOUT_S)
 
     def create(self, **kwargs: Any) -> Any:
         return self.client().messages.create(model=self.model, **kwargs)
@@ -65,7 +67,7 @@ def served() -> Iterator[Served]:
     with BackgroundServer(app) as server:
         ctx: ServerContext = app.state.ctx
         yield Served(server.url, ctx, ctx.model_name)
-        ctx.engine.call(lambda engine: engine.check_integrity()).result(timeout=30)
+        ctx.engine.call(lambda engine: engine.check_integrity()).result(timeout=TIMEOUT_S)
 
 
 def _user(text: str) -> list[dict[str, Any]]:
@@ -89,7 +91,9 @@ def test_message_whole_and_streamed_agree(served: Served) -> None:
     assert streamed.usage.output_tokens == whole.usage.output_tokens
 
     async def run() -> list[str]:
-        client = anthropic.AsyncAnthropic(base_url=served.url, api_key=API_KEY, max_retries=0)
+        client = anthropic.AsyncAnthropic(
+            base_url=served.url, api_key=API_KEY, max_retries=0, timeout=TIMEOUT_S
+        )
         events = await client.messages.create(model=served.model, extra_body=GREEDY, stream=True, **kwargs)
         return [event.type async for event in events]
 
@@ -102,7 +106,7 @@ def test_message_whole_and_streamed_agree(served: Served) -> None:
         f"{served.url}/v1/messages",
         json={"model": served.model, "stream": True, **kwargs},
         headers={"x-api-key": API_KEY},
-        timeout=60,
+        timeout=TIMEOUT_S,
     )
     names = [line.removeprefix("event: ") for line in raw.text.splitlines() if line.startswith("event: ")]
     assert names[:2] == ["message_start", "ping"] and names[-1] == "message_stop"
@@ -193,10 +197,15 @@ def test_tool_input_streams_in_pieces(served: Served) -> None:
         "temperature": 0,
     }
     for _ in range(2):  # the first warms the cache for the second and the stream
-        whole = httpx.post(f"{served.url}/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=60)
+        whole = httpx.post(
+            f"{served.url}/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=TIMEOUT_S
+        )
     (call,) = whole.json()["content"]
     raw = httpx.post(
-        f"{served.url}/v1/messages", json={**body, "stream": True}, headers={"x-api-key": API_KEY}, timeout=60
+        f"{served.url}/v1/messages",
+        json={**body, "stream": True},
+        headers={"x-api-key": API_KEY},
+        timeout=TIMEOUT_S,
     )
     events = [json.loads(line[6:]) for line in raw.text.splitlines() if line.startswith("data: ")]
     pieces = [
@@ -215,21 +224,23 @@ def test_a_cache_control_pin_is_released_when_its_ttl_passes(served: Served) -> 
     engine = served.ctx.engine
 
     def with_clock(clock: Any) -> None:
-        engine.call(lambda e: setattr(e.pins, "_clock", clock)).result(timeout=30)
+        engine.call(lambda e: setattr(e.pins, "_clock", clock)).result(timeout=TIMEOUT_S)
 
-    with_clock(lambda: time.monotonic() + offset[0])
+    # A clock that moves only when the test moves it: a slow reply must not age the pin.
+    start_s = time.monotonic()
+    with_clock(lambda: start_s + offset[0])
     try:
         system = [{"type": "text", "text": f"TTL test. {SYSTEM}", "cache_control": {"type": "ephemeral"}}]
         offset[0] = 3601.0  # past every earlier test's pins, an hour's included
-        before = engine.call(lambda e: (e.pins.expire(), e.kv.num_pinned)[1]).result(timeout=30)
+        before = engine.call(lambda e: (e.pins.expire(), e.kv.num_pinned)[1]).result(timeout=TIMEOUT_S)
         first = served.create(system=system, messages=_user("Hello."), max_tokens=1)
         assert first.usage.cache_creation_input_tokens > 0
-        held = engine.call(lambda e: e.kv.num_pinned).result(timeout=30)
+        held = engine.call(lambda e: e.kv.num_pinned).result(timeout=TIMEOUT_S)
         assert held > before
         offset[0] += 299.0  # inside the default 5 minutes: the pin holds
-        assert engine.call(lambda e: (e.pins.expire(), e.kv.num_pinned)[1]).result(timeout=30) == held
+        assert engine.call(lambda e: (e.pins.expire(), e.kv.num_pinned)[1]).result(timeout=TIMEOUT_S) == held
         offset[0] += 2.0
-        assert engine.call(lambda e: (e.pins.expire(), e.kv.num_pinned)[1]).result(timeout=30) < held
+        assert engine.call(lambda e: (e.pins.expire(), e.kv.num_pinned)[1]).result(timeout=TIMEOUT_S) < held
         again = served.create(system=system, messages=_user("Hello."), max_tokens=1)
         assert again.usage.cache_creation_input_tokens > 0  # pinned anew, not refreshed
     finally:
@@ -293,6 +304,6 @@ def test_deep_and_large_bodies_are_400s(served: Served, route: str) -> None:
     deep = '{"messages": ' + "[" * 5000 + "]" * 5000 + "}"
     large = json.dumps({"messages": _user("x" * (MAX_REQUEST_BYTES + 1)), "max_tokens": 1})
     for body in (deep, large):
-        response = httpx.post(f"{served.url}{route}", content=body, headers=headers, timeout=60)
+        response = httpx.post(f"{served.url}{route}", content=body, headers=headers, timeout=TIMEOUT_S)
         assert response.status_code == 400, response.text
     assert "limit" in response.text

@@ -22,6 +22,8 @@ from swarmkv.server.background import BackgroundServer
 from swarmkv.server.context import ServerContext
 
 API_KEY = "test-key"
+# Generous: a reply takes minutes on a slow CPU, or under ATEN_CPU_CAPABILITY=default's scalar kernels.
+TIMEOUT_S = 600.0
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PAGE_TOKENS = 16
 WEATHER = {
@@ -42,13 +44,13 @@ class Served:
     model: str
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=TIMEOUT_S)
 
     def create(self, **kwargs: Any) -> Any:
         return self.client().responses.create(model=self.model, temperature=0, **kwargs)
 
     def prefill_tokens_computed(self) -> int:
-        stats = self.ctx.engine.call(lambda engine: engine.stats()).result(timeout=30)
+        stats = self.ctx.engine.call(lambda engine: engine.stats()).result(timeout=TIMEOUT_S)
         return int(stats["prefill_tokens_computed"])
 
 
@@ -59,7 +61,7 @@ def served() -> Iterator[Served]:
     with BackgroundServer(app) as server:
         ctx: ServerContext = app.state.ctx
         yield Served(server.url, ctx, ctx.model_name)
-        ctx.engine.call(lambda engine: engine.check_integrity()).result(timeout=30)
+        ctx.engine.call(lambda engine: engine.check_integrity()).result(timeout=TIMEOUT_S)
 
 
 def test_response_from_a_string_and_from_items(served: Served) -> None:
@@ -186,7 +188,9 @@ def test_stream_events_arrive_in_order(served: Served) -> None:
 
 def test_input_tokens_counts_without_generating(served: Served) -> None:
     body = {"model": served.model, "input": "Name three colors.", "instructions": INSTRUCTIONS}
-    counted = httpx.post(f"{served.url}/v1/responses/input_tokens", json=body, headers=AUTH, timeout=60)
+    counted = httpx.post(
+        f"{served.url}/v1/responses/input_tokens", json=body, headers=AUTH, timeout=TIMEOUT_S
+    )
     assert counted.status_code == 200
     assert counted.json()["object"] == "response.input_tokens"
     reply = served.create(input=body["input"], instructions=INSTRUCTIONS, max_output_tokens=2)
@@ -202,7 +206,9 @@ def test_get_and_delete(served: Served) -> None:
     client.responses.delete(second.id)  # the chain's newest: its session is released
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(second.id)
-    released = served.ctx.engine.call(lambda engine: engine.release_session(session_id)).result(timeout=30)
+    released = served.ctx.engine.call(lambda engine: engine.release_session(session_id)).result(
+        timeout=TIMEOUT_S
+    )
     assert released is False  # already released by the delete
     assert client.responses.retrieve(first.id).id == first.id
     with pytest.raises(openai.NotFoundError):
@@ -233,7 +239,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
     served: Served, body: dict[str, Any], status: int, names: str
 ) -> None:
     answer = httpx.post(
-        f"{served.url}/v1/responses", json={"model": served.model, **body}, headers=AUTH, timeout=60
+        f"{served.url}/v1/responses", json={"model": served.model, **body}, headers=AUTH, timeout=TIMEOUT_S
     )
     assert answer.status_code == status
     error = answer.json()["error"]

@@ -32,6 +32,8 @@ from swarmkv.swarm.http_driver import run_swarm_over_http
 from swarmkv.swarm.workload import build_workload, prefix_token_count
 
 API_KEY = "test-key"
+# Generous: a reply takes minutes on a slow CPU, or under ATEN_CPU_CAPABILITY=default's scalar kernels.
+TIMEOUT_S = 600.0
 MAX_MODEL_LEN = 1024
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 TOOLS = [
@@ -76,17 +78,19 @@ class Served:
     model: str
 
     def stats(self) -> dict[str, Any]:
-        stats = self.ctx.engine.call(lambda engine: engine.stats()).result(timeout=30)
+        stats = self.ctx.engine.call(lambda engine: engine.stats()).result(timeout=TIMEOUT_S)
         return {**stats, "requests_aborted": self.ctx.engine.num_aborted}
 
     def check_integrity(self) -> None:
-        self.ctx.engine.call(lambda engine: engine.check_integrity()).result(timeout=30)
+        self.ctx.engine.call(lambda engine: engine.check_integrity()).result(timeout=TIMEOUT_S)
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=TIMEOUT_S)
 
     def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=TIMEOUT_S
+        )
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +100,12 @@ def served() -> Iterator[Served]:
     with BackgroundServer(app) as server:
         ctx: ServerContext = app.state.ctx
         yield Served(server.url, ctx, ctx.model_name)
-        ctx.engine.call(lambda engine: engine.check_integrity()).result(timeout=30)
+        ctx.engine.call(lambda engine: engine.check_integrity()).result(timeout=TIMEOUT_S)
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of /metrics, keyed by sample name and sorted labels, parsed by prometheus_client."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    text = httpx.get(f"{url}/metrics", timeout=TIMEOUT_S).text
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)
@@ -113,7 +117,7 @@ def metric(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: 
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def wait_idle(served: Served, timeout_s: float = 15.0) -> dict[str, Any]:
+def wait_idle(served: Served, timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while True:
         stats = served.stats()
@@ -440,7 +444,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served: Ser
                 served.url + path, content=body, headers={**AUTH, "Content-Type": "application/json"}
             )
         else:
-            response = httpx.post(served.url + path, json=body, headers=AUTH, timeout=60)
+            response = httpx.post(served.url + path, json=body, headers=AUTH, timeout=TIMEOUT_S)
         assert response.status_code == status, (name, response.text)
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}, name
@@ -452,6 +456,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served: Ser
             f"{served.url}/v1/completions",
             json={"model": served.model, "prompt": "Hi", "max_tokens": 1},
             headers=AUTH,
+            timeout=TIMEOUT_S,
         )
         assert ok.status_code == 200, (name, ok.text)
     wrong_method = httpx.get(f"{served.url}/v1/chat/completions", headers=AUTH)
@@ -471,7 +476,7 @@ def test_client_disconnect_aborts_the_request_and_releases_its_pages(served: Ser
         "stream": True,
     }
     with (
-        httpx.Client(headers=AUTH, timeout=60) as client,
+        httpx.Client(headers=AUTH, timeout=TIMEOUT_S) as client,
         client.stream("POST", f"{served.url}/v1/chat/completions", json=body) as response,
     ):
         assert response.status_code == 200
