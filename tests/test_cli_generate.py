@@ -47,6 +47,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # ---- answers --------------------------------------------------------------------------------------
 
 
+@pytest.mark.model
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_default_model_answers_paris_end_to_end() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "swarmkv.cli", "generate", "--prompt", QUESTION, "--max-tokens", "24"],
@@ -197,6 +200,7 @@ def test_unsupported_checkpoint_is_one_line_error(
     assert_one_line_error(*run_generate(capsys, "--model", str(folder), "--prompt", "hi"), expected)
 
 
+@pytest.mark.e2e
 def test_error_from_the_console_entry_point_has_no_traceback(tmp_path: Path) -> None:
     missing = tmp_path / "missing.gguf"
     result = subprocess.run(

@@ -109,6 +109,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         ray.shutdown()
 
 
+@pytest.mark.ray
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_chat_streamed_and_not(cluster: Cluster) -> None:
     reply, replica, _ = cluster.chat(head_text("plain"), "Say hi.", max_tokens=4)
     assert reply.choices[0].finish_reason in ("length", "stop") and reply.usage.completion_tokens >= 1
@@ -121,6 +124,9 @@ def test_chat_streamed_and_not(cluster: Cluster) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks)
 
 
+@pytest.mark.ray
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_sessions_turns_stay_on_one_replica(cluster: Cluster) -> None:
     system, history = head_text("session"), ""
     replicas, reasons = set(), []
@@ -133,6 +139,9 @@ def test_a_sessions_turns_stay_on_one_replica(cluster: Cluster) -> None:
     assert reasons[1:] == ["prefix", "prefix"]
 
 
+@pytest.mark.ray
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_cold_swarm_lands_on_one_replica_and_computes_its_head_once(cluster: Cluster) -> None:
     system = head_text("coldswarm")
     before = cluster.prefill_computed()
@@ -145,6 +154,9 @@ def test_a_cold_swarm_lands_on_one_replica_and_computes_its_head_once(cluster: C
     assert computed < 1.5 * prompt_tokens, (computed, prompt_tokens)
 
 
+@pytest.mark.ray
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_metrics_are_labelled_by_replica_with_route_counters(cluster: Cluster) -> None:
     cluster.chat(head_text("metrics"), "hello")
     text = httpx.get(f"{cluster.url}/metrics", timeout=60).text
@@ -156,6 +168,9 @@ def test_metrics_are_labelled_by_replica_with_route_counters(cluster: Cluster) -
     assert health["status"] == "ok" and len(health["replicas"]) == 2
 
 
+@pytest.mark.ray
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_an_unknown_model_is_a_404_in_the_openai_shape(cluster: Cluster) -> None:
     with pytest.raises(openai.NotFoundError) as caught:
         cluster.client().chat.completions.create(
@@ -176,6 +191,7 @@ NO_RAY = (
 )
 
 
+@pytest.mark.e2e
 def test_bad_command_lines_exit_2_and_one_replica_imports_no_ray() -> None:
     start = time.monotonic()
     zero = _swarmkv("serve", "--replicas", "0")
@@ -193,6 +209,9 @@ def test_bad_command_lines_exit_2_and_one_replica_imports_no_ray() -> None:
     assert no_ray.wait(timeout=30) == 0, no_ray.communicate()[1]
 
 
+@pytest.mark.ray
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_killed_replica_loses_no_request_and_comes_back(cluster: Cluster) -> None:
     system = head_text("fault")
     _, victim, _ = cluster.chat(system, "warm up")

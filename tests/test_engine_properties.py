@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
 
@@ -73,6 +74,7 @@ def run(
     return outputs, aborted, engine
 
 
+@pytest.mark.slow  # 40 examples of a few hundred engine steps: about 20 s
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     actions=st.lists(action, min_size=8, max_size=25), kv_pages=st.integers(16, 24), budget=st.integers(8, 64)

@@ -15,6 +15,8 @@ def pair() -> tuple[LLM, LLM]:
     return full, LLM(loaded=full.loaded, kv_cache_memory="64MiB", kv_cache_dtype="fp8_e4m3")
 
 
+@pytest.mark.model
+@pytest.mark.slow
 def test_fp8_pages_hold_four_times_the_float32_tokens(pair: tuple[LLM, LLM]) -> None:
     full, fp8 = pair
     assert fp8.engine.runner.kv_cache.k.dtype == FP8
@@ -22,12 +24,16 @@ def test_fp8_pages_hold_four_times_the_float32_tokens(pair: tuple[LLM, LLM]) -> 
     assert fp8.engine.kv.num_pages == 4 * full.engine.kv.num_pages
 
 
+@pytest.mark.model
+@pytest.mark.slow
 def test_fp8_scales_are_calibrated_per_layer(pair: tuple[LLM, LLM]) -> None:
     cache = pair[1].engine.runner.kv_cache
     assert all(s > 0 for s in cache.k_scales + cache.v_scales)
     assert len(set(cache.k_scales)) > 1  # one per layer, from what each layer produced
 
 
+@pytest.mark.model
+@pytest.mark.slow
 def test_fp8_kv_keeps_the_answer(pair: tuple[LLM, LLM]) -> None:
     question = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(temperature=0.0, max_tokens=12)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from lint_logs import Breakers, agent_requests
 from swarmkv.engine.llm import LLM
@@ -17,6 +18,8 @@ from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
 
 PAGE_BYTES = 4096  # the replay's page size in bytes: only page counts are compared
+
+pytestmark = [pytest.mark.model, pytest.mark.e2e, pytest.mark.slow]
 
 
 def swarm_log() -> list[dict[str, Any]]:

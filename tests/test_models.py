@@ -19,6 +19,7 @@ from tiny_models import edit_config, make_tiny_checkpoint
 
 TINY_TOLERANCE = 1e-4
 GGUF_TOLERANCE = 1e-3
+BF16_TOLERANCE = 1.0  # logits of SmolLM2-135M cast to bfloat16, against float32's
 # Small enough that 80-token prompts reach the frequencies llama3 scaling changes.
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -144,6 +145,8 @@ def smol_hf() -> Any:
     ).eval()
 
 
+@pytest.mark.model
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", SMOL_PROMPTS, ids=["short", "chat", "code", "story"])
 def test_gguf_logits_match_transformers(prompt: str, smol: LoadedModel, smol_hf: Any) -> None:
     ids = smol.tokenizer.encode(prompt)
@@ -154,6 +157,8 @@ def test_gguf_logits_match_transformers(prompt: str, smol: LoadedModel, smol_hf:
     assert (ours - theirs).abs().max().item() <= GGUF_TOLERANCE
 
 
+@pytest.mark.model
+@pytest.mark.slow
 def test_gguf_config_matches_transformers_reading(smol: LoadedModel, smol_hf: Any) -> None:
     ours, theirs = smol.config, smol_hf.config
     assert isinstance(ours, ModelConfig)
@@ -207,7 +212,9 @@ def test_bfloat16_checkpoint_loads_and_roughly_agrees(
     assert agree >= 0.8  # random logits over 151k tokens hold many near-ties
 
 
-def test_bfloat16_keeps_greedy_choice_on_smollm2(smol: LoadedModel) -> None:
+@pytest.mark.model
+@pytest.mark.slow
+def test_bfloat16_logits_stay_near_float32_on_smollm2(smol: LoadedModel) -> None:
     # The cast of the float32 model is what load_model(dtype="bfloat16") builds, without re-reading the GGUF.
     half = copy.deepcopy(smol.model).to(torch.bfloat16)
     loaded_half = dataclasses.replace(smol, model=half, dtype=torch.bfloat16)
@@ -215,4 +222,10 @@ def test_bfloat16_keeps_greedy_choice_on_smollm2(smol: LoadedModel) -> None:
         ids = smol.tokenizer.encode(prompt)
         full_logits, half_logits = swarmkv_logits(smol, ids)[-1], swarmkv_logits(loaded_half, ids)[-1]
         assert torch.isfinite(half_logits).all()
-        assert half_logits.argmax().item() == full_logits.argmax().item()
+        # bfloat16's rounding, which differs between CPUs, moved no logit by more than BF16_TOLERANCE here
+        # (measured 0.68 and 0.47 under three kernel sets). So the greedy choice must stay where float32's
+        # lead is wider than twice that: "The capital of France is" (2.48); "2+2" (0.47) may go either way.
+        assert (half_logits - full_logits).abs().max().item() <= BF16_TOLERANCE
+        top = full_logits.topk(2).values
+        if top[0] - top[1] > 2 * BF16_TOLERANCE:
+            assert half_logits.argmax().item() == full_logits.argmax().item()

@@ -63,6 +63,7 @@ def test_gguf_q4_1_blocks_are_kept_exactly() -> None:
     assert np.allclose(kept.dequantize().numpy(), reference, rtol=0, atol=1e-6)
 
 
+@pytest.mark.model
 def test_an_unreadable_gguf_type_names_the_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(data: Any, kind: Any) -> Any:
         raise NotImplementedError(kind)
@@ -92,6 +93,8 @@ def smol_int8() -> LoadedModel:
     return load_model(None, dtype="float32", weights="int8")
 
 
+@pytest.mark.model
+@pytest.mark.slow
 @pytest.mark.parametrize("weights", ["int8", "auto"])
 def test_quantized_default_model_still_answers_paris(weights: str, smol_int8: LoadedModel) -> None:
     llm = LLM(loaded=smol_int8) if weights == "int8" else LLM(weights="auto", kv_cache_memory="64MiB")
@@ -101,6 +104,8 @@ def test_quantized_default_model_still_answers_paris(weights: str, smol_int8: Lo
     assert "Paris" in out[0].text
 
 
+@pytest.mark.model
+@pytest.mark.slow
 def test_quantized_weights_take_less_memory(smol_int8: LoadedModel) -> None:
     def weight_bytes(model: torch.nn.Module) -> int:
         tensors = [*model.parameters(), *model.buffers()]

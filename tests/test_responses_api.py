@@ -20,9 +20,10 @@ from swarmkv.engine.llm import LLM
 from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
 from swarmkv.server.context import ServerContext
-from swarmkv.server.responses_store import ResponseStore, StoredResponse
 
 API_KEY = "test-key"
+# Generous: a reply takes minutes on a slow CPU, or under ATEN_CPU_CAPABILITY=default's scalar kernels.
+TIMEOUT_S = 600.0
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PAGE_TOKENS = 16
 WEATHER = {
@@ -33,6 +34,8 @@ WEATHER = {
 }
 INSTRUCTIONS = "You are a careful assistant for a team of software engineers. Answer briefly and precisely."
 
+pytestmark = [pytest.mark.model, pytest.mark.e2e]
+
 
 @dataclass(frozen=True)
 class Served:
@@ -41,13 +44,13 @@ class Served:
     model: str
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=TIMEOUT_S)
 
     def create(self, **kwargs: Any) -> Any:
         return self.client().responses.create(model=self.model, temperature=0, **kwargs)
 
     def prefill_tokens_computed(self) -> int:
-        stats = self.ctx.engine.call(lambda engine: engine.stats()).result(timeout=30)
+        stats = self.ctx.engine.call(lambda engine: engine.stats()).result(timeout=TIMEOUT_S)
         return int(stats["prefill_tokens_computed"])
 
 
@@ -58,7 +61,7 @@ def served() -> Iterator[Served]:
     with BackgroundServer(app) as server:
         ctx: ServerContext = app.state.ctx
         yield Served(server.url, ctx, ctx.model_name)
-        ctx.engine.call(lambda engine: engine.check_integrity()).result(timeout=30)
+        ctx.engine.call(lambda engine: engine.check_integrity()).result(timeout=TIMEOUT_S)
 
 
 def test_response_from_a_string_and_from_items(served: Served) -> None:
@@ -84,12 +87,18 @@ def test_response_from_a_string_and_from_items(served: Served) -> None:
             "content": [{"type": "input_text", "text": "Name three colors."}],
         },
     ]
+    # The same prompt: it finds the first reply's pages. The int4 model's rounding depends on a step's shapes
+    # and on the CPU, so the texts are compared between two requests that found the same pages.
     from_items = served.create(input=items, max_output_tokens=8)
-    assert from_items.output_text == reply.output_text  # the same prompt, greedy
+    again = served.create(input="Name three colors.", instructions=INSTRUCTIONS, max_output_tokens=8)
+    assert from_items.usage.input_tokens == reply.usage.input_tokens
+    cached = from_items.usage.input_tokens_details.cached_tokens
+    assert cached > 0 and again.usage.input_tokens_details.cached_tokens == cached
+    assert from_items.output_text == again.output_text
 
 
 def test_forced_function_call_then_its_output_continues_the_chain(served: Served) -> None:
-    # SmolLM2-135M seldom calls a tool by itself; a named tool_choice forces the call (greedy: same every run).
+    # SmolLM2-135M seldom calls a tool by itself; a named tool_choice forces the call.
     choice = {"type": "function", "name": "get_weather"}
     call_reply = served.create(
         input="What is the weather in Paris?", tools=[WEATHER], tool_choice=choice, max_output_tokens=48
@@ -137,6 +146,7 @@ def test_store_false_cannot_be_continued(served: Served) -> None:
 
 def test_stream_events_arrive_in_order(served: Served) -> None:
     kwargs: dict[str, Any] = {"input": "Name three colors.", "max_output_tokens": 8, "temperature": 0}
+    served.create(input=kwargs["input"], max_output_tokens=8)  # warms the cache for the three compared below
     whole = served.create(input=kwargs["input"], max_output_tokens=8)
     with served.client().responses.stream(model=served.model, **kwargs) as stream:
         kinds = [event.type for event in stream]
@@ -178,7 +188,9 @@ def test_stream_events_arrive_in_order(served: Served) -> None:
 
 def test_input_tokens_counts_without_generating(served: Served) -> None:
     body = {"model": served.model, "input": "Name three colors.", "instructions": INSTRUCTIONS}
-    counted = httpx.post(f"{served.url}/v1/responses/input_tokens", json=body, headers=AUTH, timeout=60)
+    counted = httpx.post(
+        f"{served.url}/v1/responses/input_tokens", json=body, headers=AUTH, timeout=TIMEOUT_S
+    )
     assert counted.status_code == 200
     assert counted.json()["object"] == "response.input_tokens"
     reply = served.create(input=body["input"], instructions=INSTRUCTIONS, max_output_tokens=2)
@@ -194,7 +206,9 @@ def test_get_and_delete(served: Served) -> None:
     client.responses.delete(second.id)  # the chain's newest: its session is released
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(second.id)
-    released = served.ctx.engine.call(lambda engine: engine.release_session(session_id)).result(timeout=30)
+    released = served.ctx.engine.call(lambda engine: engine.release_session(session_id)).result(
+        timeout=TIMEOUT_S
+    )
     assert released is False  # already released by the delete
     assert client.responses.retrieve(first.id).id == first.id
     with pytest.raises(openai.NotFoundError):
@@ -225,26 +239,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
     served: Served, body: dict[str, Any], status: int, names: str
 ) -> None:
     answer = httpx.post(
-        f"{served.url}/v1/responses", json={"model": served.model, **body}, headers=AUTH, timeout=60
+        f"{served.url}/v1/responses", json={"model": served.model, **body}, headers=AUTH, timeout=TIMEOUT_S
     )
     assert answer.status_code == status
     error = answer.json()["error"]
     assert names in error["message"] and error["type"] == "invalid_request_error"
     assert served.create(input="Say hi.", max_output_tokens=2).status in ("completed", "incomplete")
-
-
-def test_store_evicts_the_oldest_past_its_count_and_expires_by_age() -> None:
-    now_s = [0.0]
-    store = ResponseStore(2, max_age_s=60.0, clock=lambda: now_s[0])
-
-    def put(response_id: str, session_id: str) -> None:
-        store.put(response_id, StoredResponse({"id": response_id}, [], session_id, store.now_s()))
-
-    put("resp_a", "resp_a")
-    put("resp_b", "resp_a")
-    put("resp_c", "resp_c")
-    assert store.get("resp_a") is None and len(store) == 2  # the oldest went first
-    deleted = store.delete("resp_b")
-    assert deleted is not None and deleted[1] is True  # resp_b was its chain's newest
-    now_s[0] = 61.0
-    assert store.get("resp_c") is None and len(store) == 0

@@ -182,6 +182,8 @@ def test_percentile_interpolates() -> None:
     assert percentile([0.0, 10.0], 95) == pytest.approx(9.5)
 
 
+@pytest.mark.model
+@pytest.mark.slow
 def test_long_swarm_end_to_end(tmp_path: Path) -> None:
     out, plot = tmp_path / "long.json", tmp_path / "long.png"
     # Sized for a CPU: each agent's context grows to at most 640 tokens (29 MiB of KV), three of them

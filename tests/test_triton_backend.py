@@ -66,6 +66,7 @@ def torch_reference(tiny: Path) -> tuple[list[list[int]], dict[str, int]]:
     return _two_turns(_llm(tiny, "torch"))
 
 
+@pytest.mark.slow
 def test_triton_generates_the_torch_backends_greedy_tokens(
     tiny: Path, torch_reference: tuple[list[list[int]], dict[str, int]]
 ) -> None:
@@ -78,6 +79,7 @@ def test_triton_generates_the_torch_backends_greedy_tokens(
     assert stats["prefix_hit_tokens"] == expected_stats["prefix_hit_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_graph_replays_equal_eager_steps(
     tiny: Path, torch_reference: tuple[list[list[int]], dict[str, int]]
 ) -> None:
