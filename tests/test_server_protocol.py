@@ -131,9 +131,11 @@ def test_context_overflow_is_a_400_with_code() -> None:
     options = parse_chat_request({"messages": USER, "max_tokens": 50}).options
     too_long = _error(options.sampling_params, 100, 100, "messages")
     assert (too_long.param, too_long.code) == ("messages", "context_length_exceeded")
-    too_many = _error(options.sampling_params, 60, 100, "messages")
+    # Past what the context leaves: clamped to it by default, a 400 under the "refuse" policy.
+    assert options.sampling_params(60, 100, "messages").max_tokens == 40
+    too_many = _error(options.sampling_params, 60, 100, "messages", (), "refuse")
     assert (too_many.param, too_many.code) == ("max_tokens", "context_length_exceeded")
-    assert options.sampling_params(50, 100, "messages").max_tokens == 50
+    assert options.sampling_params(50, 100, "messages", (), "refuse").max_tokens == 50
 
 
 def test_tool_choice_forces_a_call_prefix_and_a_stop() -> None:

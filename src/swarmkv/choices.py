@@ -15,3 +15,9 @@ KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = ("auto", "float16", "bfloat16", "flo
 
 WeightsOption = Literal["auto", "float", "int8", "int4"]
 WEIGHTS_OPTIONS: tuple[WeightsOption, ...] = ("auto", "float", "int8", "int4")
+
+# A max_tokens above what the context leaves after the prompt: clamped to that room, or a 400.
+MaxTokensPolicy = Literal["clamp", "refuse"]
+
+# A /v1/responses tool the provider runs (web_search, file_search, ...): left out of the prompt, or a 400.
+HostedToolsPolicy = Literal["drop", "refuse"]

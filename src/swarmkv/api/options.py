@@ -11,6 +11,7 @@ from typing import Any
 
 from swarmkv.api.errors import bad_request, get_field
 from swarmkv.api.session_id import check_session_id
+from swarmkv.choices import MaxTokensPolicy
 from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.errors import InvalidRequestError
 
@@ -31,11 +32,23 @@ class Options:
     ignore_eos: bool
     cache_salt: str | None
     session_id: str | None  # the body's; see resolve_session_id for the header
+    # OpenAI's `prompt_cache_key` (chat completions and Responses): the session when nothing else names one.
+    prompt_cache_key: str | None = None
 
     def sampling_params(
-        self, num_prompt_tokens: int, max_model_len: int, prompt_param: str, extra_stop: tuple[str, ...] = ()
+        self,
+        num_prompt_tokens: int,
+        max_model_len: int,
+        prompt_param: str,
+        extra_stop: tuple[str, ...] = (),
+        max_tokens_policy: MaxTokensPolicy = "clamp",
     ) -> SamplingParams:
-        """Engine settings for a prompt of `num_prompt_tokens`; a 400 when prompt and reply overflow the context."""
+        """Engine settings for a prompt of `num_prompt_tokens`: a 400 when the prompt alone fills the context;
+        a max_tokens past what the context leaves is clamped to it, or a 400 under the "refuse" policy.
+
+        Harnesses ask for their own default (Qwen Code and Claude Code 32000) whatever the model's context,
+        so "clamp" is the server's default (`--max-tokens-policy`); no max_tokens at all means the room too.
+        """
         if num_prompt_tokens >= max_model_len:
             raise bad_request(
                 f"this model's maximum context length is {max_model_len} tokens, and the prompt alone has "
@@ -43,14 +56,16 @@ class Options:
                 param=prompt_param,
                 code="context_length_exceeded",
             )
-        max_tokens = self.max_tokens if self.max_tokens is not None else max_model_len - num_prompt_tokens
-        if num_prompt_tokens + max_tokens > max_model_len:
+        room = max_model_len - num_prompt_tokens
+        max_tokens = self.max_tokens if self.max_tokens is not None else room
+        if max_tokens > room and max_tokens_policy == "refuse":
             raise bad_request(
                 f"this model's maximum context length is {max_model_len} tokens, but {num_prompt_tokens + max_tokens} "
                 f"were requested ({num_prompt_tokens} in the prompt, {max_tokens} for the completion); lower max_tokens",
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        max_tokens = min(max_tokens, room)
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -106,6 +121,7 @@ def parse_options(body: dict[str, Any]) -> Options:
         ignore_eos=get_field(body, "ignore_eos", bool, "a boolean", False),
         cache_salt=cache_salt,
         session_id=check_session_id(body.get("session_id"), "'session_id'"),
+        prompt_cache_key=check_session_id(body.get("prompt_cache_key"), "'prompt_cache_key'"),
     )
 
 

@@ -27,10 +27,14 @@ def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": []}
 
 
-def function_call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[str, Any]:
-    """A parsed tool call as a function_call output item (empty arguments while it streams)."""
+def function_call_item(
+    item_id: str, call: ToolCall, status: str = "completed", namespace: str | None = None
+) -> dict[str, Any]:
+    """A parsed tool call as a function_call output item (empty arguments while it streams); a function
+    offered from a `namespace` tool carries it in `namespace`, beside its own name, as the Responses API
+    returns it (Codex CLI reads the pair)."""
     arguments = call.arguments if status == "completed" else ""
-    return {
+    item = {
         "type": "function_call",
         "id": item_id,
         "call_id": call.id,
@@ -38,6 +42,9 @@ def function_call_item(item_id: str, call: ToolCall, status: str = "completed") 
         "arguments": arguments,
         "status": status,
     }
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
 
 
 def usage(out: StepOutput | None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from swarmkv.api.chat_request import ChatRequest, Message, parse_chat_request
 from swarmkv.api.errors import bad_request, get_field, type_name
+from swarmkv.choices import HostedToolsPolicy
 
 Item = dict[str, Any]
 
@@ -30,6 +31,11 @@ class ResponsesRequest:
     echo: dict[str, Any]  # request fields the response object repeats
     store: bool
     previous_response_id: str | None
+    # Function name -> its namespace, for the functions offered from `namespace` tools: their calls come
+    # back with the namespace, as the Responses API returns them (`function_call.namespace`).
+    namespaces: dict[str, str]
+    # The hosted tools (web_search, file_search, ...) left out of the prompt, as "tools[i]: type".
+    dropped_tools: list[str]
 
 
 def previous_response_id(body: dict[str, Any]) -> str | None:
@@ -40,8 +46,13 @@ def previous_response_id(body: dict[str, Any]) -> str | None:
     return value
 
 
-def parse_responses_request(body: dict[str, Any], history: list[Item]) -> ResponsesRequest:
-    """Validate a Responses body continuing the chain `history` (empty for a new one); mistakes are 400s."""
+def parse_responses_request(
+    body: dict[str, Any], history: list[Item], hosted_tools: HostedToolsPolicy = "drop"
+) -> ResponsesRequest:
+    """Validate a Responses body continuing the chain `history` (empty for a new one); mistakes are 400s.
+
+    Hosted tools are dropped from the prompt (and listed) or refused, as `hosted_tools` says.
+    """
     max_output_tokens = get_field(body, "max_output_tokens", int, "an integer")
     if max_output_tokens is not None and max_output_tokens < 1:
         raise bad_request(
@@ -51,19 +62,24 @@ def parse_responses_request(body: dict[str, Any], history: list[Item]) -> Respon
     instructions = get_field(body, "instructions", str, "a string")
     metadata = get_field(body, "metadata", dict, "an object")
     store = get_field(body, "store", bool, "a boolean", True)
-    tools = _tools(get_field(body, "tools", list, "an array"))
+    include = get_field(body, "include", list, "an array", [])
+    if any(not isinstance(name, str) for name in include):
+        raise bad_request("'include' must be an array of strings", param="include")
+    get_field(body, "client_metadata", dict, "an object")
+    offered = _tools(get_field(body, "tools", list, "an array"), hosted_tools)
     items = _input_items(body.get("input"))
     # Instructions are not inherited along a chain (OpenAI's semantics): each request's go first, unstored.
     head: list[Message] = [{"role": "system", "content": instructions}] if instructions else []
     chat_body: dict[str, Any] = {
         "model": body.get("model"),
         "messages": head + items_to_messages(history + items),
-        "tools": tools,
+        "tools": offered.tools or None,
         "tool_choice": _tool_choice(body.get("tool_choice")),
         "stream": body.get("stream"),
         "max_tokens": max_output_tokens,
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
+        "prompt_cache_key": body.get("prompt_cache_key"),
     }
     chat_body = {key: value for key, value in chat_body.items() if value is not None}
     chat = parse_chat_request(chat_body)
@@ -79,7 +95,20 @@ def parse_responses_request(body: dict[str, Any], history: list[Item]) -> Respon
         "parallel_tool_calls": get_field(body, "parallel_tool_calls", bool, "a boolean", True),
         "text": {"format": {"type": "text"}},
     }
-    return ResponsesRequest(chat, chat_body, items, echo, store, previous_response_id(body))
+    if offered.dropped:
+        # Outside `metadata`, which is the client's own to set and read back: an extension field, as
+        # chat completions' `usage.swarmkv`, that every snapshot of the response carries.
+        echo["swarmkv"] = {"dropped_tools": offered.dropped}
+    return ResponsesRequest(
+        chat,
+        chat_body,
+        items,
+        echo,
+        store,
+        previous_response_id(body),
+        offered.namespaces,
+        offered.dropped,
+    )
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
@@ -115,7 +144,13 @@ def parse_item(where: str, item: Any) -> Item:
         for key in ("call_id", "name", "arguments"):
             if not isinstance(item.get(key), str):
                 raise bad_request(f"{where}.{key} must be a string", param=f"{where}.{key}")
-        return {key: item[key] for key in ("type", "call_id", "name", "arguments")}
+        call = {key: item[key] for key in ("type", "call_id", "name", "arguments")}
+        namespace = item.get("namespace")
+        if namespace is not None:
+            if not isinstance(namespace, str):
+                raise bad_request(f"{where}.namespace must be a string", param=f"{where}.namespace")
+            call["namespace"] = namespace
+        return call
     if kind == "function_call_output":
         if not isinstance(item.get("call_id"), str):
             raise bad_request(f"{where}.call_id must be a string", param=f"{where}.call_id")
@@ -171,27 +206,70 @@ def items_to_messages(items: list[Item]) -> list[Message]:
     return messages
 
 
-def _tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
-    """Responses function tools as chat function tools; any hosted tool type is a 400 naming it."""
-    if tools is None:
-        return None
-    out = []
-    for i, tool in enumerate(tools):
+# Tool types a client runs and the model calls by name; every other type is one the provider runs (hosted).
+_FUNCTION = "function"
+_NAMESPACE = "namespace"
+
+
+@dataclass(frozen=True)
+class OfferedTools:
+    """A request's tools as chat function tools, which namespace each function came from, what was dropped."""
+
+    tools: list[dict[str, Any]]
+    namespaces: dict[str, str]
+    dropped: list[str]
+
+
+def _tools(tools: list[Any] | None, hosted_tools: HostedToolsPolicy) -> OfferedTools:
+    """Responses tools as chat function tools: functions as they are, a namespace's functions under their own
+    names (the model writes plain names; the call comes back with its namespace); hosted tools dropped or
+    refused. Two functions offered under one name are a 400, since a call could not say which it meant."""
+    offered = OfferedTools([], {}, [])
+    for i, tool in enumerate(tools or []):
         where = f"tools[{i}]"
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
+        if kind == _FUNCTION:
+            _offer(offered, where, tool, None)
+        elif kind == _NAMESPACE:
+            name = tool.get("name")
+            if not isinstance(name, str) or not name:
+                raise bad_request(f"{where}.name must be a non-empty string", param=where)
+            members = tool.get("tools")
+            if not isinstance(members, list):
+                raise bad_request(f"{where}.tools must be an array of function tools", param=where)
+            for j, member in enumerate(members):
+                member_where = f"{where}.tools[{j}]"
+                if not isinstance(member, dict) or member.get("type", _FUNCTION) != _FUNCTION:
+                    raise bad_request(f"{member_where} must be a function tool", param=member_where)
+                _offer(offered, member_where, member, name)
+        elif isinstance(kind, str) and hosted_tools == "drop":
+            offered.dropped.append(f"{where}: {kind}")
+        else:
             raise bad_request(
-                f"{where}: tool type {kind!r} is not supported: only 'function' tools are "
-                "(swarmkv runs no hosted tools)",
+                f"{where}: tool type {kind!r} is not supported: only 'function' and 'namespace' tools are "
+                "(swarmkv runs no hosted tools; `--hosted-tools drop` leaves them out of the prompt)",
                 param=where,
             )
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise bad_request(f"{where}.name must be a non-empty string", param=where)
-        function = {"name": tool["name"], "parameters": tool.get("parameters") or {}}
-        if isinstance(tool.get("description"), str):
-            function["description"] = tool["description"]
-        out.append({"type": "function", "function": function})
-    return out or None
+    return offered
+
+
+def _offer(offered: OfferedTools, where: str, tool: dict[str, Any], namespace: str | None) -> None:
+    """Add one function tool, offered under its own name, to `offered`."""
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_request(f"{where}.name must be a non-empty string", param=where)
+    if any(t["function"]["name"] == name for t in offered.tools):
+        raise bad_request(
+            f"{where}: a second function named {name!r}; the model calls functions by name, so names must "
+            "be unique across the tools and their namespaces",
+            param=where,
+        )
+    function = {"name": name, "parameters": tool.get("parameters") or {}}
+    if isinstance(tool.get("description"), str):
+        function["description"] = tool["description"]
+    offered.tools.append({"type": "function", "function": function})
+    if namespace is not None:
+        offered.namespaces[name] = namespace
 
 
 def _tool_choice(choice: Any) -> Any:

@@ -13,8 +13,9 @@ from swarmkv.api.tool_parser import ParsedDelta, ToolCall, in_writing_order
 class OutputItems:
     """The items of one streamed response; a call open when a delta arrives ends before that delta's text."""
 
-    def __init__(self, emit: EventWriter) -> None:
+    def __init__(self, emit: EventWriter, namespaces: dict[str, str] | None = None) -> None:
         self._emit = emit
+        self._namespaces = namespaces or {}  # function name -> the namespace tool it was offered from
         self.output: list[Item] = []  # the finished items
         self._text: str | None = None  # the open message's text, None when no message is open
         self._msg_id = ""
@@ -58,7 +59,12 @@ class OutputItems:
             if piece.name is not None:
                 yield from self.close_text()
                 self._call = (new_id("fc"), piece.name, "")
-                opening = function_call_item(self._call[0], ToolCall(piece.id, piece.name, ""), "in_progress")
+                opening = function_call_item(
+                    self._call[0],
+                    ToolCall(piece.id, piece.name, ""),
+                    "in_progress",
+                    self._namespaces.get(piece.name),
+                )
                 yield self._emit(
                     "response.output_item.added", {"output_index": len(self.output), "item": opening}
                 )
@@ -76,7 +82,7 @@ class OutputItems:
             where = {"item_id": item_id, "output_index": len(self.output)}
             done = {**where, "name": call.name, "arguments": call.arguments}
             yield self._emit("response.function_call_arguments.done", done)
-            item = function_call_item(item_id, call)
+            item = function_call_item(item_id, call, namespace=self._namespaces.get(call.name))
             yield self._emit("response.output_item.done", {"output_index": len(self.output), "item": item})
             self.output.append(item)
             self._call = None

@@ -58,6 +58,8 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> Starlette:
         request_log=RequestLog(log) if log is not None else None,
         max_request_bytes=config.max_request_bytes,
         responses=ResponseStore(config.responses_store_max),
+        hosted_tools=config.hosted_tools,
+        max_tokens_policy=config.max_tokens_policy,
     )
 
     @asynccontextmanager

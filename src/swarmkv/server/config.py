@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from swarmkv.choices import HostedToolsPolicy, MaxTokensPolicy
+
 API_KEY_ENV = "SWARMKV_API_KEY"
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
@@ -46,6 +48,18 @@ class ServerConfig:
         "an hour (default %(default)s; 0 stores none)",
     )
     log_level: LogLevel = _opt("info", "swarmkv's and uvicorn's log level (default %(default)s)")
+    hosted_tools: HostedToolsPolicy = _opt(
+        "drop",
+        "what a /v1/responses tool the provider would run (web_search, file_search, ...) gets: drop (left "
+        "out of the prompt, named in the response's `swarmkv.dropped_tools`) or refuse (a 400) "
+        "(default %(default)s)",
+    )
+    max_tokens_policy: MaxTokensPolicy = _opt(
+        "clamp",
+        "what a max_tokens (max_output_tokens, max_completion_tokens) above what the context leaves after "
+        "the prompt gets: clamp (to that room; the reply ends in 'length' if it gets there) or refuse "
+        "(a 400) (default %(default)s)",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -22,9 +22,11 @@ from swarmkv.server.http.disconnect import ClientDisconnected, unless_disconnect
 from swarmkv.server.observability.latency import Latency
 
 
-def request_session_id(request: Request, body_value: str | None) -> str | None:
-    """The request's session: `body_value` (named by its body), else its X-Session-Id header; both checked."""
-    return resolve_session_id(body_value, request.headers.get(SESSION_HEADER))
+def request_session_id(request: Request, body_value: str | None, cache_key: str | None = None) -> str | None:
+    """The request's session: `body_value` (named by its body), else its X-Session-Id header, else the body's
+    `prompt_cache_key` (`cache_key`), which names a cache, so a session named outright goes first."""
+    session_id = resolve_session_id(body_value, request.headers.get(SESSION_HEADER))
+    return session_id if session_id is not None else cache_key
 
 
 async def submit(
@@ -52,7 +54,7 @@ async def start_chat(
     """Render and submit a chat request; its stream, its prompt, and the cache break it causes (if any)."""
     rendered = render_chat(ctx.tokenizer, req)
     params = req.options.sampling_params(
-        len(rendered.token_ids), ctx.max_model_len, "messages", req.forced_stop()
+        len(rendered.token_ids), ctx.max_model_len, "messages", req.forced_stop(), ctx.max_tokens_policy
     )
     stream = await submit(ctx, id_prefix, rendered.token_ids, params, req.options, session_id, arrival_s)
     return stream, rendered, ctx.breaks.watch(session_id, req.options.cache_salt, rendered)

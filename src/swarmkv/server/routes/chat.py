@@ -32,7 +32,7 @@ async def chat_completions(request: Request) -> Response:
     payload = await ctx.read_body(request)
     req = parse_chat_request(payload)
     ctx.check_model(req.options.model)
-    session_id = request_session_id(request, req.options.session_id)
+    session_id = request_session_id(request, req.options.session_id, req.options.prompt_cache_key)
     ctx.log_request(CHAT_ROUTE, session_id, payload)
     stream, _, found = await start_chat(ctx, req, session_id, arrival_s, "chatcmpl")
     env = Envelope(stream.request_id, int(time.time()), ctx.model_name)

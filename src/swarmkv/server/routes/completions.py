@@ -32,7 +32,9 @@ async def completions(request: Request) -> Response:
     session_id = request_session_id(request, req.options.session_id)
     ctx.log_request(COMPLETIONS_ROUTE, session_id, body)
     prompt_ids = render_completion(ctx.tokenizer, req.prompt)
-    params = req.options.sampling_params(len(prompt_ids), ctx.max_model_len, "prompt")
+    params = req.options.sampling_params(
+        len(prompt_ids), ctx.max_model_len, "prompt", max_tokens_policy=ctx.max_tokens_policy
+    )
     stream = await submit(ctx, "cmpl", prompt_ids, params, req.options, session_id, arrival_s)
     env = Envelope(stream.request_id, int(time.time()), ctx.model_name)
     latency = Latency(ctx.metrics, arrival_s)

@@ -56,9 +56,10 @@ async def create_response(request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
     req, previous = await _parse(ctx, request)
     response_id = new_id("resp")
-    header = request_session_id(request, None)
-    # A chain is one session, named by its first response, so its KV is kept between turns.
-    session_id = previous.session_id if previous else header or (response_id if req.store else None)
+    named = request_session_id(request, None, req.chat.options.prompt_cache_key)
+    # A chain is one session, named by its first response (unless the X-Session-Id header or the
+    # prompt_cache_key names one), so its KV is kept between turns.
+    session_id = previous.session_id if previous else named or (response_id if req.store else None)
     ctx.log_request(CHAT_ROUTE, session_id, req.chat_body)  # logged as the chat request it runs as
     stream, _, _ = await start_chat(ctx, req.chat, session_id, arrival_s, "resp")
     head = ResponseHead(response_id, int(time.time()), ctx.model_name, req.previous_response_id, req.echo)
@@ -80,7 +81,10 @@ async def create_response(request: Request) -> Response:
     last = outputs[-1] if outputs else None
     parsed = parse_whole_reply(req.chat, outputs)
     output = [message_item(new_id("msg"), parsed.content)] if parsed.content or not parsed.tool_calls else []
-    output += [function_call_item(new_id("fc"), call) for call in parsed.tool_calls]
+    output += [
+        function_call_item(new_id("fc"), call, namespace=req.namespaces.get(call.name))
+        for call in parsed.tool_calls
+    ]
     body = _finished(head, output, last, len(parsed.tool_calls))
     on_done(body, output)
     return JSONResponse(body)
@@ -125,7 +129,7 @@ async def _parse(ctx: ServerContext, request: Request) -> tuple[ResponsesRequest
     previous = ctx.responses.get(prev_id) if prev_id is not None else None
     if prev_id is not None and previous is None:
         raise _not_found(prev_id, "previous_response_id")
-    req = parse_responses_request(payload, previous.items if previous else [])
+    req = parse_responses_request(payload, previous.items if previous else [], ctx.hosted_tools)
     ctx.check_model(req.chat.options.model)
     return req, previous
 
@@ -152,7 +156,7 @@ async def _events(
     emit = EventWriter()
     yield emit("response.created", {"response": head.body("in_progress", [], None)})
     yield emit("response.in_progress", {"response": head.body("in_progress", [], None)})
-    items = OutputItems(emit)
+    items = OutputItems(emit, req.namespaces)
     last: StepOutput | None = None
     try:
         async for out, parsed in chat_deltas(req.chat, stream, latency):
