@@ -400,13 +400,6 @@ def _bad_requests(model: str) -> list[tuple[str, str, Any, int, str | None]]:
             "context_length_exceeded",
         ),
         (
-            "max_tokens beyond the context",
-            "/v1/chat/completions",
-            {"model": model, "messages": user, "max_tokens": MAX_MODEL_LEN},
-            400,
-            "context_length_exceeded",
-        ),
-        (
             "tool_choice not among tools",
             "/v1/chat/completions",
             {
