@@ -111,6 +111,7 @@ class RouteKeyer:
         if path == CHAT_ROUTE:
             chat = parse_chat_request(payload)
             session = resolve_session_id(chat.options.session_id, header_session)
+            session = session if session is not None else chat.options.prompt_cache_key
             tokens = render_chat(self._tokenizer, chat).token_ids
             return Routed(RouteKey(tokens, chat.options.cache_salt, session))
         if path == COMPLETIONS_ROUTE:
@@ -132,6 +133,7 @@ class RouteKeyer:
         req = parse_responses_request(payload, [])  # the chain's earlier items live on its replica
         tokens = render_chat(self._tokenizer, req.chat).token_ids
         session = resolve_session_id(None, header_session)
+        session = session if session is not None else req.chat.options.prompt_cache_key
         key = RouteKey(tokens, req.chat.options.cache_salt, session)
         inputs = tuple(input_items(payload.get("input"))) if payload.get("store", True) is not False else ()
         if continued is None:
