@@ -1,7 +1,8 @@
 """Anthropic content blocks -> OpenAI-form chat messages, with a snapshot of the conversation at each cache mark.
 
-Text blocks of one turn join with newlines, tool_use blocks become the assistant turn's `tool_calls`, and
-tool_result blocks become `tool` messages; a block carrying `cache_control` records the conversation up to
+Text blocks of one turn join with newlines, tool_use blocks become the assistant turn's `tool_calls`,
+tool_result blocks become `tool` messages, and a system message inside `messages` stays a system turn where it
+stands (the renderer folds it into a user turn for templates that cannot render it there); a block carrying `cache_control` records the conversation up to
 and including it, for the Messages route to pin.
 """
 
@@ -73,9 +74,17 @@ class MessagesBuilder:
 
     def message(self, i: int, m: Any) -> None:
         where = f"messages[{i}]"
-        role = m.get("role") if isinstance(m, dict) else None
+        if not isinstance(m, dict):
+            raise bad_request(f"messages.{i}: Input should be a valid dictionary", param=where)
+        role = m.get("role")
+        # Worded as Anthropic words them: clients (Claude Code) match these texts to fall back.
+        if role == "system":
+            self._system_message(i, m)
+            return
         if role not in ("user", "assistant"):
-            raise bad_request(f"{where} must be an object with role 'user' or 'assistant'", param=where)
+            raise bad_request(
+                f"messages.{i}.role: Input should be 'user' or 'assistant'", param=f"{where}.role"
+            )
         content = m.get("content")
         if isinstance(content, str):
             self._flush()
@@ -99,6 +108,29 @@ class MessagesBuilder:
                     self._text(bwhere, block)
                 else:
                     self._tool_use(bwhere, block)
+            self.mark(bwhere, block)
+        self._flush()
+
+    def _system_message(self, i: int, m: dict[str, Any]) -> None:
+        """A system message inside `messages` (Anthropic's mid-conversation system turn), kept where it stands."""
+        where = f"messages[{i}]"
+        if i == 0:
+            raise bad_request(
+                "messages.0: use the top-level 'system' parameter for the initial system prompt", param=where
+            )
+        content = m.get("content")
+        self._flush()
+        if isinstance(content, str):
+            self.messages.append({"role": "system", "content": content})
+            return
+        if not isinstance(content, list):
+            raise bad_request(
+                f"{where}.content must be a string or an array of text blocks", param=f"{where}.content"
+            )
+        self.pending = {"role": "system", "content": ""}
+        for j, block in enumerate(content):
+            bwhere = f"{where}.content[{j}]"
+            self._text(bwhere, _block(bwhere, block, ("text",)))
             self.mark(bwhere, block)
         self._flush()
 

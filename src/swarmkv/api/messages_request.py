@@ -8,6 +8,7 @@ then validated by the same parser chat completions uses.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +35,11 @@ class MessagesRequest:
 
     chat: ChatRequest
     breakpoints: list[Breakpoint]
-    user_id: str | None  # metadata.user_id: the session, for retention
+    user_id: (
+        str | None
+    )  # metadata.user_id (Claude Code's: the session_id in its JSON): the session, for retention
     chat_body: dict[str, Any]  # the equivalent chat completions body, which `swarmkv lint` reads from the log
+    template_kwargs: dict[str, Any]  # the chat template's switches: `thinking` as `enable_thinking`
 
 
 def parse_messages_request(body: dict[str, Any], needs_max_tokens: bool = True) -> MessagesRequest:
@@ -55,6 +59,8 @@ def parse_messages_request(body: dict[str, Any], needs_max_tokens: bool = True) 
             code=THREAD_UNSUPPORTED,
             details={"error_code": THREAD_UNSUPPORTED, "unsupported": ["thread"]},
         )
+    _refuse_unsupported(body)
+    template_kwargs = _thinking(body.get("thinking"))
     metadata = get_field(body, "metadata", dict, "an object", {})
     user_id = _session_of(metadata.get("user_id"))
     builder = MessagesBuilder()
@@ -77,6 +83,7 @@ def parse_messages_request(body: dict[str, Any], needs_max_tokens: bool = True) 
         "top_p": body.get("top_p"),
         "top_k": body.get("top_k"),
         "stop": stop or None,
+        "chat_template_kwargs": template_kwargs or None,
     }
     chat_body = {key: value for key, value in chat_body.items() if value is not None}
     chat = parse_chat_request(chat_body)
@@ -91,15 +98,66 @@ def parse_messages_request(body: dict[str, Any], needs_max_tokens: bool = True) 
     breakpoints = [
         Breakpoint(parse_messages(msgs, allow_empty=True) or head, ttl_s) for msgs, ttl_s in builder.marks
     ]
-    return MessagesRequest(chat, breakpoints, user_id, chat_body)
+    return MessagesRequest(chat, breakpoints, user_id, chat_body, template_kwargs)
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """Fields a local text model cannot honour and whose omission would change the answer: a 400 naming them.
+
+    What only tunes Anthropic's service is accepted and ignored: `context_management` (its edits clear past
+    thinking, which the chat template drops anyway), `output_config.effort`, `service_tier`, `container`,
+    `mcp_servers`, the betas (`anthropic-beta`, `?beta=true`) and tools' `defer_loading`.
+    """
+    output_config = get_field(body, "output_config", dict, "an object", {})
+    if output_config.get("format") is not None:
+        raise bad_request(
+            "output_config.format: structured outputs are not supported by this server",
+            param="output_config.format",
+        )
+    if body.get("output_format") is not None:  # the structured-outputs beta's earlier name
+        raise bad_request(
+            "output_format: structured outputs are not supported by this server", param="output_format"
+        )
+
+
+def _thinking(thinking: Any) -> dict[str, Any]:
+    """`thinking` as the chat template's `enable_thinking` (templates without the switch never read it).
+
+    Absent, the template's default stands: Anthropic's default is no thinking, but a template's default is
+    what its model was tuned to answer with.
+    """
+    if thinking is None:
+        return {}
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise bad_request(
+            "thinking.type: Input should be 'enabled', 'adaptive' or 'disabled'", param="thinking.type"
+        )
+    return {"enable_thinking": kind != "disabled"}
 
 
 def _session_of(user_id: Any) -> str | None:
-    """metadata.user_id as a session id; one too long for a session id is replaced by its digest."""
+    """metadata.user_id as a session id: the `session_id` of Claude Code's JSON user_id, else the id itself;
+    one too long for a session id is replaced by its digest."""
+    session_id = _json_session_id(user_id)
+    if session_id is not None:
+        user_id = session_id
     if isinstance(user_id, str) and len(user_id) > MAX_SESSION_ID_CHARS:
         # Clients such as Claude Code send long composite ids; refusing them would refuse the client.
         return f"user-{hashlib.sha256(user_id.encode()).hexdigest()[:32]}"
     return check_session_id(user_id, "'metadata.user_id'")
+
+
+def _json_session_id(user_id: Any) -> str | None:
+    """The non-empty `session_id` string of a user_id that is a JSON object (Claude Code's), else None."""
+    if not isinstance(user_id, str) or not user_id.startswith("{"):
+        return None
+    try:
+        fields = json.loads(user_id)
+    except ValueError:
+        return None
+    session_id = fields.get("session_id") if isinstance(fields, dict) else None
+    return session_id if isinstance(session_id, str) and session_id else None
 
 
 def _tools(tools: list[Any] | None, builder: MessagesBuilder) -> list[dict[str, Any]] | None:

@@ -10,10 +10,10 @@ messages render as a chat prompt's head, without the generation prompt.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from swarmkv.api.chat_request import ChatRequest
+from swarmkv.api.chat_request import ChatRequest, Message
 from swarmkv.api.errors import bad_request
 from swarmkv.api.pin_request import PinRequest
 from swarmkv.breaks.causes import RenderedPrompt
@@ -24,15 +24,68 @@ from swarmkv.tokenizer import Tokenizer
 Encode = Callable[[str], list[int]]
 
 
-def render_chat(tokenizer: Tokenizer, req: ChatRequest, encode: Encode | None = None) -> RenderedPrompt:
-    """The chat prompt as the engine will see it; a 400 when the template cannot render the messages."""
+def render_chat(
+    tokenizer: Tokenizer,
+    req: ChatRequest,
+    encode: Encode | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> RenderedPrompt:
+    """The chat prompt as the engine will see it; a 400 when the template cannot render the messages.
+
+    `template_kwargs` are the template's own switches (Messages' `thinking` as `enable_thinking`).
+    """
     tools = req.prompt_tools
+    messages = system_turns_in_place(tokenizer, req.messages)
     try:
-        text = tokenizer.apply_chat_template(req.messages, tools=tools) + req.forced_prefix()
+        text = tokenizer.apply_chat_template(messages, tools=tools, **(template_kwargs or {}))
     except InvalidRequestError as exc:
         raise bad_request(str(exc), param="messages") from exc
+    text += req.forced_prefix()
     token_ids = encode(text) if encode is not None else tokenizer.encode(text, add_special_tokens=False)
-    return RenderedPrompt(token_ids, text, req.messages, tools)
+    return RenderedPrompt(token_ids, text, messages, tools)
+
+
+def system_turns_in_place(tokenizer: Tokenizer, messages: list[Message]) -> list[Message]:
+    """The messages, each system message after the conversation's start rendered where it stands.
+
+    Where the template renders such a turn in place (Qwen3's does), it stays a system turn; elsewhere its
+    text joins the adjacent user turn as a `<system-reminder>`, as Claude Code does for models without
+    mid-conversation system turns (templates such as Gemma's or Mistral's raise on one, others drop it).
+    """
+    start = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    if not any(m["role"] == "system" for m in messages[start:]):
+        return messages
+    template = tokenizer.template
+    if template is None or template.renders_system_in_place:
+        return messages
+    out = list(messages[:start])
+    reminder: str | None = None  # waiting for the next user turn when none came just before
+    for m in messages[start:]:
+        if m["role"] == "system":
+            text = f"<system-reminder>\n{_text_of(m)}\n</system-reminder>"
+            if reminder is None and out and out[-1]["role"] == "user":
+                out[-1] = {**out[-1], "content": f"{_text_of(out[-1])}\n\n{text}"}
+            else:
+                reminder = f"{reminder}\n\n{text}" if reminder is not None else text
+        elif reminder is not None and m["role"] == "user":
+            out.append({**m, "content": f"{reminder}\n\n{_text_of(m)}"})
+            reminder = None
+        else:
+            if reminder is not None:
+                out.append({"role": "user", "content": reminder})
+                reminder = None
+            out.append(m)
+    if reminder is not None:
+        out.append({"role": "user", "content": reminder})
+    return out
+
+
+def _text_of(message: Message) -> str:
+    """A message's text: its string content, or its text parts joined with newlines."""
+    content = message.get("content")
+    if isinstance(content, list):
+        return "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content or ""
 
 
 def render_completion(tokenizer: Tokenizer, prompt: str | list[int]) -> list[int]:

@@ -9,6 +9,8 @@ from swarmkv.core.config import EngineConfig
 
 # The header a client (or a proxy in front of a swarm) may name a session with instead of the body field.
 SESSION_HEADER = "x-session-id"
+# Claude Code names its session here too (the same id as its metadata.user_id's session_id).
+CLAUDE_CODE_SESSION_HEADER = "x-claude-code-session-id"
 # The engine's default limit, written once in EngineConfig; an engine configured otherwise checks its own.
 MAX_SESSION_ID_CHARS: int = EngineConfig.max_session_id_chars
 
@@ -26,11 +28,15 @@ def check_session_id(value: Any, where: str) -> str | None:
     return value
 
 
-def resolve_session_id(body_value: str | None, header_value: str | None) -> str | None:
+def resolve_session_id(
+    body_value: str | None, header_value: str | None, client_header_value: str | None = None
+) -> str | None:
     """The request's session: the body's `session_id` wins over the `X-Session-Id` header; both are checked.
 
     The body names the request itself, while a header may be set for a whole connection by a proxy or
-    client default, so the more specific one wins.
+    client default, so the more specific one wins. A client's own session header (`client_header_value`,
+    Claude Code's X-Claude-Code-Session-Id) comes last: swarmkv's own header is set on purpose.
     """
     header = check_session_id(header_value, "the X-Session-Id header")
-    return body_value if body_value is not None else header
+    client = check_session_id(client_header_value, "the X-Claude-Code-Session-Id header")
+    return next((value for value in (body_value, header, client) if value is not None), None)

@@ -21,7 +21,7 @@ from swarmkv.api.errors import APIError
 from swarmkv.api.paths import CHAT_ROUTE, COMPLETIONS_ROUTE, MESSAGES_ROUTE, RESPONSES_ROUTE
 from swarmkv.engine.llm import LLM
 from swarmkv.server.config import ServerConfig
-from swarmkv.server.context import ServerContext
+from swarmkv.server.context import ANY_MODEL, ServerContext
 from swarmkv.server.engine_loop.async_engine import AsyncEngine
 from swarmkv.server.engine_loop.request_stream import EngineUnavailableError
 from swarmkv.server.http import errors
@@ -41,6 +41,11 @@ def default_model_name(llm: LLM) -> str:
     return path.stem if path.is_file() else path.name
 
 
+def _reply_name(names: tuple[str, ...], default: str) -> str:
+    """The name replies carry: the first served name that names a model, else the checkpoint's."""
+    return next((name for name in names if name != ANY_MODEL), default)
+
+
 def create_app(llm: LLM, config: ServerConfig | None = None) -> Starlette:
     """An app serving `llm` as `config` says (None: the defaults); its engine loop runs while the app's lifespan
     does. One app per LLM; `config.host`, `port` and `log_level` are for whoever runs it (`swarmkv serve`)."""
@@ -51,7 +56,8 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> Starlette:
     ctx = ServerContext(
         engine=engine,
         tokenizer=llm.tokenizer,
-        model_name=config.served_model_name or default_model_name(llm),
+        model_name=_reply_name(config.model_names, default_model_name(llm)),
+        model_names=config.model_names,
         max_model_len=llm.engine.max_model_len,
         metrics=metrics,
         breaks=CacheBreaks(llm.tokenizer, metrics.cache_breaks),

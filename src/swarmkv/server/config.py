@@ -33,7 +33,12 @@ class ServerConfig:
         "else none)",
         env=API_KEY_ENV,
     )
-    served_model_name: str | None = _opt(None, "the `model` clients send (default: file stem)")
+    served_model_name: str | None = _opt(
+        None,
+        "the `model` clients send: a name, or several separated by commas (aliases; the first names replies), "
+        "where '*' answers any name (default: the model's file stem or folder name)",
+        metavar="NAME[,NAME...]",
+    )
     log_requests: Path | None = _opt(
         None,
         "append every chat and completions request body to FILE, one JSON line each (for `swarmkv lint`)",
@@ -61,7 +66,16 @@ class ServerConfig:
         "(a 400) (default %(default)s)",
     )
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names `--served-model-name` lists, '*' among them when given (empty: the default name only)."""
+        if self.served_model_name is None:
+            return ()
+        return tuple(name.strip() for name in self.served_model_name.split(","))
+
     def __post_init__(self) -> None:
+        if any(not name for name in self.model_names):
+            raise ValueError(f"--served-model-name has an empty name: {self.served_model_name!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if self.max_request_bytes < 1:

@@ -18,6 +18,8 @@ from swarmkv.server.observability.request_log import RequestLog
 from swarmkv.server.responses_store import ResponseStore
 from swarmkv.tokenizer import Tokenizer
 
+ANY_MODEL = "*"  # as a served model name: answer whatever `model` a request names
+
 
 @dataclass(frozen=True)
 class ServerContext:
@@ -25,7 +27,7 @@ class ServerContext:
 
     engine: AsyncEngine
     tokenizer: Tokenizer
-    model_name: str
+    model_name: str  # the name replies carry: the first served name
     max_model_len: int
     metrics: ServerMetrics
     breaks: CacheBreaks
@@ -33,6 +35,8 @@ class ServerContext:
     max_request_bytes: int  # `--max-request-bytes`
     # Stored Responses API responses (`--responses-store-max`); mutable, shared by the routes of one app.
     responses: ResponseStore
+    # Every name `model` may be (`--served-model-name`'s aliases), `model_name` first; "*" answers any name.
+    model_names: tuple[str, ...] = ()
     # The cache view's last snapshot, reused while the tree is unchanged; used on the engine's thread only.
     tree_snapshots: TreeSnapshots = field(default_factory=TreeSnapshots)
     hosted_tools: HostedToolsPolicy = "drop"  # `--hosted-tools`
@@ -47,12 +51,25 @@ class ServerContext:
         if self.request_log is not None:
             self.request_log.write(route, session_id, body)
 
+    @property
+    def listed_model_names(self) -> tuple[str, ...]:
+        """The names /v1/models lists: the served names but "*", which names no model."""
+        names = [name for name in (self.model_name, *self.model_names) if name != ANY_MODEL]
+        return tuple(dict.fromkeys(names))
+
     def check_model(self, model: str | None) -> None:
-        """A 404 unless `model` is the one this server serves (or omitted)."""
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+        """A 404 unless `model` is one this server serves (or omitted, or the server answers any name)."""
+        if (
+            model is None
+            or model == self.model_name
+            or model in self.model_names
+            or ANY_MODEL in self.model_names
+        ):
+            return
+        served = ", ".join(repr(name) for name in self.listed_model_names)
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {served}",
+            param="model",
+            code="model_not_found",
+        )

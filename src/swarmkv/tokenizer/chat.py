@@ -48,6 +48,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from swarmkv.errors import InvalidRequestError
 
+# Texts that no real conversation holds, for the system-turn probe.
+_PROBE_USER, _PROBE_SYSTEM, _PROBE_NEXT = "swarmkv-probe-user", "swarmkv-probe-system", "swarmkv-probe-next"
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 _TOOLS_HEADER = (
@@ -218,6 +220,27 @@ class ChatTemplate:
             return self._environment.from_string(source)
         except jinja2.TemplateSyntaxError as exc:
             raise InvalidRequestError(f"the model's chat template does not compile: {exc}") from exc
+
+    def reads(self, variable: str) -> bool:
+        """Whether the template (or its tool_use twin) reads the template variable `variable`."""
+        sources = (self.source, self.tool_use_source) if self.tool_use_source is not None else (self.source,)
+        return any(self._reads(source, variable) for source in sources)
+
+    @cached_property
+    def renders_system_in_place(self) -> bool:
+        """Whether a system message after a user turn renders where it stands (Qwen3's does; many raise)."""
+        probe = [
+            {"role": "user", "content": _PROBE_USER},
+            {"role": "system", "content": _PROBE_SYSTEM},
+            {"role": "user", "content": _PROBE_NEXT},
+        ]
+        try:
+            text = self.render(probe)
+        except InvalidRequestError:
+            return False
+        return _PROBE_USER in text and text.find(_PROBE_USER) < text.find(_PROBE_SYSTEM) < text.find(
+            _PROBE_NEXT
+        )
 
     def _reads(self, source: str, variable: str) -> bool:
         try:

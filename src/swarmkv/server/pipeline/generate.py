@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
+from typing import Any
 
 from starlette.requests import Request
 
@@ -22,10 +23,17 @@ from swarmkv.server.http.disconnect import ClientDisconnected, unless_disconnect
 from swarmkv.server.observability.latency import Latency
 
 
-def request_session_id(request: Request, body_value: str | None, cache_key: str | None = None) -> str | None:
-    """The request's session: `body_value` (named by its body), else its X-Session-Id header, else the body's
-    `prompt_cache_key` (`cache_key`), which names a cache, so a session named outright goes first."""
-    session_id = resolve_session_id(body_value, request.headers.get(SESSION_HEADER))
+def request_session_id(
+    request: Request,
+    body_value: str | None,
+    cache_key: str | None = None,
+    client_header: str | None = None,
+) -> str | None:
+    """The request's session: `body_value` (named by its body), else its X-Session-Id header, else the client's
+    own session header `client_header` when given, else the body's `prompt_cache_key` (`cache_key`), which names
+    a cache, so a session named outright goes first; each checked."""
+    client_value = request.headers.get(client_header) if client_header is not None else None
+    session_id = resolve_session_id(body_value, request.headers.get(SESSION_HEADER), client_value)
     return session_id if session_id is not None else cache_key
 
 
@@ -49,10 +57,15 @@ async def submit(
 
 
 async def start_chat(
-    ctx: ServerContext, req: ChatRequest, session_id: str | None, arrival_s: float, id_prefix: str
+    ctx: ServerContext,
+    req: ChatRequest,
+    session_id: str | None,
+    arrival_s: float,
+    id_prefix: str,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[RequestStream, RenderedPrompt, Awaitable[Break | None]]:
     """Render and submit a chat request; its stream, its prompt, and the cache break it causes (if any)."""
-    rendered = render_chat(ctx.tokenizer, req)
+    rendered = render_chat(ctx.tokenizer, req, template_kwargs=template_kwargs)
     params = req.options.sampling_params(
         len(rendered.token_ids), ctx.max_model_len, "messages", req.forced_stop(), ctx.max_tokens_policy
     )

@@ -31,6 +31,7 @@ from swarmkv.api.outputs import StepOutput
 from swarmkv.api.paths import CHAT_ROUTE
 from swarmkv.api.pin_request import PinRequest
 from swarmkv.api.render import render_chat, render_pin
+from swarmkv.api.session_id import CLAUDE_CODE_SESSION_HEADER
 from swarmkv.errors import InvalidRequestError
 from swarmkv.server.context import ServerContext
 from swarmkv.server.engine_loop.request_stream import EngineUnavailableError, RequestStream
@@ -50,10 +51,10 @@ async def messages(request: Request) -> Response:
     payload = await ctx.read_body(request)
     req = parse_messages_request(payload)
     ctx.check_model(req.chat.options.model)
-    session_id = request_session_id(request, req.user_id)
+    session_id = request_session_id(request, req.user_id, client_header=CLAUDE_CODE_SESSION_HEADER)
     ctx.log_request(CHAT_ROUTE, session_id, req.chat_body)  # logged as the chat request it runs as
     num_pinned = await _pin_breakpoints(ctx, req)
-    stream, rendered, _ = await start_chat(ctx, req.chat, session_id, arrival_s, "msg")
+    stream, rendered, _ = await start_chat(ctx, req.chat, session_id, arrival_s, "msg", req.template_kwargs)
     msg_id = f"msg_{stream.request_id.removeprefix('msg-')}"
     latency = Latency(ctx.metrics, arrival_s)
     if req.chat.options.stream:
@@ -77,7 +78,8 @@ async def count_tokens(request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
     req = parse_messages_request(await ctx.read_body(request), needs_max_tokens=False)
     ctx.check_model(req.chat.options.model)
-    return JSONResponse({"input_tokens": len(render_chat(ctx.tokenizer, req.chat).token_ids)})
+    rendered = render_chat(ctx.tokenizer, req.chat, template_kwargs=req.template_kwargs)
+    return JSONResponse({"input_tokens": len(rendered.token_ids)})
 
 
 async def _pin_breakpoints(ctx: ServerContext, req: MessagesRequest) -> int:

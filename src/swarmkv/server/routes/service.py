@@ -12,16 +12,19 @@ from swarmkv.server.context import ServerContext
 
 
 async def models(request: Request) -> Response:
-    """GET /v1/models: the one model this server runs."""
+    """GET /v1/models: the one model this server runs, once under each of its names ("*" is none)."""
     ctx: ServerContext = request.app.state.ctx
-    card = {
-        "id": ctx.model_name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "swarmkv",
-        "max_model_len": ctx.max_model_len,
-    }
-    return JSONResponse({"object": "list", "data": [card]})
+    cards = [
+        {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "swarmkv",
+            "max_model_len": ctx.max_model_len,
+        }
+        for name in ctx.listed_model_names
+    ]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def health(request: Request) -> Response:
