@@ -1,4 +1,4 @@
-"""Hermes / Qwen tool calls: `<tool_call>{"name": ..., "arguments": ...}</tool_call>` in model text -> OpenAI calls.
+"""Tool calls in model text -> OpenAI calls: Hermes JSON or the XML form, inside `<tool_call>` blocks.
 
 The parser is incremental so that streamed chat completions and whole ones parse identically: a whole
 reply is one `feed()` followed by `finish()`. Text outside the tags is the message content; text that
@@ -11,6 +11,10 @@ then stream in pieces (`tool_call_stream.py`), and they stay its arguments even 
 without that header is decided when it closes: one whose body is not a JSON object with a string `name`
 (after supplying up to MAX_MISSING_BRACES closing braces) stays in the content verbatim, so nothing the
 model wrote is lost.
+
+With the XML format (`tool_formats.py`, chosen from the chat template) a block whose body starts with a whole
+`<function=NAME>` is a call whose parameters stream as JSON as each completes (`xml_call_stream.py`); a JSON
+body is still read as Hermes, as a forced call's opening is written in that form.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swarmkv.api.tool_call_stream import MAX_MISSING_BRACES, ArgumentStream, CallPiece
+from swarmkv.api.tool_formats import ToolFormat, parameter_schemas
+from swarmkv.api.xml_call_stream import XmlCallStream
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
@@ -137,14 +143,20 @@ def _held_tag_prefix(text: str, tag: str) -> int:
 class StreamingToolParser:
     """Splits model text, piece by piece, into content and tool calls."""
 
-    def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
+    def __init__(
+        self,
+        new_id: Callable[[], str] = new_call_id,
+        fmt: ToolFormat = "hermes",
+        tools: list[dict[str, Any]] | None = None,
+    ) -> None:
         self._new_id = new_id
+        self._format = fmt
+        self._schemas = parameter_schemas(tools)  # typing XML parameter values
         self._buffer = ""  # text not yet classified
         self._in_call = False  # whether `_buffer` is the body of an open <tool_call>
         self._pending_space = ""  # trailing whitespace of the content, held until more content follows
-        self._call: tuple[str, ArgumentStream] | None = (
-            None  # the open block's call, once its header is whole
-        )
+        # The open block's call, once its header is whole.
+        self._call: tuple[str, ArgumentStream | XmlCallStream] | None = None
         self.num_calls = 0
 
     def feed(self, text: str) -> ParsedDelta:
@@ -191,7 +203,7 @@ class StreamingToolParser:
     def _stream_body(self, body: str, out: ParsedDelta) -> None:
         """Open the block's call once its header is whole, and send the arguments text the body adds."""
         if self._call is None:
-            stream = ArgumentStream.open(body)
+            stream = self._open_stream(body)
             if stream is None:
                 return
             self._call = (self._new_id(), stream)
@@ -201,12 +213,24 @@ class StreamingToolParser:
         if piece:
             out.pieces.append(CallPiece(self.num_calls, call_id, None, piece))
 
+    def _open_stream(self, body: str) -> ArgumentStream | XmlCallStream | None:
+        if self._format == "xml" and (xml := XmlCallStream.open(body, self._schemas)) is not None:
+            return xml
+        return ArgumentStream.open(body)
+
     def _close_block(self, body: str, terminated: bool, out: ParsedDelta) -> None:
         self._stream_body(body, out)
         opened, self._call = self._call, None
+        if opened is not None and isinstance(xml := opened[1], XmlCallStream):
+            if tail := xml.finish(body):
+                out.pieces.append(CallPiece(self.num_calls, opened[0], None, tail))
+            # Text after `</function>` inside the block is the format's layout, not content.
+            self._commit(ToolCall(opened[0], xml.name, xml.text), "", out)
+            return
         call, rest = _parse_block(body, opened[0] if opened else self._new_id(), terminated)
         if opened is not None:
             call_id, stream = opened
+            assert isinstance(stream, ArgumentStream)
             if call is None:
                 # The header made it a call: arguments that do not parse are still its arguments, as
                 # OpenAI's models may write invalid JSON; nothing after them is content.
@@ -219,6 +243,9 @@ class StreamingToolParser:
             suffix = CLOSE_TAG if terminated else ""
             self._emit(OPEN_TAG + body + suffix, out)
             return
+        self._commit(call, rest, out)
+
+    def _commit(self, call: ToolCall, rest: str, out: ParsedDelta) -> None:
         out.tool_calls.append(call)
         self.num_calls += 1
         self._pending_space = ""  # whitespace right before a call is layout, not content
@@ -234,7 +261,12 @@ class StreamingToolParser:
             self._pending_space += text
 
 
-def parse_tool_calls(text: str, new_id: Callable[[], str] = new_call_id) -> ParsedDelta:
+def parse_tool_calls(
+    text: str,
+    new_id: Callable[[], str] = new_call_id,
+    fmt: ToolFormat = "hermes",
+    tools: list[dict[str, Any]] | None = None,
+) -> ParsedDelta:
     """Parse a whole reply at once: its content and its tool calls."""
-    parser = StreamingToolParser(new_id)
+    parser = StreamingToolParser(new_id, fmt, tools)
     return parser.feed(text).then(parser.finish())

@@ -13,6 +13,7 @@ from swarmkv.api.completions_objects import Envelope, finish_reason, sse, tool_c
 from swarmkv.api.errors import APIError
 from swarmkv.api.outputs import StepOutput
 from swarmkv.api.paths import CHAT_ROUTE
+from swarmkv.api.tool_formats import ToolFormat, tool_format_of
 from swarmkv.api.tool_parser import ToolCall
 from swarmkv.breaks.causes import Break
 from swarmkv.server.context import ServerContext
@@ -37,15 +38,16 @@ async def chat_completions(request: Request) -> Response:
     stream, _, found = await start_chat(ctx, req, session_id, arrival_s, "chatcmpl")
     env = Envelope(stream.request_id, int(time.time()), ctx.model_name)
     latency = Latency(ctx.metrics, arrival_s)
+    fmt = tool_format_of(ctx.tokenizer.chat_template)
     if req.options.stream:
         return EventStream(
-            _chat_events(env, req, stream, latency, found), lambda: ctx.engine.abort(stream.request_id)
+            _chat_events(env, req, stream, latency, found, fmt), lambda: ctx.engine.abort(stream.request_id)
         )
     outputs = await collect_unless_disconnected(request, ctx, stream, latency)
     if outputs is None:
         return Response(status_code=STATUS_CLIENT_GONE)
     last = outputs[-1] if outputs else None
-    parsed = parse_whole_reply(req, outputs)
+    parsed = parse_whole_reply(req, outputs, fmt)
     content = parsed.content if parsed.content or not parsed.tool_calls else None
     reason = finish_reason(last, len(parsed.tool_calls))
     totals = with_diagnostics(usage(last), await found) if req.diagnostics else usage(last)
@@ -53,7 +55,12 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _chat_events(
-    env: Envelope, req: ChatRequest, stream: RequestStream, latency: Latency, found: Awaitable[Break | None]
+    env: Envelope,
+    req: ChatRequest,
+    stream: RequestStream,
+    latency: Latency,
+    found: Awaitable[Break | None],
+    fmt: ToolFormat,
 ) -> AsyncIterator[str]:
     # Diagnostics travel in the usage chunk, so asking for them asks for that chunk too.
     with_usage = req.options.include_usage or req.diagnostics
@@ -61,7 +68,7 @@ async def _chat_events(
     calls: list[ToolCall] = []
     last: StepOutput | None = None
     try:
-        async for out, parsed in chat_deltas(req, stream, latency):
+        async for out, parsed in chat_deltas(req, stream, latency, fmt):
             last = out
             if parsed.content:
                 yield sse(env.chat_chunk({"content": parsed.content}, with_usage_field=with_usage))

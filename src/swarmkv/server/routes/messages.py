@@ -32,6 +32,7 @@ from swarmkv.api.paths import CHAT_ROUTE
 from swarmkv.api.pin_request import PinRequest
 from swarmkv.api.render import render_chat, render_pin
 from swarmkv.api.session_id import CLAUDE_CODE_SESSION_HEADER
+from swarmkv.api.tool_formats import tool_format_of
 from swarmkv.errors import InvalidRequestError
 from swarmkv.server.context import ServerContext
 from swarmkv.server.engine_loop.request_stream import EngineUnavailableError, RequestStream
@@ -64,7 +65,7 @@ async def messages(request: Request) -> Response:
     if outputs is None:
         return Response(status_code=STATUS_CLIENT_GONE)
     last = outputs[-1] if outputs else None
-    parsed = parse_whole_reply(req.chat, outputs)
+    parsed = parse_whole_reply(req.chat, outputs, tool_format_of(ctx.tokenizer.chat_template))
     content = [{"type": "text", "text": parsed.content}] if parsed.content else []
     content += [tool_use_block(call) for call in parsed.tool_calls]
     usage = CacheTokens.of(last, num_pinned).usage(last.num_output_tokens if last else 0)
@@ -124,7 +125,9 @@ async def _events(
     blocks = ContentBlocks()
     last: StepOutput | None = None
     try:
-        async for out, parsed in chat_deltas(req.chat, stream, latency):
+        async for out, parsed in chat_deltas(
+            req.chat, stream, latency, tool_format_of(ctx.tokenizer.chat_template)
+        ):
             last = out
             for event in blocks.add(parsed):
                 yield event

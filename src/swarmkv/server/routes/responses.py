@@ -37,6 +37,7 @@ from swarmkv.api.responses_request import (
     previous_response_id,
 )
 from swarmkv.api.responses_stream import OutputItems
+from swarmkv.api.tool_formats import ToolFormat, tool_format_of
 from swarmkv.server.context import ServerContext
 from swarmkv.server.engine_loop.request_stream import EngineUnavailableError, RequestStream
 from swarmkv.server.http.disconnect import STATUS_CLIENT_GONE
@@ -71,15 +72,16 @@ async def create_response(request: Request) -> Response:
             items = history + req.input_items + [parse_item("output", item) for item in output]
             ctx.responses.put(response_id, StoredResponse(body, items, session_id, ctx.responses.now_s()))
 
+    fmt = tool_format_of(ctx.tokenizer.chat_template)
     if req.chat.options.stream:
         return EventStream(
-            _events(req, stream, latency, head, on_done), lambda: ctx.engine.abort(stream.request_id)
+            _events(req, stream, latency, head, on_done, fmt), lambda: ctx.engine.abort(stream.request_id)
         )
     outputs = await collect_unless_disconnected(request, ctx, stream, latency)
     if outputs is None:
         return Response(status_code=STATUS_CLIENT_GONE)
     last = outputs[-1] if outputs else None
-    parsed = parse_whole_reply(req.chat, outputs)
+    parsed = parse_whole_reply(req.chat, outputs, fmt)
     output = [message_item(new_id("msg"), parsed.content)] if parsed.content or not parsed.tool_calls else []
     output += [
         function_call_item(new_id("fc"), call, namespace=req.namespaces.get(call.name))
@@ -151,7 +153,12 @@ def _finished(
 
 
 async def _events(
-    req: ResponsesRequest, stream: RequestStream, latency: Latency, head: ResponseHead, on_done: OnDone
+    req: ResponsesRequest,
+    stream: RequestStream,
+    latency: Latency,
+    head: ResponseHead,
+    on_done: OnDone,
+    fmt: ToolFormat,
 ) -> AsyncIterator[str]:
     emit = EventWriter()
     yield emit("response.created", {"response": head.body("in_progress", [], None)})
@@ -159,7 +166,7 @@ async def _events(
     items = OutputItems(emit, req.namespaces)
     last: StepOutput | None = None
     try:
-        async for out, parsed in chat_deltas(req.chat, stream, latency):
+        async for out, parsed in chat_deltas(req.chat, stream, latency, fmt):
             last = out
             for event in items.add(parsed):
                 yield event
