@@ -49,9 +49,12 @@ class Envelope:
         tool_calls: list[ToolCall],
         finish_reason: str | None,
         usage: dict[str, Any],
+        reasoning: str = "",
     ) -> dict[str, Any]:
-        """A whole chat.completion."""
+        """A whole chat.completion; a thinking model's reasoning, when split out, as `reasoning_content`."""
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning:
+            message["reasoning_content"] = reasoning
         if tool_calls:
             message["tool_calls"] = [call.to_openai() for call in tool_calls]
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}

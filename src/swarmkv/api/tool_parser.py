@@ -53,16 +53,21 @@ class ToolCall:
 @dataclass
 class ParsedDelta:
     """What one piece of model text added: message content, complete tool calls, and the pieces of calls
-    as they stream (every call in `tool_calls` had its pieces, in this delta or earlier ones)."""
+    as they stream (every call in `tool_calls` had its pieces, in this delta or earlier ones); and, where
+    the reply's reasoning is split out (`reasoning.py`), the reasoning text, which precedes all of those."""
 
     content: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     pieces: list[CallPiece] = field(default_factory=list)
+    reasoning: str = ""
 
     def then(self, later: ParsedDelta) -> ParsedDelta:
         """This delta followed by `later`, as one."""
         return ParsedDelta(
-            self.content + later.content, self.tool_calls + later.tool_calls, self.pieces + later.pieces
+            self.content + later.content,
+            self.tool_calls + later.tool_calls,
+            self.pieces + later.pieces,
+            self.reasoning + later.reasoning,
         )
 
 

@@ -13,6 +13,7 @@ from swarmkv.api.completions_objects import Envelope, finish_reason, sse, tool_c
 from swarmkv.api.errors import APIError
 from swarmkv.api.outputs import StepOutput
 from swarmkv.api.paths import CHAT_ROUTE
+from swarmkv.api.reasoning import ReasoningSplitter, reasoning_splitter
 from swarmkv.api.tool_formats import ToolFormat, tool_format_of
 from swarmkv.api.tool_parser import ToolCall
 from swarmkv.breaks.causes import Break
@@ -35,23 +36,23 @@ async def chat_completions(request: Request) -> Response:
     ctx.check_model(req.options.model)
     session_id = request_session_id(request, req.options.session_id, req.options.prompt_cache_key)
     ctx.log_request(CHAT_ROUTE, session_id, payload)
-    stream, _, found = await start_chat(ctx, req, session_id, arrival_s, "chatcmpl")
+    stream, rendered, found = await start_chat(ctx, req, session_id, arrival_s, "chatcmpl")
     env = Envelope(stream.request_id, int(time.time()), ctx.model_name)
     latency = Latency(ctx.metrics, arrival_s)
     fmt = tool_format_of(ctx.tokenizer.chat_template)
+    reasoning = reasoning_splitter(ctx.tokenizer.chat_template, rendered.text)
     if req.options.stream:
-        return EventStream(
-            _chat_events(env, req, stream, latency, found, fmt), lambda: ctx.engine.abort(stream.request_id)
-        )
+        events = _chat_events(env, req, stream, latency, found, fmt, reasoning)
+        return EventStream(events, lambda: ctx.engine.abort(stream.request_id))
     outputs = await collect_unless_disconnected(request, ctx, stream, latency)
     if outputs is None:
         return Response(status_code=STATUS_CLIENT_GONE)
     last = outputs[-1] if outputs else None
-    parsed = parse_whole_reply(req, outputs, fmt)
+    parsed = parse_whole_reply(req, outputs, fmt, reasoning)
     content = parsed.content if parsed.content or not parsed.tool_calls else None
     reason = finish_reason(last, len(parsed.tool_calls))
     totals = with_diagnostics(usage(last), await found) if req.diagnostics else usage(last)
-    return JSONResponse(env.chat_completion(content, parsed.tool_calls, reason, totals))
+    return JSONResponse(env.chat_completion(content, parsed.tool_calls, reason, totals, parsed.reasoning))
 
 
 async def _chat_events(
@@ -61,6 +62,7 @@ async def _chat_events(
     latency: Latency,
     found: Awaitable[Break | None],
     fmt: ToolFormat,
+    reasoning: ReasoningSplitter | None,
 ) -> AsyncIterator[str]:
     # Diagnostics travel in the usage chunk, so asking for them asks for that chunk too.
     with_usage = req.options.include_usage or req.diagnostics
@@ -68,8 +70,12 @@ async def _chat_events(
     calls: list[ToolCall] = []
     last: StepOutput | None = None
     try:
-        async for out, parsed in chat_deltas(req, stream, latency, fmt):
+        async for out, parsed in chat_deltas(req, stream, latency, fmt, reasoning):
             last = out
+            if parsed.reasoning:
+                yield sse(
+                    env.chat_chunk({"reasoning_content": parsed.reasoning}, with_usage_field=with_usage)
+                )
             if parsed.content:
                 yield sse(env.chat_chunk({"content": parsed.content}, with_usage_field=with_usage))
             for piece in parsed.pieces:
