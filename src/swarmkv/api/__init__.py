@@ -6,6 +6,8 @@ Chat completions (`chat_request.py`), completions (`completion_request.py`; both
 `responses_stream.py`) and pins (`pin_request.py`, `pin_objects.py`) share the error and field checks
 (`errors.py`), the generation fields (`options.py`), session ids (`session_id.py`), route paths
 (`paths.py`), the engine's per-step output (`outputs.py`), the tool-call parser (`tool_parser.py`,
-`tool_call_stream.py`) and the renderer (`render.py`: request -> prompt token ids). The server, lint and the
-cluster import this package; it imports no web framework.
+`tool_call_stream.py` for Hermes JSON, `xml_call_stream.py` for Qwen3.5's XML, the format chosen from the
+chat template in `tool_formats.py`), the `<think>` reasoning split (`reasoning.py`) and the renderer
+(`render.py`: request -> prompt token ids). The server, lint and the cluster import this package; it imports
+no web framework.
 """
