@@ -212,3 +212,61 @@ def _with_template(tokenizer: Tokenizer, source: str) -> Tokenizer:
     return dataclasses.replace(
         tokenizer, template=ChatTemplate(source, None, tokenizer.template.special_tokens)
     )
+
+
+def test_serve_has_the_flag_and_the_config_keeps_it() -> None:
+    import argparse
+
+    from swarmkv.server.cli import add_server_arguments, server_config
+    from swarmkv.server.config import ServerConfig
+
+    assert ServerConfig().prompt_layout == "auto"
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    assert server_config(parser.parse_args(["--prompt-layout", "tools-first"])).prompt_layout == "tools-first"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--prompt-layout", "sideways"])
+
+
+def test_lint_and_the_router_render_as_the_server_does(qwen: Tokenizer) -> None:
+    import json
+
+    from swarmkv.api.paths import CHAT_ROUTE, MESSAGES_ROUTE
+    from swarmkv.cluster.route_key import RouteKeyer
+    from swarmkv.lint.log_file import LoggedRequest
+    from swarmkv.lint.render import Renderer
+
+    body = _chat("/home/a/work")
+    req = parse_chat_request(body)
+    template = render_chat(qwen, req).token_ids
+    moved = render_chat(qwen, req, layout="tools-first").token_ids
+    assert moved != template
+    logged = LoggedRequest(0, 1, CHAT_ROUTE, body)
+    assert Renderer(qwen).render(logged).prompt.token_ids == template  # a logged chat body: auto is template
+    assert Renderer(qwen, prompt_layout="tools-first").render(logged).prompt.token_ids == moved
+    keyer = RouteKeyer(qwen)  # auto
+    assert list(keyer.route("POST", CHAT_ROUTE, {}, json.dumps(body).encode()).key.tokens) == template
+    messages_body = {
+        "model": "m",
+        "max_tokens": 10,
+        "system": _system("/home/a/work"),
+        "tools": [
+            {
+                "name": t["function"]["name"],
+                "description": t["function"]["description"],
+                "input_schema": t["function"]["parameters"],
+            }
+            for t in TOOLS
+        ],
+        "messages": [{"role": "user", "content": "list the files"}],
+    }
+    msg = parse_messages_request(messages_body)
+    expected = render_chat(qwen, msg.chat, layout="tools-first").token_ids
+    assert expected != render_chat(qwen, msg.chat).token_ids
+    routed = keyer.route("POST", MESSAGES_ROUTE, {}, json.dumps(messages_body).encode())
+    assert list(routed.key.tokens) == expected
+    forced = RouteKeyer(qwen, prompt_layout="template")
+    assert (
+        list(forced.route("POST", MESSAGES_ROUTE, {}, json.dumps(messages_body).encode()).key.tokens)
+        != expected
+    )
