@@ -270,3 +270,57 @@ def test_lint_and_the_router_render_as_the_server_does(qwen: Tokenizer) -> None:
         list(forced.route("POST", MESSAGES_ROUTE, {}, json.dumps(messages_body).encode()).key.tokens)
         != expected
     )
+
+
+def _anthropic_tools() -> list[dict[str, Any]]:
+    return [
+        {
+            "name": t["function"]["name"],
+            "description": t["function"]["description"],
+            "input_schema": t["function"]["parameters"],
+        }
+        for t in TOOLS
+    ]
+
+
+@pytest.fixture(scope="module")
+def scripted_llm(scripted_model_dir: Any) -> Any:
+    from swarmkv.engine.llm import LLM
+
+    return LLM(
+        str(scripted_model_dir), dtype="float32", kv_cache_memory="32MiB", max_model_len=8192, max_num_seqs=2
+    )
+
+
+@pytest.mark.parametrize("layout", ["auto", "template"])
+def test_a_second_instance_reads_the_tools_from_the_cache_on_messages(scripted_llm: Any, layout: str) -> None:
+    import httpx
+
+    from swarmkv.server import ServerConfig, create_app
+    from swarmkv.server.background import BackgroundServer
+
+    app = create_app(scripted_llm, ServerConfig(prompt_layout=layout))  # type: ignore[arg-type]
+    tokenizer = scripted_llm.tokenizer
+    block = find_tool_block(tokenizer, TOOLS)
+    assert block is not None  # the scripted checkpoint's template renders tools as Qwen3's does
+    num_tools_tokens = len(tokenizer.encode(block.tools_head))
+    reads = []
+    with BackgroundServer(app) as server:
+        for workdir in (f"/home/a/{layout}", f"/home/b/{layout}"):
+            body = {
+                "model": "scripted",
+                "max_tokens": 1,
+                "system": _system(workdir),
+                "tools": _anthropic_tools(),
+                "messages": [{"role": "user", "content": "list the files"}],
+            }
+            response = httpx.post(server.url + "/v1/messages", json=body, timeout=600)
+            assert response.status_code == 200, response.text
+            usage = response.json()["usage"]
+            reads.append(usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"])
+        app.state.ctx.engine.call(lambda engine: engine.check_integrity()).result(timeout=600)
+    if layout == "auto":  # tools-first on Messages: the second instance shares all but the last partial page
+        assert reads[1] >= num_tools_tokens - 64
+    else:  # the template's order: only the system text's opening, up to the first per-instance path
+        opening = len(tokenizer.encode(block.head + _system("/home/").split("/home/")[0] + "/home/"))
+        assert reads[1] <= opening < num_tools_tokens / 4
