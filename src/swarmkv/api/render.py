@@ -4,7 +4,8 @@ The server's routes, `swarmkv lint` and the cluster's router all render here, so
 wherever it is rendered. A chat prompt is the model's chat template over the messages and the tools (unless
 tool_choice is "none"), then the forced opening of a required tool call, encoded without special tokens
 (the template writes them); a completions prompt's text is encoded with them (the tokenizer's BOS); a pin's
-messages render as a chat prompt's head, without the generation prompt.
+messages render as a chat prompt's head, without the generation prompt. Chat prompts and pins are laid out
+as `layout` says (`api/layout.py`: the template's order, or the tools first), pins as their chats are.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from swarmkv.api.chat_request import ChatRequest, Message
 from swarmkv.api.errors import bad_request
+from swarmkv.api.layout import Layout, find_tool_block, tools_first
 from swarmkv.api.pin_request import PinRequest
 from swarmkv.breaks.causes import RenderedPrompt
 from swarmkv.errors import InvalidRequestError
@@ -29,6 +31,7 @@ def render_chat(
     req: ChatRequest,
     encode: Encode | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
+    layout: Layout = "template",
 ) -> RenderedPrompt:
     """The chat prompt as the engine will see it; a 400 when the template cannot render the messages.
 
@@ -40,6 +43,8 @@ def render_chat(
         text = tokenizer.apply_chat_template(messages, tools=tools, **(template_kwargs or {}))
     except InvalidRequestError as exc:
         raise bad_request(str(exc), param="messages") from exc
+    if layout == "tools-first":
+        text = tools_first(tokenizer, messages, tools, text, template_kwargs=template_kwargs) or text
     text += req.forced_prefix()
     token_ids = encode(text) if encode is not None else tokenizer.encode(text, add_special_tokens=False)
     return RenderedPrompt(token_ids, text, messages, tools)
@@ -95,16 +100,21 @@ def render_completion(tokenizer: Tokenizer, prompt: str | list[int]) -> list[int
     return prompt
 
 
-def render_pin(tokenizer: Tokenizer, req: PinRequest) -> list[int]:
-    """The token ids to pin: the given ids, or the messages rendered as a chat prompt's head."""
+def render_pin(tokenizer: Tokenizer, req: PinRequest, layout: Layout = "template") -> list[int]:
+    """The token ids to pin: the given ids, or the messages rendered as a chat prompt's head, laid out as the
+    chats it is the head of (under tools-first, a pin of the tools alone is the system turn up to the tools)."""
     if req.prompt_token_ids is not None:
         return req.prompt_token_ids
     assert req.messages is not None
     try:
         if req.messages:
             text = tokenizer.apply_chat_template(req.messages, tools=req.tools, add_generation_prompt=False)
+            if layout == "tools-first":
+                moved = tools_first(tokenizer, req.messages, req.tools, text, add_generation_prompt=False)
+                text = moved or text
         else:
-            text = _shared_head(tokenizer, req.tools)
+            block = find_tool_block(tokenizer, req.tools) if layout == "tools-first" and req.tools else None
+            text = block.tools_head if block is not None else _shared_head(tokenizer, req.tools)
     except InvalidRequestError as exc:
         raise bad_request(str(exc), param="messages") from exc
     return tokenizer.encode(text, add_special_tokens=False)

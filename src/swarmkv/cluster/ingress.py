@@ -32,7 +32,8 @@ class Ingress:
     def __init__(self, engine: Any, config: ClusterConfig) -> None:
         self._engine = engine
         self._config = config
-        self._keyer = RouteKeyer(load_tokenizer(config.model_kwargs.get("model")))
+        tokenizer = load_tokenizer(config.model_kwargs.get("model"))
+        self._keyer = RouteKeyer(tokenizer, prompt_layout=config.server.prompt_layout)
         self._pool: ReplicaInfo | None = None  # one replica's KV pool: the router's shadow index size
 
     async def __call__(self, request: Request) -> Response:

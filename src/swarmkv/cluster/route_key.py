@@ -16,6 +16,7 @@ from typing import Any
 from swarmkv.api.chat_request import parse_chat_request
 from swarmkv.api.completion_request import parse_completion_request
 from swarmkv.api.errors import APIError
+from swarmkv.api.layout import PromptLayout, resolve_layout
 from swarmkv.api.messages_request import parse_messages_request
 from swarmkv.api.paths import CHAT_ROUTE, COMPLETIONS_ROUTE, MESSAGES_ROUTE, RESPONSES_ROUTE
 from swarmkv.api.render import render_chat, render_completion
@@ -51,8 +52,11 @@ class Routed:
 class RouteKeyer:
     """Renders requests into route keys; remembers which chain and replica each stored response belongs to."""
 
-    def __init__(self, tokenizer: Tokenizer, chains_max: int = DEFAULT_CHAINS_MAX) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, chains_max: int = DEFAULT_CHAINS_MAX, prompt_layout: PromptLayout = "auto"
+    ) -> None:
         self._tokenizer = tokenizer
+        self._prompt_layout = prompt_layout  # the replicas' `--prompt-layout`, so keys are their prompts
         self._chains: OrderedDict[str, Chain] = OrderedDict()
         self._chains_max = chains_max
 
@@ -112,7 +116,9 @@ class RouteKeyer:
             chat = parse_chat_request(payload)
             session = resolve_session_id(chat.options.session_id, header_session)
             session = session if session is not None else chat.options.prompt_cache_key
-            tokens = render_chat(self._tokenizer, chat).token_ids
+            tokens = render_chat(
+                self._tokenizer, chat, layout=resolve_layout(self._prompt_layout, "chat")
+            ).token_ids
             return Routed(RouteKey(tokens, chat.options.cache_salt, session))
         if path == COMPLETIONS_ROUTE:
             req = parse_completion_request(payload)
@@ -122,7 +128,9 @@ class RouteKeyer:
         if path in (MESSAGES_ROUTE, MESSAGES_ROUTE + "/count_tokens"):
             msg = parse_messages_request(payload, needs_max_tokens=path == MESSAGES_ROUTE)
             session = resolve_session_id(msg.user_id, header_session)
-            tokens = render_chat(self._tokenizer, msg.chat).token_ids
+            layout = resolve_layout(self._prompt_layout, "messages")
+            kwargs = msg.template_kwargs
+            tokens = render_chat(self._tokenizer, msg.chat, template_kwargs=kwargs, layout=layout).token_ids
             return Routed(RouteKey(tokens, msg.chat.options.cache_salt, session))
         if path in (RESPONSES_ROUTE, RESPONSES_ROUTE + "/input_tokens"):
             return self._route_response(payload, header_session)
@@ -131,7 +139,8 @@ class RouteKeyer:
     def _route_response(self, payload: dict[str, Any], header_session: str | None) -> Routed:
         continued = previous_response_id(payload)
         req = parse_responses_request(payload, [])  # the chain's earlier items live on its replica
-        tokens = render_chat(self._tokenizer, req.chat).token_ids
+        layout = resolve_layout(self._prompt_layout, "responses")
+        tokens = render_chat(self._tokenizer, req.chat, layout=layout).token_ids
         session = resolve_session_id(None, header_session)
         session = session if session is not None else req.chat.options.prompt_cache_key
         key = RouteKey(tokens, req.chat.options.cache_salt, session)

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from swarmkv.api.layout import PROMPT_LAYOUTS
 from swarmkv.core.config import EngineConfig
 from swarmkv.lint.log_file import LintInputError, read_log, write_log
 from swarmkv.units import parse_size
@@ -57,6 +58,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--fix", metavar="OUT.jsonl", default=None, help="write the rewritten log here")
     parser.add_argument("--strict", action="store_true", help="stop at a malformed line (exit 2)")
+    parser.add_argument(
+        "--prompt-layout",
+        choices=PROMPT_LAYOUTS,
+        default="auto",
+        help="the server's --prompt-layout; the log holds chat bodies, so auto renders them in the template's "
+        "order: give tools-first for a server's /v1/messages traffic (default %(default)s)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -81,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         args.kv_cache_memory,
         problems,
         max_model_len=model.config.max_position_embeddings,
+        prompt_layout=args.prompt_layout,
     )
     if not result.requests:
         raise LintInputError(f"none of the {len(requests)} requests in {args.file} could be rendered")

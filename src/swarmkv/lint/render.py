@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from swarmkv.api.chat_request import ChatRequest, parse_chat_request
 from swarmkv.api.completion_request import parse_completion_request
 from swarmkv.api.errors import APIError
+from swarmkv.api.layout import PromptLayout, resolve_layout
 from swarmkv.api.render import render_chat, render_completion
 from swarmkv.breaks.causes import RenderedPrompt
 from swarmkv.errors import InvalidRequestError
@@ -40,10 +41,14 @@ class RenderedRequest:
 class Renderer:
     """Renders logged requests with one tokenizer, caching texts and encoded pieces."""
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int | None = None) -> None:
-        """`max_model_len`: refuse prompts that leave no room for the reply in it, as the server does."""
+    def __init__(
+        self, tokenizer: Tokenizer, max_model_len: int | None = None, prompt_layout: PromptLayout = "auto"
+    ) -> None:
+        """`max_model_len`: refuse prompts that leave no room for the reply in it, as the server does;
+        `prompt_layout`: the server's `--prompt-layout` (the log holds chat bodies, so `auto` is the template's)."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.layout = resolve_layout(prompt_layout, "chat")
         special = [
             token.content
             for token in tokenizer.backend.get_added_tokens_decoder().values()
@@ -100,7 +105,7 @@ class Renderer:
         )
         prompt = self._prompts.get(key)
         if prompt is None:
-            prompt = self._prompts[key] = render_chat(self.tokenizer, chat, self.encode)
+            prompt = self._prompts[key] = render_chat(self.tokenizer, chat, self.encode, layout=self.layout)
         return prompt
 
     def _completion(self, prompt: str | list[int]) -> RenderedPrompt:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from swarmkv.api.layout import PromptLayout
 from swarmkv.breaks.causes import CAUSES, Break, divergence
 from swarmkv.lint.analyze import BreakFinder
 from swarmkv.lint.fix import fix_log
@@ -68,11 +69,12 @@ def lint_log(
     problems: list[LogProblem] | None = None,
     max_model_len: int | None = None,
     check: bool = False,
+    prompt_layout: PromptLayout = "auto",
 ) -> LintResult:
     """Lint `requests` (in log order) for a model with this tokenizer and KV page size in bytes. `problems`
     are the log's malformed lines, reported with the rest; prompts the server refuses for `max_model_len`
     are skipped like them; `check` asserts the replays' KV books."""
-    renderer = Renderer(tokenizer, max_model_len)
+    renderer = Renderer(tokenizer, max_model_len, prompt_layout)
     rendered, skipped = _render_all(renderer, requests)
     finder = BreakFinder(tokenizer, renderer.encode)
     findings = [finder.add(r) for r in rendered]

@@ -66,6 +66,7 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> Starlette:
         responses=ResponseStore(config.responses_store_max),
         hosted_tools=config.hosted_tools,
         max_tokens_policy=config.max_tokens_policy,
+        prompt_layout=config.prompt_layout,
     )
 
     @asynccontextmanager

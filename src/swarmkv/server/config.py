@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from swarmkv.api.layout import PromptLayout
 from swarmkv.choices import HostedToolsPolicy, MaxTokensPolicy
 
 API_KEY_ENV = "SWARMKV_API_KEY"
@@ -64,6 +65,14 @@ class ServerConfig:
         "what a max_tokens (max_output_tokens, max_completion_tokens) above what the context leaves after "
         "the prompt gets: clamp (to that room; the reply ends in 'length' if it gets there) or refuse "
         "(a 400) (default %(default)s)",
+    )
+    prompt_layout: PromptLayout = _opt(
+        "auto",
+        "where a chat prompt's tool block goes: template (the chat template's order), tools-first (the tool "
+        "block the template renders moved before the system text, in the same system turn, so agents whose "
+        "system texts differ still share the tools' KV; the template's order where the block cannot be found "
+        "exactly) or auto (tools-first on /v1/messages, Anthropic's cache order; template elsewhere) "
+        "(default %(default)s)",
     )
 
     @property

@@ -8,6 +8,7 @@ from typing import Any
 from starlette.requests import Request
 
 from swarmkv.api.errors import APIError
+from swarmkv.api.layout import PromptLayout
 from swarmkv.choices import HostedToolsPolicy, MaxTokensPolicy
 from swarmkv.server.engine_loop.async_engine import AsyncEngine
 from swarmkv.server.http.body import read_json_body
@@ -41,6 +42,7 @@ class ServerContext:
     tree_snapshots: TreeSnapshots = field(default_factory=TreeSnapshots)
     hosted_tools: HostedToolsPolicy = "drop"  # `--hosted-tools`
     max_tokens_policy: MaxTokensPolicy = "clamp"  # `--max-tokens-policy`
+    prompt_layout: PromptLayout = "auto"  # `--prompt-layout`
 
     async def read_body(self, request: Request) -> dict[str, Any]:
         """The request's body as a JSON object, under the size cap, or a 400."""

@@ -10,6 +10,7 @@ from starlette.requests import Request
 
 from swarmkv.api.chat_request import ChatRequest
 from swarmkv.api.errors import bad_request
+from swarmkv.api.layout import Api, resolve_layout
 from swarmkv.api.options import Options
 from swarmkv.api.outputs import StepOutput
 from swarmkv.api.render import render_chat
@@ -63,9 +64,12 @@ async def start_chat(
     arrival_s: float,
     id_prefix: str,
     template_kwargs: Mapping[str, Any] | None = None,
+    api: Api = "chat",
 ) -> tuple[RequestStream, RenderedPrompt, Awaitable[Break | None]]:
-    """Render and submit a chat request; its stream, its prompt, and the cache break it causes (if any)."""
-    rendered = render_chat(ctx.tokenizer, req, template_kwargs=template_kwargs)
+    """Render (laid out as `--prompt-layout` says for `api`) and submit a chat request; its stream, its prompt,
+    and the cache break it causes (if any)."""
+    layout = resolve_layout(ctx.prompt_layout, api)
+    rendered = render_chat(ctx.tokenizer, req, template_kwargs=template_kwargs, layout=layout)
     params = req.options.sampling_params(
         len(rendered.token_ids), ctx.max_model_len, "messages", req.forced_stop(), ctx.max_tokens_policy
     )

@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from swarmkv.api.errors import APIError
+from swarmkv.api.layout import resolve_layout
 from swarmkv.api.messages_objects import (
     CacheTokens,
     ContentBlocks,
@@ -55,7 +56,9 @@ async def messages(request: Request) -> Response:
     session_id = request_session_id(request, req.user_id, client_header=CLAUDE_CODE_SESSION_HEADER)
     ctx.log_request(CHAT_ROUTE, session_id, req.chat_body)  # logged as the chat request it runs as
     num_pinned = await _pin_breakpoints(ctx, req)
-    stream, rendered, _ = await start_chat(ctx, req.chat, session_id, arrival_s, "msg", req.template_kwargs)
+    stream, rendered, _ = await start_chat(
+        ctx, req.chat, session_id, arrival_s, "msg", req.template_kwargs, "messages"
+    )
     msg_id = f"msg_{stream.request_id.removeprefix('msg-')}"
     latency = Latency(ctx.metrics, arrival_s)
     if req.chat.options.stream:
@@ -79,7 +82,8 @@ async def count_tokens(request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
     req = parse_messages_request(await ctx.read_body(request), needs_max_tokens=False)
     ctx.check_model(req.chat.options.model)
-    rendered = render_chat(ctx.tokenizer, req.chat, template_kwargs=req.template_kwargs)
+    layout = resolve_layout(ctx.prompt_layout, "messages")
+    rendered = render_chat(ctx.tokenizer, req.chat, template_kwargs=req.template_kwargs, layout=layout)
     return JSONResponse({"input_tokens": len(rendered.token_ids)})
 
 
@@ -94,7 +98,7 @@ async def _pin_breakpoints(ctx: ServerContext, req: MessagesRequest) -> int:
 async def _pin(ctx: ServerContext, req: MessagesRequest, mark: Breakpoint) -> int:
     salt = req.chat.options.cache_salt
     pin = PinRequest(None, mark.messages, req.chat.prompt_tools, None, mark.ttl_s, salt)
-    ids = render_pin(ctx.tokenizer, pin)
+    ids = render_pin(ctx.tokenizer, pin, resolve_layout(ctx.prompt_layout, "messages"))  # as the prompt is
     # The id follows from the prefix and salt, so a repeated request refreshes its pin instead of adding one.
     digest = hashlib.sha256(f"{salt}\0{ids}".encode()).hexdigest()[:32]
     pin_id = f"pin-msg-{digest}"

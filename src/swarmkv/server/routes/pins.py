@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from swarmkv.api.errors import APIError, bad_request
+from swarmkv.api.layout import resolve_layout
 from swarmkv.api.pin_objects import pin_json
 from swarmkv.api.pin_request import parse_pin_request
 from swarmkv.api.render import render_pin
@@ -34,7 +35,7 @@ async def create_pin(request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
     req = parse_pin_request(await ctx.read_body(request))
     ctx.check_model(req.model)
-    ids = render_pin(ctx.tokenizer, req)
+    ids = render_pin(ctx.tokenizer, req, resolve_layout(ctx.prompt_layout, "chat"))  # as chat prompts are
     pin_id = f"pin-{uuid.uuid4().hex}"
     try:
         info = await unless_disconnected(request, ctx.engine.pin(pin_id, ids, req.ttl_s, req.cache_salt))

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from swarmkv.api.errors import APIError
+from swarmkv.api.layout import resolve_layout
 from swarmkv.api.outputs import StepOutput
 from swarmkv.api.paths import CHAT_ROUTE
 from swarmkv.api.render import render_chat
@@ -62,7 +63,7 @@ async def create_response(request: Request) -> Response:
     # prompt_cache_key names one), so its KV is kept between turns.
     session_id = previous.session_id if previous else named or (response_id if req.store else None)
     ctx.log_request(CHAT_ROUTE, session_id, req.chat_body)  # logged as the chat request it runs as
-    stream, _, _ = await start_chat(ctx, req.chat, session_id, arrival_s, "resp")
+    stream, _, _ = await start_chat(ctx, req.chat, session_id, arrival_s, "resp", api="responses")
     head = ResponseHead(response_id, int(time.time()), ctx.model_name, req.previous_response_id, req.echo)
     latency = Latency(ctx.metrics, arrival_s)
 
@@ -96,7 +97,8 @@ async def count_input_tokens(request: Request) -> Response:
     """POST /v1/responses/input_tokens: the prompt's length as /v1/responses would render it, nothing generated."""
     ctx: ServerContext = request.app.state.ctx
     req, _ = await _parse(ctx, request)
-    num_tokens = len(render_chat(ctx.tokenizer, req.chat).token_ids)
+    layout = resolve_layout(ctx.prompt_layout, "responses")
+    num_tokens = len(render_chat(ctx.tokenizer, req.chat, layout=layout).token_ids)
     return JSONResponse({"object": "response.input_tokens", "input_tokens": num_tokens})
 
 

@@ -1,0 +1,131 @@
+"""The prompt layout: where the tool block goes in a chat prompt (`--prompt-layout auto|template|tools-first`).
+
+`template` is the model's chat template as written. `tools-first` moves the tool block the template renders
+to the front of the system turn, before the system text (Anthropic's cache order: tools, system, messages),
+so agents whose system prompts differ by per-instance text (paths, a git hash, the date) still share the
+tool schemas' KV. The block is found by rendering the template itself, not by knowing its format: a probe
+with a sentinel system text, once with the tools and once without, shows the text the tools add and where;
+the request's own prompt must hold that same text at that same place, else the layout stays `template`, so
+a prompt is never corrupted. `auto` is `tools-first` on Messages and `template` elsewhere. The layout is a
+pure function of the request and the setting, so it is the same on every turn of a session.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from swarmkv.errors import InvalidRequestError
+from swarmkv.tokenizer import Tokenizer
+
+PromptLayout = Literal["auto", "template", "tools-first"]
+PROMPT_LAYOUTS: tuple[PromptLayout, ...] = ("auto", "template", "tools-first")
+Layout = Literal["template", "tools-first"]  # a resolved PromptLayout
+Api = Literal["chat", "messages", "responses"]
+
+# Texts that no real conversation holds, for the tool-block probe.
+_PROBE_SYSTEM, _PROBE_USER = "swarmkv-layout-probe-system", "swarmkv-layout-probe-user"
+_MAX_SPLITS = (
+    64  # places the block could sit in a prompt; more is ambiguous text, left as the template wrote it
+)
+
+
+def resolve_layout(setting: PromptLayout, api: Api) -> Layout:
+    """The layout a request on `api` gets under `--prompt-layout setting`."""
+    if setting == "auto":
+        return "tools-first" if api == "messages" else "template"
+    return setting
+
+
+@dataclass(frozen=True)
+class ToolBlock:
+    """The text a template adds for the tools, right after the system text and inside the system turn."""
+
+    head: str  # what the template writes before the system text (the system turn's opening)
+    separator: str  # the whitespace it writes between the system text and the tools
+    body: str  # the tool block itself
+
+    @property
+    def tools_head(self) -> str:
+        """The prompt's opening under tools-first, up to the end of the tools: what a mark on the last tool pins."""
+        return self.head + self.body
+
+
+def find_tool_block(
+    tokenizer: Tokenizer, tools: list[dict[str, Any]], template_kwargs: Mapping[str, Any] | None = None
+) -> ToolBlock | None:
+    """The block the model's own template renders for `tools`; None where it renders none that can be found
+    exactly after the system text, inside the system turn (or where the tools are ours, for a template
+    without tool support: then there is no template order to improve on)."""
+    template = tokenizer.template
+    if template is None or not template.supports_tools or not tools:
+        return None
+    probe = [{"role": "system", "content": _PROBE_SYSTEM}, {"role": "user", "content": _PROBE_USER}]
+    kwargs = dict(template_kwargs or {})
+    try:
+        with_tools = tokenizer.apply_chat_template(probe, tools=tools, **kwargs)
+        without = tokenizer.apply_chat_template(probe, tools=None, **kwargs)
+    except InvalidRequestError:
+        return None
+    if with_tools.count(_PROBE_SYSTEM) != 1 or without.count(_PROBE_SYSTEM) != 1:
+        return None
+    head, tail = with_tools.split(_PROBE_SYSTEM)
+    head_without, tail_without = without.split(_PROBE_SYSTEM)
+    if head != head_without or len(tail) <= len(tail_without) or not tail.endswith(tail_without):
+        return None
+    inserted = tail[: len(tail) - len(tail_without)]
+    body = inserted.lstrip()
+    # The block must stay in the system turn: no end-of-turn or other special token text, no second opening.
+    specials = [text for _, text in template.special_tokens if text]
+    opening = head.strip()
+    if not body or any(text in inserted for text in specials) or (opening and opening in inserted):
+        return None
+    return ToolBlock(head, inserted[: len(inserted) - len(body)], body)
+
+
+def tools_first(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    text: str,
+    add_generation_prompt: bool = True,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> str | None:
+    """`text` (the template's rendering of `messages` with `tools`) with the tool block moved before the
+    system text; None when there is nothing to move or the block cannot be found exactly."""
+    if not tools or not messages or messages[0].get("role") != "system":
+        return None
+    system = messages[0].get("content")
+    if not isinstance(system, str) or not system:
+        return None
+    block = find_tool_block(tokenizer, tools, template_kwargs)
+    if block is None:
+        return None
+    try:
+        without = tokenizer.apply_chat_template(
+            messages, tools=None, add_generation_prompt=add_generation_prompt, **dict(template_kwargs or {})
+        )
+    except InvalidRequestError:
+        return None
+    split = _insertion(text, without, block.separator + block.body)
+    if split is None or not without.startswith(block.head):
+        return None
+    rendered_system = without[len(block.head) : split]
+    if rendered_system not in (system, system.strip()):
+        return None
+    return block.head + block.body + block.separator + rendered_system + without[split:]
+
+
+def _insertion(text: str, without: str, inserted: str) -> int | None:
+    """The one index k with text == without[:k] + inserted + without[k:]; None if there is none or several."""
+    if len(text) != len(without) + len(inserted):
+        return None
+    prefix = len(os.path.commonprefix([text, without]))
+    suffix = len(os.path.commonprefix([text[::-1], without[::-1]]))
+    low, high = max(0, len(without) - suffix), min(prefix, len(without))
+    if high - low >= _MAX_SPLITS:
+        return None
+    splits = [k for k in range(low, high + 1) if text[k : k + len(inserted)] == inserted]
+    return splits[0] if len(splits) == 1 else None
