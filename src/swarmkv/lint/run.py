@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from swarmkv.breaks.causes import CAUSES, Break, divergence
 from swarmkv.lint.analyze import BreakFinder
 from swarmkv.lint.fix import fix_log
-from swarmkv.lint.log_file import LoggedRequest, LogProblem
+from swarmkv.lint.log_file import LoggedRequest, LogProblem, RefusedRequest
 from swarmkv.lint.render import RenderedRequest, Renderer, RenderError
 from swarmkv.lint.replay import ReplayRequest, ReplayResult, replay
 from swarmkv.tokenizer import Tokenizer
@@ -57,6 +57,7 @@ class LintResult:
     page_bytes: int
     causes: dict[str, int]
     fixed: list[LoggedRequest]
+    refused: list[RefusedRequest] = field(default_factory=list)  # requests the server refused, in log order
 
 
 def lint_log(
@@ -68,10 +69,12 @@ def lint_log(
     problems: list[LogProblem] | None = None,
     max_model_len: int | None = None,
     check: bool = False,
+    refused: list[RefusedRequest] | None = None,
 ) -> LintResult:
     """Lint `requests` (in log order) for a model with this tokenizer and KV page size in bytes. `problems`
     are the log's malformed lines, reported with the rest; prompts the server refuses for `max_model_len`
-    are skipped like them; `check` asserts the replays' KV books."""
+    are skipped like them; `check` asserts the replays' KV books; `refused` (the requests the server refused)
+are reported, never replayed."""
     renderer = Renderer(tokenizer, max_model_len)
     rendered, skipped = _render_all(renderer, requests)
     finder = BreakFinder(tokenizer, renderer.encode)
@@ -108,6 +111,7 @@ def lint_log(
         page_bytes=page_bytes,
         causes={cause: causes[cause] for cause in CAUSES},
         fixed=fixed,
+        refused=list(refused or []),
     )
 
 
