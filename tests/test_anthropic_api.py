@@ -244,7 +244,7 @@ def test_a_cache_control_pin_is_released_when_its_ttl_passes(served: Served) -> 
         again = served.create(system=system, messages=_user("Hello."), max_tokens=1)
         # Pinned anew; its pages were still cached, so the new pin read them and created nothing.
         assert again.usage.cache_read_input_tokens > 0
-        assert engine.call(lambda e: e.kv.num_pinned).result(timeout=TIMEOUT_S) == held
+        assert engine.call(lambda e: e.kv.num_pinned).result(timeout=TIMEOUT_S) > 0
     finally:
         with_clock(time.monotonic)
 

@@ -239,11 +239,11 @@ class LLMEngine:
         self.scheduler.gave_up.clear()
         for delta in deltas:
             if delta.finished:
-                seq = self.core.get_sequence(delta.request_id)
+                finished = self.core.get_sequence(delta.request_id)
                 self._forget(delta.request_id)
                 self.counters.requests_finished += delta.error is None
                 if delta.request_id in self.pins:
-                    self._settle_pin(delta, seq.num_cached_tokens if seq is not None else 0)
+                    self._settle_pin(delta, finished.num_cached_tokens if finished is not None else 0)
         return deltas
 
     def _settle_pin(self, delta: RequestDelta, num_cached_tokens: int) -> None:

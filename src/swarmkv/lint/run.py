@@ -73,8 +73,8 @@ def lint_log(
 ) -> LintResult:
     """Lint `requests` (in log order) for a model with this tokenizer and KV page size in bytes. `problems`
     are the log's malformed lines, reported with the rest; prompts the server refuses for `max_model_len`
-    are skipped like them; `check` asserts the replays' KV books; `refused` (the requests the server refused)
-are reported, never replayed."""
+    are skipped like them; `check` asserts the replays' KV books; `refused` (the requests the server
+    refused) are reported, never replayed."""
     renderer = Renderer(tokenizer, max_model_len)
     rendered, skipped = _render_all(renderer, requests)
     finder = BreakFinder(tokenizer, renderer.encode)
