@@ -119,6 +119,9 @@ def test_usage_adds_up_and_a_moved_mark_reads_from_the_cache(served: Served) -> 
     assert after["prefill_tokens_computed"] == (
         after["prompt_tokens"] - after["prefix_hit_tokens"] + after["recomputed_tokens"]
     )
+    metrics = httpx.get(f"{served.url}/metrics", headers={"x-api-key": API_KEY}, timeout=TIMEOUT_S).text
+    samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("swarmkv_pin_"))
+    assert float(samples["swarmkv_pin_prompt_tokens_total"]) >= after["pin_prompt_tokens"] > 0
 
 
 def test_a_refused_request_is_logged_with_its_status_and_error(served: Served) -> None:
