@@ -111,7 +111,8 @@ def write_log(path: str | Path, requests: list[LoggedRequest]) -> None:
     """Write requests in the log's line format."""
     with Path(path).open("w", encoding="utf-8") as file:
         for request in requests:
-            file.write(json.dumps(request.to_json(), ensure_ascii=False, separators=(",", ":")) + "\n")
+            # ASCII, as the server writes it: a lone surrogate in a logged body stays escaped.
+            file.write(json.dumps(request.to_json(), separators=(",", ":")) + "\n")
 
 
 def _parse_line(raw: str, index: int, line: int) -> LoggedRequest | RefusedRequest:
