@@ -242,7 +242,9 @@ def test_a_cache_control_pin_is_released_when_its_ttl_passes(served: Served) -> 
         offset[0] += 2.0
         assert engine.call(lambda e: (e.pins.expire(), e.kv.num_pinned)[1]).result(timeout=TIMEOUT_S) < held
         again = served.create(system=system, messages=_user("Hello."), max_tokens=1)
-        assert again.usage.cache_creation_input_tokens > 0  # pinned anew, not refreshed
+        # Pinned anew; its pages were still cached, so the new pin read them and created nothing.
+        assert again.usage.cache_read_input_tokens > 0
+        assert engine.call(lambda e: e.kv.num_pinned).result(timeout=TIMEOUT_S) > 0
     finally:
         with_clock(time.monotonic)
 

@@ -233,3 +233,28 @@ def test_a_long_prefill_passed_over_by_short_ones_is_not_starved() -> None:
 def test_bad_session_options_are_refused(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineConfig(kv_cache_memory="1GiB", **options)
+
+
+def test_a_pin_counts_under_its_own_counters_not_as_prompt_tokens() -> None:
+    llm = tiny_llm(block_size=4)
+    head = list(range(1, 41))
+    pin = llm.pin(head, ttl_s=600)
+    assert pin.num_cached_tokens == 0 and pin.num_created_tokens == 40
+    stats = llm.stats()
+    assert stats["prompt_tokens"] == stats["prefix_hit_tokens"] == stats["prefill_tokens_computed"] == 0
+    assert stats["generated_tokens"] == 0  # the pin's one token is dropped
+    assert stats["pin_prompt_tokens"] == stats["pin_prefill_tokens_computed"] == 40
+    # A request reading the pinned head counts it as its own hit; the identity holds for requests alone.
+    (out,) = llm.generate([[*head, 50, 51]], GREEDY)
+    assert out.num_cached_tokens == 40
+    stats = llm.stats()
+    assert (stats["prompt_tokens"], stats["prefix_hit_tokens"]) == (42, 40)
+    assert stats["prefill_tokens_computed"] == (
+        stats["prompt_tokens"] - stats["prefix_hit_tokens"] + stats["recomputed_tokens"]
+    )
+    again = llm.pin(head[:20], ttl_s=600)  # cached already: the pin reads it and creates nothing
+    assert (again.num_cached_tokens, again.num_created_tokens) == (20, 0)
+    stats = llm.stats()
+    # Its last token is computed again for its logits, as any prefill's is.
+    assert stats["pin_prefix_hit_tokens"] == 19 and stats["pin_prompt_tokens"] == 60
+    assert stats["prompt_tokens"] == 42

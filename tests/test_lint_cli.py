@@ -15,6 +15,7 @@ from swarmkv.breaks.causes import CAUSES
 from swarmkv.cli import main
 from swarmkv.config import ModelConfig
 from swarmkv.lint import model as lint_model
+from swarmkv.server.observability.request_log import RequestLog
 
 CLASSIC = Breakers(timestamp=True, tool_reorder=True)
 SUMMARY_KEYS = {
@@ -168,3 +169,23 @@ def test_two_hundred_requests(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert len(report["requests"]) == 200
     assert report["summary"]["causes"]["timestamp"] == 199 and report["summary"]["causes"]["tool_order"] == 1
     assert report["summary"]["projected_hit_rate"] > 0.8
+
+
+def test_refused_requests_are_counted_per_route(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fast_model: None
+) -> None:
+    log = write_log(tmp_path / "log.jsonl", agent_requests(2, 2))
+    server_log = RequestLog(log)  # the refusals appended as `swarmkv serve --log-requests` writes them
+    server_log.write_refused("/v1/messages", 400, "messages: field required", {"model": "m"})
+    server_log.write_refused("/v1/messages", 404, "model 'x' is not served", {"model": "x"})
+    server_log.write_refused("/v1/chat/completions", 400, "the body is not JSON", "{not json \ud800")
+    server_log.close()
+    report = lint_json(capsys, str(log))
+    assert len(report["requests"]) == 4 and report["skipped"] == []
+    assert report["summary"]["refused"] == {"/v1/messages": 2, "/v1/chat/completions": 1}
+    assert [(r["line"], r["status"]) for r in report["refused"]] == [(5, 400), (6, 404), (7, 400)]
+    assert report["refused"][0]["error"] == "messages: field required"
+    code, out, _ = run(capsys, str(log))
+    assert code == 0
+    assert "refused 3 requests (/v1/messages 2, /v1/chat/completions 1)" in out
+    assert "refused line 6: /v1/messages 404: model 'x' is not served" in out

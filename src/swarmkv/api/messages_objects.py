@@ -58,18 +58,19 @@ def matched_stop(out: StepOutput | None, reason: str) -> str | None:
 
 @dataclass(frozen=True)
 class CacheTokens:
-    """A request's prompt tokens split as Anthropic counts them; the three add up to the prompt."""
+    """A request's prompt tokens split as Anthropic counts them; the three add up to the prompt's length."""
 
-    input_tokens: int  # computed for this request
-    cache_read_input_tokens: int  # served from the prefix cache
-    cache_creation_input_tokens: int  # newly pinned by this request's cache_control marks
+    input_tokens: int  # computed for this request, not under a cache_control mark
+    cache_read_input_tokens: int  # served from the prefix cache, not computed for this request
+    cache_creation_input_tokens: int  # computed for this request by its marks' pins, and pinned
 
     @staticmethod
-    def of(out: StepOutput | None, num_pinned_tokens: int) -> CacheTokens:
-        """Split `out`'s prompt; the request's own pins ran first, so the tokens they created are among its hits."""
+    def of(out: StepOutput | None, num_created_tokens: int) -> CacheTokens:
+        """Split `out`'s prompt. The request's pins ran first and computed `num_created_tokens` of its prefix
+        (the rest of what they hold they found cached), so those are among its hits but were not read."""
         if out is None:
             return CacheTokens(0, 0, 0)
-        created = min(num_pinned_tokens, out.num_cached_tokens)
+        created = min(num_created_tokens, out.num_cached_tokens)
         return CacheTokens(
             out.num_prompt_tokens - out.num_cached_tokens, out.num_cached_tokens - created, created
         )

@@ -82,9 +82,10 @@ class EngineCore:
         params: SamplingParams,
         cache_salt: str | None = None,
         session_id: str | None = None,
+        is_pin: bool = False,
     ) -> Sequence:
-        """Queue a request, as the newest turn of `session_id` if given; InvalidRequestError (and nothing
-        queued) if its id is taken or its session id is not one."""
+        """Queue a request, as the newest turn of `session_id` if given (`is_pin`: a pin's prefill, counted
+        apart); InvalidRequestError (and nothing queued) if its id is taken or its session id is not one."""
         if request_id in self._requests or request_id in self.pins:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if session_id is not None and not self.valid_session_id(session_id):
@@ -99,6 +100,7 @@ class EngineCore:
             cache_salt,
             arrival=self._arrivals,
             session_id=session_id,
+            is_pin=is_pin,
         )
         if session_id is not None:
             self.open_turn(seq)
@@ -275,6 +277,10 @@ class EngineCore:
             requests_failed=c.requests_failed,
             failed_steps=c.failed_steps,
             steps=c.steps,
+            pin_prompt_tokens=c.pin_prompt_tokens,
+            pin_prefill_tokens_computed=c.pin_prefill_tokens_computed,
+            pin_prefix_hit_tokens=c.pin_prefix_hit_tokens,
+            pin_recomputed_tokens=c.pin_recomputed_tokens,
             state=self._state_stats(),
         )
 

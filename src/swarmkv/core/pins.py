@@ -26,6 +26,12 @@ class PinInfo:
     kv_bytes: int
     expires_in_s: float | None
     ready: bool  # False while its prefix is still being computed
+    num_cached_tokens: int = 0  # of its prefix, found in the prefix cache when its prefill ran
+
+    @property
+    def num_created_tokens(self) -> int:
+        """Held tokens this pin computed and put in the cache itself (none when it refreshed a cached one)."""
+        return max(0, self.num_tokens - self.num_cached_tokens)
 
 
 @dataclass
@@ -35,6 +41,7 @@ class _Pin:
     ttl_s: float | None
     expires_at: float | None = None  # monotonic seconds, set once held
     num_tokens: int = 0
+    num_cached_tokens: int = 0
     ready: bool = False
 
 
@@ -88,9 +95,13 @@ class Pins:
         """Record a checked pin whose prefix is being computed."""
         self._pins[pin_id] = _Pin(list(token_ids), cache_salt, ttl_s)
 
-    def hold(self, pin_id: str) -> None:
-        """The pin's prefill finished: hold its cached pages, within the cap (a pin past it holds fewer)."""
+    def hold(self, pin_id: str, num_cached_tokens: int) -> None:
+        """The pin's prefill finished (`num_cached_tokens` of its prefix were found cached): hold its cached
+        pages, within the cap (a pin past it holds fewer)."""
         pin = self._pins[pin_id]
+        # A prefill computes its last token again even when all of it is cached: a page found is whole.
+        size = self.kv.page_size
+        pin.num_cached_tokens = -(-num_cached_tokens // size) * size
         pin.num_tokens = self.kv.pin(pin_id, pin.token_ids, pin.cache_salt)
         while self.held_bytes > self.max_bytes and pin.num_tokens:  # pages evicted and recomputed meanwhile
             self.kv.unpin(pin_id)
@@ -125,4 +136,5 @@ class Pins:
         if not pin.ready and pin.ttl_s is not None:
             left = pin.ttl_s
         kv_bytes = len(self.kv.pinned_pages(pin_id)) * self.page_bytes
-        return PinInfo(pin_id, pin.num_tokens, kv_bytes, left, pin.ready)
+        cached = min(pin.num_tokens, pin.num_cached_tokens)
+        return PinInfo(pin_id, pin.num_tokens, kv_bytes, left, pin.ready, cached)

@@ -287,8 +287,13 @@ class Scheduler:
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = hit.num_tokens
         new = max(0, min(hit.num_tokens, len(seq.prompt_token_ids)) - seq.num_processed_tokens)
-        self.counters.prefix_hit_tokens += new
-        self.counters.prompt_tokens += new
+        c = self.counters
+        if seq.is_pin:
+            c.pin_prefix_hit_tokens += new
+            c.pin_prompt_tokens += new
+        else:
+            c.prefix_hit_tokens += new
+            c.prompt_tokens += new
         seq.num_processed_tokens = max(seq.num_processed_tokens, hit.num_tokens)
 
     def _prefix_in_flight(self, seq: Sequence, hit: Hit) -> bool:
@@ -349,9 +354,15 @@ class Scheduler:
         done = seq.num_processed_tokens
         recomputed = max(0, min(end, done) - start)
         first_prompt = max(0, min(end, len(seq.prompt_token_ids)) - max(start, done))
-        self.counters.recomputed_tokens += recomputed
-        self.counters.prompt_tokens += first_prompt
-        self.counters.prefill_tokens_computed += recomputed + first_prompt
+        c = self.counters
+        if seq.is_pin:
+            c.pin_recomputed_tokens += recomputed
+            c.pin_prompt_tokens += first_prompt
+            c.pin_prefill_tokens_computed += recomputed + first_prompt
+        else:
+            c.recomputed_tokens += recomputed
+            c.prompt_tokens += first_prompt
+            c.prefill_tokens_computed += recomputed + first_prompt
         seq.num_processed_tokens = max(done, end)
 
     def preempt(self, seq: Sequence) -> None:

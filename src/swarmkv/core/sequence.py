@@ -30,6 +30,7 @@ class Sequence:
     cache_salt: str | None = None
     arrival: int = 0
     session_id: str | None = None
+    is_pin: bool = False  # a pin's one-token prefill: counted under the pin counters, not as a request's
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission

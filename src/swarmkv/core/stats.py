@@ -19,6 +19,11 @@ class EngineCounters:
     A session is counted as one long sequence: a new turn's positions that the session's previous turn had
     already processed count again neither as prompt tokens nor as hits, and computing them again (their
     pages were evicted) counts as recomputed.
+
+    Pins' one-token prefills (`add_pin`) are not requests: their positions count only under the `pin_`
+    counters, which keep the same identity among themselves (pin_prefill_tokens_computed ==
+    pin_prompt_tokens - pin_prefix_hit_tokens + pin_recomputed_tokens), and their sampled token is not a
+    generated token. A request that then reads a pinned prefix counts it as its own prefix hit.
     """
 
     prompt_tokens: int = 0  # prompt positions processed (hit or computed for the first time)
@@ -39,6 +44,10 @@ class EngineCounters:
     cascade_shared_tokens: int = 0  # prefix tokens those groups read once instead of once per row
     peak_kv_pages_in_use: int = 0
     peak_kv_pages_used: int = 0
+    pin_prompt_tokens: int = 0  # pins' prefix positions processed (hit or computed)
+    pin_prefill_tokens_computed: int = 0
+    pin_prefix_hit_tokens: int = 0
+    pin_recomputed_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,10 @@ class EngineStats:
     requests_failed: int
     failed_steps: int
     steps: int
+    pin_prompt_tokens: int
+    pin_prefill_tokens_computed: int
+    pin_prefix_hit_tokens: int
+    pin_recomputed_tokens: int
     state: StateStats | None = None  # hybrids only
 
     @property

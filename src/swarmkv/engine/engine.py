@@ -160,8 +160,19 @@ class LLMEngine:
     ) -> None:
         """Queue a request, as the newest turn of `session_id` if given; InvalidRequestError (and nothing
         queued) if it cannot ever run."""
+        self._add(request_id, prompt_token_ids, params, cache_salt, session_id)
+
+    def _add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+        session_id: str | None,
+        is_pin: bool = False,
+    ) -> None:
         self._validate_prompt(prompt_token_ids)
-        seq = self.core.add_request(request_id, prompt_token_ids, params, cache_salt, session_id)
+        seq = self.core.add_request(request_id, prompt_token_ids, params, cache_salt, session_id, is_pin)
         if params.seed is not None:
             self._generators[request_id] = torch.Generator().manual_seed(params.seed)
         self.outputs.add(request_id, seq.prompt_token_ids, params)
@@ -179,7 +190,7 @@ class LLMEngine:
         InvalidRequestError (PinLimitError past the cap), and nothing queued, if it cannot be pinned."""
         self.pins.check(pin_id, prompt_token_ids, ttl_s)
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        self.add_request(pin_id, prompt_token_ids, params, cache_salt)
+        self._add(pin_id, prompt_token_ids, params, cache_salt, None, is_pin=True)
         self.pins.add(pin_id, prompt_token_ids, ttl_s, cache_salt)
 
     def get_pin(self, pin_id: str) -> PinInfo | None:
@@ -228,15 +239,16 @@ class LLMEngine:
         self.scheduler.gave_up.clear()
         for delta in deltas:
             if delta.finished:
+                finished = self.core.get_sequence(delta.request_id)
                 self._forget(delta.request_id)
                 self.counters.requests_finished += delta.error is None
                 if delta.request_id in self.pins:
-                    self._settle_pin(delta)
+                    self._settle_pin(delta, finished.num_cached_tokens if finished is not None else 0)
         return deltas
 
-    def _settle_pin(self, delta: RequestDelta) -> None:
+    def _settle_pin(self, delta: RequestDelta, num_cached_tokens: int) -> None:
         if delta.error is None and delta.finish_reason != "abort":
-            self.pins.hold(delta.request_id)
+            self.pins.hold(delta.request_id, num_cached_tokens)
         else:
             self.pins.remove(delta.request_id)
 
@@ -283,7 +295,7 @@ class LLMEngine:
     def _append_token(self, chunk: Chunk, token: int) -> RequestDelta:
         seq = chunk.seq
         seq.append_token(token)
-        self.counters.generated_tokens += 1
+        self.counters.generated_tokens += not seq.is_pin  # a pin's one token is dropped, never generated
         params = seq.params
         reason: FinishReason | None = None
         if token in params.stop_token_ids or (

@@ -9,7 +9,7 @@ import sys
 
 from swarmkv.api.layout import PROMPT_LAYOUTS
 from swarmkv.core.config import EngineConfig
-from swarmkv.lint.log_file import LintInputError, read_log, write_log
+from swarmkv.lint.log_file import LintInputError, read_log_file, write_log
 from swarmkv.units import parse_size
 
 EXIT_UNDER_TARGET = 1
@@ -76,9 +76,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.page_size <= 0:
         raise ValueError(f"--page-size must be positive, got {args.page_size}")
-    requests, problems = read_log(args.file, strict=args.strict)
+    log = read_log_file(args.file, strict=args.strict)
+    requests, problems = log.requests, log.problems
     if not requests:
-        raise LintInputError(f"{args.file} holds no requests ({len(problems)} malformed lines)")
+        raise LintInputError(
+            f"{args.file} holds no requests ({len(problems)} malformed lines, {len(log.refused)} refused)"
+        )
     model = load_lint_model(args.model)
     page_bytes = model.page_bytes(args.page_size)
     result = lint_log(
@@ -90,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         problems,
         max_model_len=model.config.max_position_embeddings,
         prompt_layout=args.prompt_layout,
+        refused=log.refused,
     )
     if not result.requests:
         raise LintInputError(f"none of the {len(requests)} requests in {args.file} could be rendered")

@@ -2,7 +2,8 @@
 
 A line is `{"time": unix seconds, "session_id": str | null, "route": "/v1/chat/completions" |
 "/v1/completions", "body": {...}}`, or a bare request body (no "body" key), whose route follows from its
-fields ("messages": chat, "prompt": completions).
+fields ("messages": chat, "prompt": completions). A line with a "status" is a request the server refused
+(`{"time", "session_id", "route", "status", "error", "body"}`): not replayed, counted per route.
 """
 
 from __future__ import annotations
@@ -51,6 +52,25 @@ class LoggedRequest:
 
 
 @dataclass(frozen=True)
+class RefusedRequest:
+    """A request the server refused, as it logged it: where it went, its status and its error."""
+
+    line: int  # in the file, from 1
+    route: str
+    status: int
+    error: str
+
+
+@dataclass(frozen=True)
+class LogFile:
+    """A read log: its requests in log order, its malformed lines, and the requests the server refused."""
+
+    requests: list[LoggedRequest]
+    problems: list[LogProblem]
+    refused: list[RefusedRequest]
+
+
+@dataclass(frozen=True)
 class LogProblem:
     """A line that was skipped, and why."""
 
@@ -60,35 +80,50 @@ class LogProblem:
 
 def read_log(path: str | Path, strict: bool = False) -> tuple[list[LoggedRequest], list[LogProblem]]:
     """The log's requests and its malformed lines; with `strict` the first malformed line raises."""
+    log = read_log_file(path, strict)
+    return log.requests, log.problems
+
+
+def read_log_file(path: str | Path, strict: bool = False) -> LogFile:
+    """The log's requests, malformed lines and refused requests; with `strict` a malformed line raises."""
     requests: list[LoggedRequest] = []
     problems: list[LogProblem] = []
+    refused: list[RefusedRequest] = []
     with Path(path).open(encoding="utf-8", errors="replace") as file:
         for number, raw in enumerate(file, start=1):
             if not raw.strip():
                 continue
             try:
-                requests.append(_parse_line(raw, len(requests), number))
+                parsed = _parse_line(raw, len(requests), number)
             except ValueError as exc:
                 if strict:
                     raise LintInputError(f"{path}:{number}: {exc}") from exc
                 problems.append(LogProblem(number, str(exc)))
-    return requests, problems
+                continue
+            if isinstance(parsed, RefusedRequest):
+                refused.append(parsed)
+            else:
+                requests.append(parsed)
+    return LogFile(requests, problems, refused)
 
 
 def write_log(path: str | Path, requests: list[LoggedRequest]) -> None:
     """Write requests in the log's line format."""
     with Path(path).open("w", encoding="utf-8") as file:
         for request in requests:
-            file.write(json.dumps(request.to_json(), ensure_ascii=False, separators=(",", ":")) + "\n")
+            # ASCII, as the server writes it: a lone surrogate in a logged body stays escaped.
+            file.write(json.dumps(request.to_json(), separators=(",", ":")) + "\n")
 
 
-def _parse_line(raw: str, index: int, line: int) -> LoggedRequest:
+def _parse_line(raw: str, index: int, line: int) -> LoggedRequest | RefusedRequest:
     try:
         record = json.loads(raw)
     except ValueError as exc:
         raise ValueError(f"not JSON: {exc}") from exc
     if not isinstance(record, dict):
         raise ValueError("a line must be a JSON object")
+    if "status" in record:
+        return _refused(record, line)
     if "body" not in record:
         return LoggedRequest(index, line, _route_of(record), record, bare=True)
     body, route, session_id = record["body"], record.get("route"), record.get("session_id")
@@ -103,6 +138,15 @@ def _parse_line(raw: str, index: int, line: int) -> LoggedRequest:
     if when is not None and (not isinstance(when, int | float) or isinstance(when, bool)):
         raise ValueError("'time' must be a number")
     return LoggedRequest(index, line, route, body, session_id, None if when is None else float(when))
+
+
+def _refused(record: dict[str, Any], line: int) -> RefusedRequest:
+    status, route, error = record["status"], record.get("route"), record.get("error")
+    if not isinstance(status, int) or isinstance(status, bool):
+        raise ValueError("'status' must be an integer")
+    if not isinstance(route, str):
+        raise ValueError("a refused request's 'route' must be a string")
+    return RefusedRequest(line, route, status, error if isinstance(error, str) else "")
 
 
 def _route_of(body: dict[str, Any]) -> str:

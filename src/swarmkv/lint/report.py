@@ -45,6 +45,9 @@ def to_json(result: LintResult) -> dict[str, Any]:
             for s in result.sessions
         ],
         "skipped": [{"line": p.line, "message": p.message} for p in result.skipped],
+        "refused": [
+            {"line": r.line, "route": r.route, "status": r.status, "error": r.error} for r in result.refused
+        ],
         "summary": {
             "hit_rate": result.hit_rate,
             "projected_hit_rate": result.projected_hit_rate,
@@ -58,6 +61,7 @@ def to_json(result: LintResult) -> dict[str, Any]:
             "prompt_tokens": prompt_tokens,
             "cached_tokens": cached_tokens,
             "breaks": sum(result.causes.values()),
+            "refused": refused_per_route(result),
         },
     }
 
@@ -89,6 +93,7 @@ def print_report(result: LintResult, title: str, console: Console | None = None)
     _print_breaks(result, console)
     for problem in result.skipped:
         console.print(Text(f"skipped line {problem.line}: {problem.message}", style="yellow"))
+    _print_refused(result, console)
     found = ", ".join(f"{cause} {n}" for cause, n in result.causes.items() if n) or "none"
     console.print(
         Text.assemble(
@@ -128,6 +133,23 @@ def _print_breaks(result: LintResult, console: Console) -> None:
     if more:
         listed = ", ".join(f"{cause} {n}" for cause, n in more.items())
         console.print(f"... {sum(more.values())} more breaks not shown ({listed}); --json lists every one")
+
+
+def refused_per_route(result: LintResult) -> dict[str, int]:
+    """How many requests the server refused on each route, in the order the log first names them."""
+    return dict(Counter(r.route for r in result.refused))
+
+
+def _print_refused(result: LintResult, console: Console) -> None:
+    """The refused requests per route, then each (at most MAX_ROWS_PER_CAUSE; the JSON lists them all)."""
+    if not result.refused:
+        return
+    per_route = ", ".join(f"{route} {n}" for route, n in refused_per_route(result).items())
+    console.print(Text.assemble(("refused ", "bold"), f"{len(result.refused)} requests ({per_route})"))
+    for r in result.refused[:MAX_ROWS_PER_CAUSE]:
+        console.print(Text(f"refused line {r.line}: {r.route} {r.status}: {r.error}", style="yellow"))
+    if len(result.refused) > MAX_ROWS_PER_CAUSE:
+        console.print(f"... {len(result.refused) - MAX_ROWS_PER_CAUSE} more refused; --json lists every one")
 
 
 def _size(num_bytes: int) -> str:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from swarmkv.api.layout import PromptLayout
 from swarmkv.breaks.causes import CAUSES, Break, divergence
 from swarmkv.lint.analyze import BreakFinder
 from swarmkv.lint.fix import fix_log
-from swarmkv.lint.log_file import LoggedRequest, LogProblem
+from swarmkv.lint.log_file import LoggedRequest, LogProblem, RefusedRequest
 from swarmkv.lint.render import RenderedRequest, Renderer, RenderError
 from swarmkv.lint.replay import ReplayRequest, ReplayResult, replay
 from swarmkv.tokenizer import Tokenizer
@@ -58,6 +58,7 @@ class LintResult:
     page_bytes: int
     causes: dict[str, int]
     fixed: list[LoggedRequest]
+    refused: list[RefusedRequest] = field(default_factory=list)  # requests the server refused, in log order
 
 
 def lint_log(
@@ -70,10 +71,12 @@ def lint_log(
     max_model_len: int | None = None,
     check: bool = False,
     prompt_layout: PromptLayout = "auto",
+    refused: list[RefusedRequest] | None = None,
 ) -> LintResult:
     """Lint `requests` (in log order) for a model with this tokenizer and KV page size in bytes. `problems`
     are the log's malformed lines, reported with the rest; prompts the server refuses for `max_model_len`
-    are skipped like them; `check` asserts the replays' KV books."""
+    are skipped like them; `check` asserts the replays' KV books; `refused` (the requests the server
+    refused) are reported, never replayed."""
     renderer = Renderer(tokenizer, max_model_len, prompt_layout)
     rendered, skipped = _render_all(renderer, requests)
     finder = BreakFinder(tokenizer, renderer.encode)
@@ -110,6 +113,7 @@ def lint_log(
         page_bytes=page_bytes,
         causes={cause: causes[cause] for cause in CAUSES},
         fixed=fixed,
+        refused=list(refused or []),
     )
 
 

@@ -22,7 +22,9 @@ async def read_json_body(request: Request, max_request_bytes: int) -> dict[str, 
         if num_bytes > max_request_bytes:
             raise _too_large(max_request_bytes)
         chunks.append(chunk)
-    return parse_json_body(b"".join(chunks))
+    raw = b"".join(chunks)
+    request.state.raw_body = raw  # for the request log, should the request be refused
+    return parse_json_body(raw)
 
 
 def _too_large(max_request_bytes: int) -> Exception:

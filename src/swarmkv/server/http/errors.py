@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -10,11 +12,19 @@ from starlette.responses import JSONResponse, Response
 
 from swarmkv.api.errors import APIError
 from swarmkv.api.messages_objects import anthropic_error
-from swarmkv.api.paths import is_messages_route
+from swarmkv.api.paths import (
+    CHAT_ROUTE,
+    COMPLETIONS_ROUTE,
+    MESSAGES_ROUTE,
+    RESPONSES_ROUTE,
+    is_messages_route,
+)
 from swarmkv.server.engine_loop.request_stream import EngineUnavailableError
 from swarmkv.server.http.disconnect import STATUS_CLIENT_GONE
 
 log = logging.getLogger(__name__)
+# The generation routes, whose refusals the request log records (`swarmkv lint` counts them).
+_LOGGED_ROUTES = frozenset((CHAT_ROUTE, COMPLETIONS_ROUTE, MESSAGES_ROUTE, RESPONSES_ROUTE))
 
 
 def error_response(error: APIError, path: str) -> JSONResponse:
@@ -29,7 +39,28 @@ def error_response(error: APIError, path: str) -> JSONResponse:
 async def api_error(request: Request, exc: Exception) -> Response:
     """A client mistake (a 4xx the routes raised)."""
     assert isinstance(exc, APIError)
+    _log_refused(request, exc)
     return error_response(exc, request.url.path)
+
+
+def _log_refused(request: Request, error: APIError) -> None:
+    """Record a refused generation request in the request log, when there is one."""
+    ctx = getattr(request.app.state, "ctx", None)
+    path = request.url.path
+    if ctx is None or ctx.request_log is None or request.method != "POST" or path not in _LOGGED_ROUTES:
+        return
+    ctx.request_log.write_refused(path, error.status, error.message, _logged_body(request))
+
+
+def _logged_body(request: Request) -> Any:
+    """The body as JSON, as text when it is not JSON, or None when it was never read (too large)."""
+    raw: bytes | None = getattr(request.state, "raw_body", None)
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:  # not JSON, or not UTF-8 (UnicodeDecodeError)
+        return raw.decode("utf-8", errors="replace")
 
 
 async def http_error(request: Request, exc: Exception) -> Response:

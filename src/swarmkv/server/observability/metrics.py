@@ -74,6 +74,27 @@ _COUNTERS: tuple[tuple[str, str, Read], ...] = (
         " (prefill_tokens_computed = prompt_tokens - prefix_hit_tokens + recomputed_tokens).",
         lambda s: s.recomputed_tokens,
     ),
+    # Pins' one-token prefills are not requests: the counters above leave them out, these count them.
+    (
+        "pin_prompt_tokens",
+        "Prefix tokens pins processed (served by the prefix cache or computed); not in prompt_tokens.",
+        lambda s: s.pin_prompt_tokens,
+    ),
+    (
+        "pin_prefill_tokens_computed",
+        "Prefix tokens whose KV a pin computed; not in prefill_tokens_computed.",
+        lambda s: s.pin_prefill_tokens_computed,
+    ),
+    (
+        "pin_prefix_hit_tokens",
+        "Prefix tokens a pin found in the prefix cache; not in prefix_hit_tokens.",
+        lambda s: s.pin_prefix_hit_tokens,
+    ),
+    (
+        "pin_recomputed_tokens",
+        "Prefix tokens a pin computed again after a preemption or an eviction.",
+        lambda s: s.pin_recomputed_tokens,
+    ),
     (
         "cascade_decode_rows",
         "Decode rows that read a shared prefix once per group.",

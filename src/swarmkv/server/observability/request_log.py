@@ -2,8 +2,14 @@
 
 A line is `{"time": unix seconds, "session_id": str | null, "route": "/v1/chat/completions" |
 "/v1/completions", "body": the request's JSON object as received}`, for each request whose body and
-session id are well-formed (it reached the tokenizer). The file is opened in append mode; each line goes
-out in one `write` on an `O_APPEND` descriptor, under a lock, so lines from concurrent requests (or two
+session id are well-formed (it reached the tokenizer). A request the server refused (a 4xx) adds a line
+`{"time", "session_id": null, "route": the path it was sent to, "status": the HTTP status, "error": the
+message, "body": its JSON as received, its text when it is not JSON, or null}`; a request refused after
+its body was logged (a prompt past the context) has both lines.
+
+Lines are ASCII (JSON's escapes), so a body holding text that is not valid Unicode (a lone surrogate)
+is written escaped, never refused by the encoder. The file is opened in append mode; each line goes out
+in one `write` on an `O_APPEND` descriptor, under a lock, so lines from concurrent requests (or two
 servers sharing the file) never interleave. `swarmkv lint` reads these files.
 """
 
@@ -30,8 +36,15 @@ class RequestLog:
 
     def write(self, route: str, session_id: str | None, body: dict[str, Any]) -> None:
         """Append one request as one whole line."""
-        record = {"time": time.time(), "session_id": session_id, "route": route, "body": body}
-        line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        self._append({"time": time.time(), "session_id": session_id, "route": route, "body": body})
+
+    def write_refused(self, route: str, status: int, error: str, body: Any) -> None:
+        """Append a refused request: where it went, the status and error it got, and its body."""
+        record = {"time": time.time(), "session_id": None, "route": route, "status": status}
+        self._append({**record, "error": error, "body": body})
+
+    def _append(self, record: dict[str, Any]) -> None:
+        line = (json.dumps(record, ensure_ascii=True, separators=(",", ":")) + "\n").encode("ascii")
         with self._lock:
             if self._fd is None:
                 return  # closed: the server is shutting down

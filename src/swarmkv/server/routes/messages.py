@@ -88,7 +88,8 @@ async def count_tokens(request: Request) -> Response:
 
 
 async def _pin_breakpoints(ctx: ServerContext, req: MessagesRequest) -> int:
-    """Pin each cache_control mark's prefix; the number of tokens newly pinned (refreshed pins count 0)."""
+    """Pin each cache_control mark's prefix; the number of prefix tokens the pins computed (cache creation):
+    what a pin found cached, a moved mark's old prefix or a refreshed pin, is read, not created."""
     num_new_tokens = 0
     for mark in req.breakpoints:
         num_new_tokens += await _pin(ctx, req, mark)
@@ -102,14 +103,14 @@ async def _pin(ctx: ServerContext, req: MessagesRequest, mark: Breakpoint) -> in
     # The id follows from the prefix and salt, so a repeated request refreshes its pin instead of adding one.
     digest = hashlib.sha256(f"{salt}\0{ids}".encode()).hexdigest()[:32]
     pin_id = f"pin-msg-{digest}"
-    refreshed = await ctx.engine.unpin(pin_id)
+    await ctx.engine.unpin(pin_id)
     try:
         info = await ctx.engine.pin(pin_id, ids, mark.ttl_s, salt)
     except InvalidRequestError as exc:  # over --max-pinned-memory, or a concurrent twin holds the id
         # A cache hint must not fail the message: answer it unpinned.
         log.info("cache_control prefix of %d tokens not pinned: %s", len(ids), exc)
         return 0
-    return 0 if refreshed or info is None else info.num_tokens
+    return 0 if info is None else info.num_created_tokens
 
 
 async def _events(
