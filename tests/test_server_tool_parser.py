@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from swarmkv.api.tool_call_stream import CallPiece
 from swarmkv.api.tool_parser import ParsedDelta, StreamingToolParser, ToolCall, parse_tool_calls
+from tool_call_helpers import assemble_calls
 
 
 def _ids() -> Callable[[], str]:
@@ -34,18 +35,6 @@ def _stream_with_pieces(pieces: list[str]) -> tuple[str, list[ToolCall], list[Ca
         out = out.then(parser.feed(piece))
     out = out.then(parser.finish())
     return out.content, out.tool_calls, out.pieces
-
-
-def _assemble(pieces: list[CallPiece]) -> list[tuple[str, str, str]]:
-    """What a client rebuilds from streamed pieces: (id, name, arguments) per call, in order."""
-    calls: dict[int, list[str]] = {}
-    for piece in pieces:
-        if piece.name is not None:
-            assert piece.index not in calls, "a call opened twice"
-            calls[piece.index] = [piece.id, piece.name, ""]
-        calls[piece.index][2] += piece.arguments
-    assert sorted(calls) == list(range(len(calls)))
-    return [(c[0], c[1], c[2]) for _, c in sorted(calls.items())]
 
 
 def test_one_call_becomes_a_tool_call_without_content() -> None:
@@ -165,8 +154,8 @@ def test_any_reply_streams_like_it_parses_whole(parts: list[str], cuts: list[int
     if not whole.tool_calls:
         assert content == reply  # without calls, nothing the model wrote is lost
     _, _, pieces = _stream_with_pieces(pieces)
-    assert [(i, n) for i, n, _ in _assemble(pieces)] == [(c.id, c.name) for c in calls]
-    for (_, _, streamed), call in zip(_assemble(pieces), calls, strict=True):
+    assert [(i, n) for i, n, _ in assemble_calls(pieces)] == [(c.id, c.name) for c in calls]
+    for (_, _, streamed), call in zip(assemble_calls(pieces), calls, strict=True):
         if _is_json(call.arguments):
             assert json.loads(streamed) == json.loads(call.arguments)
         else:
@@ -199,7 +188,7 @@ def test_a_forgotten_closing_brace_comes_as_the_last_piece() -> None:
     _, calls, pieces = _stream_with_pieces(
         ['<tool_call>{"name": "f", "arguments": {"a": {"b": 1}', "</tool_call>"]
     )
-    ((_, _, streamed),) = _assemble(pieces)
+    ((_, _, streamed),) = assemble_calls(pieces)
     assert json.loads(streamed) == json.loads(calls[0].arguments) == {"a": {"b": 1}}
 
 

@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 
 from swarmkv.api.chat_request import parse_chat_request
 from swarmkv.api.outputs import StepOutput
-from swarmkv.api.tool_call_stream import CallPiece
 from swarmkv.api.tool_formats import tool_format_of, typed_value
 from swarmkv.api.tool_parser import ParsedDelta, StreamingToolParser, ToolCall, parse_tool_calls
 from swarmkv.server.pipeline.chat_stream import parse_whole_reply
 from swarmkv.tokenizer import Tokenizer
+from tool_call_helpers import assemble_calls
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -104,17 +104,6 @@ def _stream(pieces: list[str], tools: list[dict[str, Any]] | None = TOOLS) -> Pa
     for piece in pieces:
         out = out.then(parser.feed(piece))
     return out.then(parser.finish())
-
-
-def _assemble(pieces: list[CallPiece]) -> list[tuple[str, str, str]]:
-    """What a client rebuilds from streamed pieces: (id, name, arguments) per call, in order."""
-    calls: dict[int, list[str]] = {}
-    for piece in pieces:
-        if piece.name is not None:
-            assert piece.index not in calls, "a call opened twice"
-            calls[piece.index] = [piece.id, piece.name, ""]
-        calls[piece.index][2] += piece.arguments
-    return [(c[0], c[1], c[2]) for _, c in sorted(calls.items())]
 
 
 def _triples(calls: list[ToolCall]) -> list[tuple[str, str, str]]:
@@ -215,8 +204,8 @@ def test_streamed_pieces_parse_exactly_like_the_whole_reply(reply: str, cuts: li
     streamed = _stream(pieces)
     assert streamed.content == whole.content
     assert _triples(streamed.tool_calls) == _triples(whole.tool_calls)
-    assert _assemble(streamed.pieces) == _triples(whole.tool_calls)
-    for _, _, arguments in _assemble(streamed.pieces):
+    assert assemble_calls(streamed.pieces) == _triples(whole.tool_calls)
+    for _, _, arguments in assemble_calls(streamed.pieces):
         json.loads(arguments)
 
 
@@ -224,7 +213,7 @@ def test_character_by_character_stream_matches_the_whole_reply() -> None:
     reply = REPLIES[2]
     streamed = _stream(list(reply))
     assert streamed.content == "I will write the file.\nDone."
-    assert _assemble(streamed.pieces) == _triples(_parse(reply).tool_calls)
+    assert assemble_calls(streamed.pieces) == _triples(_parse(reply).tool_calls)
 
 
 def test_the_format_follows_the_chat_template(qwen: Tokenizer, smol: Tokenizer) -> None:
