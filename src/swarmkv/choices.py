@@ -21,3 +21,6 @@ MaxTokensPolicy = Literal["clamp", "refuse"]
 
 # A /v1/responses tool the provider runs (web_search, file_search, ...): left out of the prompt, or a 400.
 HostedToolsPolicy = Literal["drop", "refuse"]
+
+PromptLayout = Literal["auto", "template", "tools-first"]
+PROMPT_LAYOUTS: tuple[PromptLayout, ...] = ("auto", "template", "tools-first")

@@ -17,11 +17,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from swarmkv.choices import PromptLayout
 from swarmkv.errors import InvalidRequestError
 from swarmkv.tokenizer import Tokenizer
 
-PromptLayout = Literal["auto", "template", "tools-first"]
-PROMPT_LAYOUTS: tuple[PromptLayout, ...] = ("auto", "template", "tools-first")
 Layout = Literal["template", "tools-first"]  # a resolved PromptLayout
 Api = Literal["chat", "messages", "responses"]
 

@@ -16,12 +16,13 @@ from typing import Any
 from swarmkv.api.chat_request import parse_chat_request
 from swarmkv.api.completion_request import parse_completion_request
 from swarmkv.api.errors import APIError
-from swarmkv.api.layout import PromptLayout, resolve_layout
+from swarmkv.api.layout import resolve_layout
 from swarmkv.api.messages_request import parse_messages_request
 from swarmkv.api.paths import CHAT_ROUTE, COMPLETIONS_ROUTE, MESSAGES_ROUTE, RESPONSES_ROUTE
 from swarmkv.api.render import render_chat, render_completion
 from swarmkv.api.responses_request import parse_responses_request, previous_response_id
 from swarmkv.api.session_id import SESSION_HEADER, resolve_session_id
+from swarmkv.choices import PromptLayout
 from swarmkv.cluster.routing import RouteKey
 from swarmkv.tokenizer import Tokenizer
 

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from swarmkv.api.layout import PROMPT_LAYOUTS
+from swarmkv.choices import PROMPT_LAYOUTS
 from swarmkv.core.config import EngineConfig
 from swarmkv.lint.log_file import LintInputError, read_log_file, write_log
 from swarmkv.units import parse_size

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from swarmkv.api.chat_request import ChatRequest, parse_chat_request
 from swarmkv.api.completion_request import parse_completion_request
 from swarmkv.api.errors import APIError
-from swarmkv.api.layout import PromptLayout, resolve_layout
+from swarmkv.api.layout import resolve_layout
 from swarmkv.api.render import render_chat, render_completion
 from swarmkv.breaks.causes import RenderedPrompt
+from swarmkv.choices import PromptLayout
 from swarmkv.errors import InvalidRequestError
 from swarmkv.lint.log_file import LoggedRequest
 from swarmkv.tokenizer import Tokenizer

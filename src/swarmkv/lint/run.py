@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from swarmkv.api.layout import PromptLayout
 from swarmkv.breaks.causes import CAUSES, Break, divergence
+from swarmkv.choices import PromptLayout
 from swarmkv.lint.analyze import BreakFinder
 from swarmkv.lint.fix import fix_log
 from swarmkv.lint.log_file import LoggedRequest, LogProblem, RefusedRequest

@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from swarmkv.api.layout import PromptLayout
-from swarmkv.choices import HostedToolsPolicy, MaxTokensPolicy
+from swarmkv.choices import HostedToolsPolicy, MaxTokensPolicy, PromptLayout
 
 API_KEY_ENV = "SWARMKV_API_KEY"
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]

@@ -8,8 +8,7 @@ from typing import Any
 from starlette.requests import Request
 
 from swarmkv.api.errors import APIError
-from swarmkv.api.layout import PromptLayout
-from swarmkv.choices import HostedToolsPolicy, MaxTokensPolicy
+from swarmkv.choices import HostedToolsPolicy, MaxTokensPolicy, PromptLayout
 from swarmkv.server.engine_loop.async_engine import AsyncEngine
 from swarmkv.server.http.body import read_json_body
 from swarmkv.server.observability.cache_breaks import CacheBreaks
