@@ -86,17 +86,23 @@ def test_each_generation_request_is_one_whole_log_line(served: Served) -> None:
     headers = {"X-Session-Id": "log-b"}
     assert served.http.post("/v1/completions", json=completion, headers=headers).status_code == 200
     assert served.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}).status_code == 200
-    assert served.http.post("/v1/completions", json={"prompt": 5}).status_code == 400  # not a request we ran
+    refused_status = served.http.post("/v1/completions", json={"prompt": 5}).status_code  # refused, logged
+    assert refused_status == 400
 
     lines = served.log_path.read_text(encoding="utf-8").splitlines()[start:]
     records = [json.loads(line) for line in lines]
-    assert [(r["route"], r["session_id"]) for r in records] == [
+    ran, refused = records[:3], records[3:]
+    assert [(r["route"], r["session_id"]) for r in ran] == [
         ("/v1/chat/completions", "log-a"),
         ("/v1/completions", "log-b"),
         ("/v1/completions", None),
     ]
-    assert [r["body"] for r in records] == [chat, completion, {"prompt": [1, 2, 3], "max_tokens": 1}]
-    assert all(set(r) == {"time", "session_id", "route", "body"} for r in records)
+    assert [r["body"] for r in ran] == [chat, completion, {"prompt": [1, 2, 3], "max_tokens": 1}]
+    assert all(set(r) == {"time", "session_id", "route", "body"} for r in ran)
+    assert [(r["route"], r["status"], r["body"]) for r in refused] == [
+        ("/v1/completions", 400, {"prompt": 5})
+    ]
+    assert "prompt" in refused[0]["error"]
     assert all(before <= r["time"] <= time.time() and isinstance(r["time"], float) for r in records)
 
 
