@@ -11,6 +11,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
@@ -38,6 +39,7 @@ def check_decode_point(p: dict[str, Any]) -> None:
     assert 0 < p["kv_bytes_cascade"] <= p["kv_bytes_read"] <= p["kv_bytes_per_slot"]
 
 
+@pytest.mark.slow  # about 11 s here
 def test_small_cpu_run_measures_every_section(tmp_path: Path) -> None:
     gpu = load_bench()
     out = tmp_path / "gpu.json"
@@ -113,6 +115,7 @@ def test_a_failing_section_records_its_error_and_the_next_runs() -> None:
     assert "error" not in sections["fine"] and sections["fine"]["x"] == 1.0
 
 
+@pytest.mark.slow  # about 12 s here
 def test_bench_gpu_runs_with_int4_weights(tmp_path: Path) -> None:
     out = tmp_path / "int4.json"
     assert load_bench().main(["--device", "cpu", "--weights", "int4", "--json", str(out)]) == 0

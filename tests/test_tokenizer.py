@@ -57,6 +57,7 @@ def smol_reference() -> Backend:
     return backend
 
 
+@pytest.mark.slow  # its reference tokenizer takes about 12 s to build here
 @pytest.mark.parametrize("text", TEXTS, ids=IDS)
 def test_gguf_ids_match_smollm2_reference(smol: Tokenizer, smol_reference: Backend, text: str) -> None:
     assert smol.encode(text) == smol_reference.encode(text, add_special_tokens=False).ids
