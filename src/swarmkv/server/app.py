@@ -96,6 +96,7 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> Starlette:
         Route("/v1/cache/pin/{pin_id}", pins.delete_pin, methods=["DELETE"]),
         Route("/v1/cache/tree", cache_view.cache_tree, methods=["GET"]),
         Route("/cache", cache_view.cache_page, methods=["GET"]),
+        Route("/", service.root, methods=["GET", "HEAD"]),
         Route("/health", service.health, methods=["GET"]),
         Route("/metrics", service.metrics, methods=["GET"]),
     ]

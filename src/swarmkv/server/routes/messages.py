@@ -122,17 +122,27 @@ async def _events(
     num_prompt_tokens: int,
     num_pinned: int,
 ) -> AsyncIterator[str]:
-    start_usage = CacheTokens(num_prompt_tokens, 0, 0).usage(0)
-    yield anthropic_event(
-        "message_start", {"message": message_json(msg_id, ctx.model_name, [], None, start_usage)}
-    )
-    yield anthropic_event("ping", {})
+    def message_start(first: StepOutput | None) -> str:
+        # Sent with the first step's output, as Anthropic sends it after the prefill: by then the prompt's
+        # split (read from the cache, pinned, computed) is known, and clients read it from here.
+        usage = (
+            CacheTokens.of(first, num_pinned).usage(0)
+            if first
+            else CacheTokens(num_prompt_tokens, 0, 0).usage(0)
+        )
+        return anthropic_event(
+            "message_start", {"message": message_json(msg_id, ctx.model_name, [], None, usage)}
+        )
+
     blocks = ContentBlocks()
     last: StepOutput | None = None
     try:
         async for out, parsed in chat_deltas(
             req.chat, stream, latency, tool_format_of(ctx.tokenizer.chat_template)
         ):
+            if last is None:
+                yield message_start(out)
+                yield anthropic_event("ping", {})
             last = out
             for event in blocks.add(parsed):
                 yield event
@@ -140,6 +150,8 @@ async def _events(
         _, body = anthropic_error(APIError(exc.status, str(exc), error_type="server_error"))
         yield anthropic_event("error", {"error": body["error"]})
         return
+    if last is None:
+        yield message_start(None)
     for event in blocks.close_text():
         yield event
     usage = CacheTokens.of(last, num_pinned).usage(last.num_output_tokens if last else 0)

@@ -1,4 +1,4 @@
-"""GET /v1/models, /health and /metrics: which model this server runs, whether its engine works, its counters."""
+"""GET /, /v1/models, /health and /metrics: what this server is, its model, whether its engine works, its counters."""
 
 from __future__ import annotations
 
@@ -25,6 +25,13 @@ async def models(request: Request) -> Response:
         for name in ctx.listed_model_names
     ]
     return JSONResponse({"object": "list", "data": cards})
+
+
+async def root(request: Request) -> Response:
+    """GET (or HEAD) /: what answers here. Clients probe it before their first request (Claude Code warms
+    its connection with `HEAD /`), so it is a 200, not a 404 in their logs."""
+    ctx: ServerContext = request.app.state.ctx
+    return JSONResponse({"server": "swarmkv", "models": list(ctx.listed_model_names), "api": "/v1"})
 
 
 async def health(request: Request) -> Response:
