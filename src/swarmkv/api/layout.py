@@ -7,7 +7,9 @@ tool schemas' KV. The block is found by rendering the template itself, not by kn
 with a sentinel system text, once with the tools and once without, shows the text the tools add and where;
 the request's own prompt must hold that same text at that same place, else the layout stays `template`, so
 a prompt is never corrupted. `auto` is `tools-first` on Messages and `template` elsewhere. The layout is a
-pure function of the request and the setting, so it is the same on every turn of a session.
+pure function of the request and the setting, so it is the same on every turn of a session. Where a prompt
+opens with the tools (`tools_lead`), a cache mark on the last tool pins them alone, `ToolBlock.tools_head`,
+which every prompt with those tools shares whatever its system text, as on Anthropic.
 """
 
 from __future__ import annotations
@@ -115,6 +117,27 @@ def tools_first(
     if rendered_system not in (system, system.strip()):
         return None
     return block.head + block.body + block.separator + rendered_system + without[split:]
+
+
+def tools_lead(
+    tokenizer: Tokenizer,
+    system_turn: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> bool:
+    """Whether a tools-first prompt opening with `system_turn` (its leading system message) opens with the tool
+    block, so that `find_tool_block(...).tools_head` is its prefix; False where it keeps the template's order."""
+    if not tools or not system_turn:
+        return False
+    kwargs = dict(template_kwargs or {})
+    try:
+        text = tokenizer.apply_chat_template(system_turn, tools=tools, add_generation_prompt=False, **kwargs)
+    except InvalidRequestError:
+        return False
+    moved = tools_first(
+        tokenizer, system_turn, tools, text, add_generation_prompt=False, template_kwargs=template_kwargs
+    )
+    return moved is not None
 
 
 def _insertion(text: str, without: str, inserted: str) -> int | None:

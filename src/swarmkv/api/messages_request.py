@@ -14,8 +14,11 @@ from typing import Any
 
 from swarmkv.api.chat_request import ChatRequest, Message, parse_chat_request, parse_messages, parse_tools
 from swarmkv.api.errors import APIError, bad_request, get_field
+from swarmkv.api.layout import Layout, tools_lead
 from swarmkv.api.messages_blocks import MessagesBuilder
+from swarmkv.api.pin_request import PinRequest
 from swarmkv.api.session_id import MAX_SESSION_ID_CHARS, check_session_id
+from swarmkv.tokenizer import Tokenizer
 
 MAX_BREAKPOINTS = 4  # Anthropic's limit on cache_control blocks per request
 THREAD_UNSUPPORTED = "thread_unsupported_request"
@@ -25,8 +28,12 @@ THREAD_UNSUPPORTED = "thread_unsupported_request"
 class Breakpoint:
     """A cache_control mark: the conversation up to and including its block, to pin for `ttl_s`."""
 
-    messages: list[Message]  # normalised; empty when the mark is on a tool (the tools alone)
+    # Normalised. A mark on a tool has the head every request with these tools opens with in the template's
+    # order: the system turn (templates render the tools inside it), or none for a chat opening with a user
+    # turn; `MessagesRequest.pin_request` makes it the tools alone where the prompt puts them first.
+    messages: list[Message]
     ttl_s: float
+    on_tools: bool = False
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,16 @@ class MessagesRequest:
     )  # metadata.user_id (Claude Code's: the session_id in its JSON): the session, for retention
     chat_body: dict[str, Any]  # the equivalent chat completions body, which `swarmkv lint` reads from the log
     template_kwargs: dict[str, Any]  # the chat template's switches: `thinking` as `enable_thinking`
+
+    def pin_request(self, mark: Breakpoint, tokenizer: Tokenizer, layout: Layout) -> PinRequest:
+        """The pin of a cache_control mark, for `render_pin` under the prompt's `layout`. A mark on a tool pins
+        the tools alone (Anthropic caches tools, then system, then messages) where the prompt opens with them
+        (`tools_lead`: tools-first, with a tool block the template's own), else the system turn they are in."""
+        tools = self.chat.prompt_tools
+        messages = mark.messages
+        if mark.on_tools and layout == "tools-first" and tools_lead(tokenizer, messages, tools):
+            messages = []  # `render_pin` renders no messages under tools-first as the tool block's head
+        return PinRequest(None, messages, tools, None, mark.ttl_s, self.chat.options.cache_salt)
 
 
 def parse_messages_request(body: dict[str, Any], needs_max_tokens: bool = True) -> MessagesRequest:
@@ -92,11 +109,12 @@ def parse_messages_request(body: dict[str, Any], needs_max_tokens: bool = True) 
             f"at most {MAX_BREAKPOINTS} blocks may have cache_control, got {len(builder.marks)}",
             param="cache_control",
         )
-    # A mark on a tool pins the head every request with these tools opens with: the system turn, when there is
-    # one (templates render the tools inside it), else the head shared by all chats opening with a user turn.
+    # A mark on a tool (the tools come first, so nothing before it) pins the head every request with these
+    # tools opens with (see `Breakpoint`).
     head = chat.messages[:1] if chat.messages[0]["role"] == "system" else []
     breakpoints = [
-        Breakpoint(parse_messages(msgs, allow_empty=True) or head, ttl_s) for msgs, ttl_s in builder.marks
+        Breakpoint(parse_messages(msgs, allow_empty=True) or head, ttl_s, on_tools=not msgs)
+        for msgs, ttl_s in builder.marks
     ]
     return MessagesRequest(chat, breakpoints, user_id, chat_body, template_kwargs)
 

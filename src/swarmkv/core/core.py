@@ -69,7 +69,7 @@ class EngineCore:
             config.max_waiting_considered,
         )
         self.scheduler = Scheduler(self.kv, limits, self.counters, cost)
-        self.pins = Pins(self.kv, page_bytes, config.max_pinned_bytes)
+        self.pins = Pins(self.kv, page_bytes, config.max_pinned_bytes, state_bytes=state_bytes_per_sequence)
         self._requests: dict[str, Sequence] = {}
         self._arrivals = 0
 

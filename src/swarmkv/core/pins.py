@@ -1,9 +1,15 @@
 """Pins: prefixes whose KV pages eviction may not take, until a TTL runs out or the pin is deleted.
 
-A pin is made in two moves. `add` validates it and the caller queues a one-token prefill of the prefix
-under the pin's id (so a cold prefix is computed like any prompt, batched with the rest); when that request
-finishes, `hold` has the KV manager hold the prefix's cached full pages. The cap is checked on the prefix's
-size before anything runs, and pins never hold more than `max_bytes` between them.
+A pin is made in two moves. `add` records it (after `check`) and the caller queues a one-token prefill of
+`prefill_prompt` under the pin's id (so a cold prefix is computed like any prompt, batched with the rest);
+when that request finishes, `hold` has the KV manager hold the prefix's cached full pages. The cap is checked
+on the prefix's size before anything runs, and pins never hold more than `max_bytes` between them.
+
+On a hybrid a hit resumes only where a recurrent-state snapshot is kept, so a pin also holds the snapshot at
+its pages' end, and its bytes count against the cap. Its prefill computes the whole pages alone, whose end
+its prompt's end snapshot then is. When those pages and that snapshot are cached already, nothing is queued
+and `hold` runs at once: a prefill would resume only before its last token, from an earlier snapshot or none,
+and compute the prefix all over again.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ class PinInfo:
 
     pin_id: str
     num_tokens: int
-    kv_bytes: int
+    kv_bytes: int  # its pages', and a hybrid's state snapshot's
     expires_in_s: float | None
     ready: bool  # False while its prefix is still being computed
     num_cached_tokens: int = 0  # of its prefix, found in the prefix cache when its prefill ran
@@ -49,11 +55,18 @@ class Pins:
     """The engine's pins, over its KV manager."""
 
     def __init__(
-        self, kv: KVCacheManager, page_bytes: int, max_bytes: int, clock: Callable[[], float] = time.monotonic
+        self,
+        kv: KVCacheManager,
+        page_bytes: int,
+        max_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+        state_bytes: int = 0,
     ) -> None:
+        """`state_bytes`: what a hybrid's state snapshot holds (0 for a plain transformer)."""
         self.kv = kv
         self.page_bytes = page_bytes
         self.max_bytes = max_bytes
+        self.state_bytes = state_bytes
         self._clock = clock
         self._pins: dict[str, _Pin] = {}
 
@@ -65,8 +78,9 @@ class Pins:
 
     @property
     def held_bytes(self) -> int:
-        """KV bytes the held pins keep (a page two pins share counts once)."""
-        return self.kv.num_pinned * self.page_bytes
+        """KV bytes the held pins keep, a hybrid's state snapshots included (a page or snapshot two pins
+        share counts once)."""
+        return self.kv.num_pinned * self.page_bytes + self.kv.num_pinned_states * self.state_bytes
 
     def check(self, pin_id: str, token_ids: list[int], ttl_s: float | None) -> None:
         """Raise InvalidRequestError (PinLimitError past the cap) unless this pin can be added."""
@@ -83,16 +97,33 @@ class Pins:
             raise InvalidRequestError(
                 f"a pin holds whole pages of {self.kv.page_size} tokens; this prefix has {len(token_ids)}"
             )
-        pending = sum(len(p.token_ids) // self.kv.page_size for p in self._pins.values() if not p.ready)
+        in_flight = [p for p in self._pins.values() if not p.ready]
+        pending = sum(len(p.token_ids) // self.kv.page_size for p in in_flight)
         wanted = (len(token_ids) // self.kv.page_size + pending) * self.page_bytes
+        if self.kv.takes_snapshots:  # each holds a snapshot too
+            wanted += (len(in_flight) + 1) * self.state_bytes
+            if not self.kv.states.can_hold(len(in_flight) + 1):
+                raise PinLimitError(
+                    "every state slot a pin may hold is held: pins leave a hybrid's state pool two "
+                    "slots, one for a running request and one for a snapshot"
+                )
         if self.held_bytes + wanted > self.max_bytes:
             raise PinLimitError(
                 f"pinning {len(token_ids)} tokens ({wanted:,} bytes with pins in progress) would hold more "
                 f"than max_pinned_memory allows: {self.held_bytes:,} of {self.max_bytes:,} bytes are pinned"
             )
 
+    def prefill_prompt(self, token_ids: list[int], cache_salt: str | None) -> list[int] | None:
+        """What a new pin's prefill computes: the prefix; on a hybrid its whole pages, so that a snapshot is
+        taken at their end, or None when they and that snapshot are cached already (`hold` it at once)."""
+        if not self.kv.takes_snapshots:
+            return list(token_ids)
+        if self.kv.pin_is_cached(token_ids, cache_salt):
+            return None
+        return list(token_ids[: len(token_ids) // self.kv.page_size * self.kv.page_size])
+
     def add(self, pin_id: str, token_ids: list[int], ttl_s: float | None, cache_salt: str | None) -> None:
-        """Record a checked pin whose prefix is being computed."""
+        """Record a checked pin whose prefix is being computed (or is cached: `hold` it now)."""
         self._pins[pin_id] = _Pin(list(token_ids), cache_salt, ttl_s)
 
     def hold(self, pin_id: str, num_cached_tokens: int) -> None:
@@ -136,5 +167,7 @@ class Pins:
         if not pin.ready and pin.ttl_s is not None:
             left = pin.ttl_s
         kv_bytes = len(self.kv.pinned_pages(pin_id)) * self.page_bytes
+        if self.kv.pinned_state(pin_id) is not None:
+            kv_bytes += self.state_bytes
         cached = min(pin.num_tokens, pin.num_cached_tokens)
         return PinInfo(pin_id, pin.num_tokens, kv_bytes, left, pin.ready, cached)

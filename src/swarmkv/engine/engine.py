@@ -184,14 +184,25 @@ class LLMEngine:
 
     def add_pin(
         self, pin_id: str, prompt_token_ids: list[int], ttl_s: float | None, cache_salt: str | None = None
-    ) -> None:
+    ) -> bool:
         """Pin a prefix: queue a one-token prefill of it under `pin_id` (its delta arrives like any request's);
-        when it finishes, the prefix's full pages are held until `ttl_s` runs out or `unpin`.
-        InvalidRequestError (PinLimitError past the cap), and nothing queued, if it cannot be pinned."""
+        when it finishes, the prefix's full pages (and a hybrid's state at their end) are held until `ttl_s`
+        runs out or `unpin`. True when nothing was queued because the pin is held already: a hybrid's prefix
+        cached with its state (see `Pins`); no delta comes then. InvalidRequestError (PinLimitError past
+        the cap), and nothing queued or held, if it cannot be pinned."""
         self.pins.check(pin_id, prompt_token_ids, ttl_s)
+        prompt = self.pins.prefill_prompt(prompt_token_ids, cache_salt)
+        if prompt is None:
+            if self.core.get_sequence(pin_id) is not None:
+                raise InvalidRequestError(f"request id {pin_id!r} is already in use")
+            self._validate_prompt(prompt_token_ids)
+            self.pins.add(pin_id, prompt_token_ids, ttl_s, cache_salt)
+            self.pins.hold(pin_id, len(prompt_token_ids))
+            return True
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        self._add(pin_id, prompt_token_ids, params, cache_salt, None, is_pin=True)
+        self._add(pin_id, prompt, params, cache_salt, None, is_pin=True)
         self.pins.add(pin_id, prompt_token_ids, ttl_s, cache_salt)
+        return False
 
     def get_pin(self, pin_id: str) -> PinInfo | None:
         """A pin's tokens, bytes and time left, or None."""

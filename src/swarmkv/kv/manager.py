@@ -16,7 +16,8 @@ indexed. Without prefix caching (the per-slot layout) the same manager keeps no 
 Eviction follows a `Retention` policy (plain LRU, or session-aware ranks). With a host tier, an evicted page
 is copied to a host page instead of being dropped and its tree node stays; a hit on host pages loads them
 back inside `allocate`, before the request runs, so every request sharing them waits on that one load.
-A pin holds a prefix's pages like a request would, so eviction never takes them.
+A pin holds a prefix's pages like a request would, so eviction never takes them; on a hybrid it also holds
+the state snapshot at their end, without which a hit there could not resume.
 
 For a hybrid model (`states`), pages hold the attention layers' KV and a `StateIndex` the linear-attention
 layers' recurrent states: a running slot per request and snapshots keyed by the tokens before them. A hit is
@@ -85,6 +86,7 @@ class KVCacheManager:
         self._tables: dict[str, _Table] = {}
         self._pins: dict[str, list[int]] = {}
         self._pin_holds: Counter[int] = Counter()  # device page -> pins holding it, kept as pins come and go
+        self._pin_states: dict[str, int] = {}  # hybrids: pin -> the state slot of the snapshot it holds
         self.num_evictions = 0
         # The recurrent-state cache kind beside the pages: a hybrid's slots, or none.
         self.states: NoStates = (
@@ -122,6 +124,11 @@ class KVCacheManager:
     def num_pinned(self) -> int:
         """Device pages some pin holds."""
         return len(self._pin_holds)
+
+    @property
+    def num_pinned_states(self) -> int:
+        """Hybrids: state snapshots some pin holds (one two pins share counts once)."""
+        return len(set(self._pin_states.values()))
 
     def all_pinned_pages(self) -> frozenset[int]:
         """Device pages some pin holds (a page two pins share is listed once)."""
@@ -353,20 +360,41 @@ class KVCacheManager:
 
     def pin(self, pin_id: str, tokens: Sequence[int], salt: Salt) -> int:
         """Hold the device pages of the cached full-page prefix of `tokens` under `pin_id`, so eviction
-        cannot take them; returns the tokens pinned."""
+        cannot take them, and on a hybrid the state snapshot at their end where one is kept (a hit there
+        resumes from it); returns the tokens pinned."""
         assert pin_id not in self._pins, f"pin {pin_id} exists"
         pages, _, _ = self.index.lookup(tokens, salt) if self.prefix_caching else ([], [], None)
         self.pool.retain(pages)
         self.index.touch(pages)
         self._pins[pin_id] = pages
         self._pin_holds.update(pages)
-        return len(pages) * self.page_size
+        num_tokens = len(pages) * self.page_size
+        slot = self.states.hold(tokens[:num_tokens], salt) if num_tokens else None
+        if slot is not None:
+            self._pin_states[pin_id] = slot
+        return num_tokens
+
+    def pin_is_cached(self, tokens: Sequence[int], salt: Salt) -> bool:
+        """Whether `pin` would hold every whole page of `tokens` with nothing computed: the pages are on the
+        device and, on a hybrid, the state after them is kept. Changes nothing."""
+        num_tokens = len(tokens) // self.page_size * self.page_size
+        if not self.prefix_caching or not num_tokens:
+            return False
+        pages, _, _ = self.index.lookup(tokens[:num_tokens], salt)
+        return len(pages) * self.page_size == num_tokens and self.states.has(tokens[:num_tokens], salt)
+
+    def pinned_state(self, pin_id: str) -> int | None:
+        """Hybrids: the state slot whose snapshot the pin holds, if any."""
+        return self._pin_states.get(pin_id)
 
     def unpin(self, pin_id: str) -> bool:
-        """Let go of a pin's pages (they stay cached); False if there is no such pin."""
+        """Let go of a pin's pages and state snapshot (they stay cached); False if there is no such pin."""
         pages = self._pins.pop(pin_id, None)
         if pages is None:
             return False
+        slot = self._pin_states.pop(pin_id, None)
+        if slot is not None:
+            self.states.unhold(slot)
         self._pin_holds.subtract(pages)
         for page in pages:
             if not self._pin_holds[page]:
@@ -499,7 +527,8 @@ class KVCacheManager:
         )
         for pin_id, pages in self._pins.items():
             assert all(self.index.is_full(p) for p in pages), f"pin {pin_id} holds a page not indexed full"
-        self.states.check(self._tables.keys())
+        assert self._pin_states.keys() <= self._pins.keys(), "a snapshot is held for a pin that is gone"
+        self.states.check(self._tables.keys(), list(self._pin_states.values()))
         self.index.check()
 
     def check_writable(self, request_id: str, start: int, end: int) -> None:

@@ -5,7 +5,8 @@ at the hit's end: a snapshot, taken where one pays (see `KVCacheManager.snapshot
 the exact tokens before it (under the request's salt), so it is found at any position, with no alignment to
 pages. Slots form one pool: a request that starts running takes a free slot, or the least recently used
 snapshot's; a new snapshot takes a free slot or the least recently used other snapshot's, never a running
-request's.
+request's. A pin holds the snapshot at its prefix's end (`hold`): no request or snapshot takes a held one,
+and holds never reach the pool's last two slots (one running, one snapshot: the least a pool works with).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class StateIndex:
         self._snapshots: dict[tuple[Salt, tuple[int, ...]], Snapshot] = {}
         self._by_slot: dict[int, Snapshot] = {}
         self._positions: dict[Salt, Counter[int]] = {}
+        self._holds: Counter[int] = Counter()  # slot -> pins holding its snapshot
         self._clock = itertools.count(1)
         self.counters = StateCounters()
 
@@ -88,6 +90,11 @@ class StateIndex:
     def num_snapshots(self) -> int:
         """Slots holding snapshots."""
         return len(self._snapshots)
+
+    @property
+    def num_held(self) -> int:
+        """Snapshots some pin holds."""
+        return len(self._holds)
 
     def count(self, kind: SnapshotKind) -> int:
         """Snapshots of one kind."""
@@ -103,8 +110,8 @@ class StateIndex:
         return self._running[request_id]
 
     def can_take(self) -> bool:
-        """Whether `take` would succeed: a free slot, or a snapshot to drop for one."""
-        return bool(self._free or self._snapshots)
+        """Whether `take` would succeed: a free slot, or a snapshot no pin holds to drop for one."""
+        return bool(self._free) or len(self._snapshots) > len(self._holds)
 
     def take(self, request_id: str) -> int:
         """A slot for a request that starts running (dropping the least recently used snapshot if none is
@@ -146,7 +153,7 @@ class StateIndex:
         if kept is not None:
             kept.last_access = next(self._clock)
             return None
-        if not self._free and not self._snapshots:
+        if not self.can_take():
             return None
         slot = self._free.pop() if self._free else self._drop_lru()
         snapshot = self._snapshots[key] = Snapshot(slot, salt, key[1], next(self._clock), kind)
@@ -155,8 +162,32 @@ class StateIndex:
         self.counters.stores += 1
         return slot
 
+    def can_hold(self, num_more: int = 1) -> bool:
+        """Whether pins may hold `num_more` more snapshots: holds leave the pool's last two slots alone."""
+        return len(self._holds) + num_more <= self.num_slots - 2
+
+    def hold(self, tokens: Sequence[int], salt: Salt) -> int | None:
+        """Hold the snapshot after exactly `tokens` for a pin, so nothing drops it until `unhold`; its slot, or
+        None if no such snapshot is kept or no more may be held. A held snapshot is where other requests
+        resume, so it counts as a branch from now on."""
+        snapshot = self._snapshots.get((salt, tuple(tokens)))
+        if snapshot is None or (snapshot.slot not in self._holds and not self.can_hold()):
+            return None
+        snapshot.kind = "branch"
+        snapshot.last_access = next(self._clock)
+        self._holds[snapshot.slot] += 1
+        return snapshot.slot
+
+    def unhold(self, slot: int) -> None:
+        """A pin let go of the snapshot in `slot`: once no pin holds it, it is dropped like any other."""
+        assert self._holds[slot] > 0, f"slot {slot} holds no pinned snapshot"
+        self._holds[slot] -= 1
+        if not self._holds[slot]:
+            del self._holds[slot]
+
     def _drop_lru(self) -> int:
-        key, snapshot = min(self._snapshots.items(), key=lambda item: item[1].last_access)
+        unheld = ((key, s) for key, s in self._snapshots.items() if s.slot not in self._holds)
+        key, snapshot = min(unheld, key=lambda item: item[1].last_access)
         del self._snapshots[key]
         del self._by_slot[snapshot.slot]
         positions = self._positions[snapshot.salt]
@@ -168,9 +199,9 @@ class StateIndex:
         self.counters.drops += 1
         return snapshot.slot
 
-    def check(self, running: set[str]) -> None:
-        """Raise AssertionError unless every slot is free, running or a snapshot exactly once, and exactly
-        the requests in `running` hold slots."""
+    def check(self, running: set[str], held: Counter[int] | None = None) -> None:
+        """Raise AssertionError unless every slot is free, running or a snapshot exactly once, exactly
+        the requests in `running` hold slots and, given `held` (slot -> pins holding it), the pins' holds."""
         assert set(self._running) == running, (
             f"state slots held by {sorted(set(self._running) ^ running)} disagree with the page tables"
         )
@@ -180,3 +211,8 @@ class StateIndex:
         indexed = Counter({(salt, p): n for salt, ps in self._positions.items() for p, n in ps.items()})
         assert counted == indexed, "snapshot positions disagree with the snapshots"
         assert {s.slot: s for s in self._snapshots.values()} == self._by_slot, "snapshot slot map is stale"
+        assert all(slot in self._by_slot and n > 0 for slot, n in self._holds.items()), (
+            "a hold lost its snapshot"
+        )
+        assert held is None or held == self._holds, "the pins' snapshots disagree with the held ones"
+        assert len(self._holds) <= max(0, self.num_slots - 2), "pins hold the pool's last slots"

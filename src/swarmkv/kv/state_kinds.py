@@ -5,12 +5,13 @@ request and snapshots of states keyed by the exact tokens before them (`StateInd
 this kind the questions that differ between a plain transformer and a hybrid, so it holds no `if hybrid`
 branches of its own: where a prefix hit may resume (`resume`: the deepest snapshot at or before the page
 match), whether a partial page may be claimed or must be copied, whether a new request can get a slot,
-and what to do when a request starts, is cut at a snapshot point, or stops. `NoStates` answers for a plain
-transformer: every page hit resumes, nothing is stored.
+and what to do when a request starts, is cut at a snapshot point, or stops, and which snapshot a pin holds
+beside its pages. `NoStates` answers for a plain transformer: every page hit resumes, nothing is stored.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 
 from swarmkv.kv.radix_index import Salt
@@ -57,8 +58,25 @@ class NoStates:
     def release(self, request_id: str) -> None:
         """The request stopped running."""
 
-    def check(self, request_ids: Collection[str]) -> None:
-        """Raise AssertionError unless exactly `request_ids` hold what this kind holds per request."""
+    def can_hold(self, num_pins: int) -> bool:
+        """Whether `num_pins` more pins can each hold what this kind keeps at a pinned prefix's end."""
+        return True
+
+    def has(self, tokens: Sequence[int], salt: Salt) -> bool:
+        """Whether the state after exactly `tokens` is kept (a plain transformer needs none)."""
+        return True
+
+    def hold(self, tokens: Sequence[int], salt: Salt) -> int | None:
+        """Hold the state after exactly `tokens` for a pin; its slot, or None when none is held."""
+        return None
+
+    def unhold(self, slot: int) -> None:
+        """A pin let go of the state it held in `slot`."""
+
+    def check(self, request_ids: Collection[str], held_slots: Collection[int] = ()) -> None:
+        """Raise AssertionError unless exactly `request_ids` hold what this kind holds per request, and
+        `held_slots` (one per pin holding one) is what the pins hold."""
+        assert not held_slots, "a plain transformer's pins hold no state"
 
 
 class RecurrentStates(NoStates):
@@ -131,6 +149,23 @@ class RecurrentStates(NoStates):
         """The request's running slot is free again."""
         self.index.release(request_id)
 
-    def check(self, request_ids: Collection[str]) -> None:
-        """Raise AssertionError unless exactly `request_ids` hold a running slot, and the slots add up."""
-        self.index.check(set(request_ids))
+    def can_hold(self, num_pins: int) -> bool:
+        """Whether `num_pins` more pins can each hold a snapshot (they never hold the pool's last two slots)."""
+        return self.index.can_hold(num_pins)
+
+    def has(self, tokens: Sequence[int], salt: Salt) -> bool:
+        """Whether the state after exactly `tokens` is kept."""
+        return self.index.has(tokens, salt)
+
+    def hold(self, tokens: Sequence[int], salt: Salt) -> int | None:
+        """Hold the snapshot after exactly `tokens` for a pin, so nothing drops it; its slot, or None."""
+        return self.index.hold(tokens, salt)
+
+    def unhold(self, slot: int) -> None:
+        """A pin let go of its snapshot: it is dropped in its turn, like any other."""
+        self.index.unhold(slot)
+
+    def check(self, request_ids: Collection[str], held_slots: Collection[int] = ()) -> None:
+        """Raise AssertionError unless exactly `request_ids` hold a running slot, the pins' `held_slots`
+        are the held snapshots, and the slots add up."""
+        self.index.check(set(request_ids), Counter(held_slots))

@@ -1,7 +1,8 @@
 """The pins whose one-token prefill is still queued or running, and the futures their HTTP callers await.
 
 Loop thread only. A pin reaches the engine as an ordinary request under its pin id; its finished delta
-means the engine now holds the prefix's pages under the pin, so its caller gets `get_pin()`.
+means the engine now holds the prefix's pages under the pin, so its caller gets `get_pin()`. A pin the
+engine holds at once (a hybrid's prefix cached with its state snapshot) is answered at once.
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ class PendingPins:
         if not command.ready.set_running_or_notify_cancel():
             return  # the caller was cancelled before the engine saw the pin
         try:
-            engine.add_pin(command.pin_id, command.prompt_token_ids, command.ttl_s, command.cache_salt)
+            held = engine.add_pin(command.pin_id, command.prompt_token_ids, command.ttl_s, command.cache_salt)
         except Exception as exc:
             command.ready.set_exception(exc)
+            return
+        if held:  # cached already (a hybrid's prefix with its state): no prefill, no delta to wait for
+            command.ready.set_result(engine.get_pin(command.pin_id))
             return
         self._ready[command.pin_id] = command.ready
 
