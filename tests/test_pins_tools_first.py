@@ -145,3 +145,28 @@ def test_a_tool_mark_pins_the_system_turn_where_the_template_order_stands(
     del body["system"]
     req, mark = _tool_mark(body)
     assert mark.messages == [] and req.pin_request(mark, qwen, "tools-first").messages == []
+
+
+def test_over_http_a_second_agent_reads_the_pinned_tools(folder: Path) -> None:
+    # The Messages route pins what the mark covers: the tools alone (server default layout: auto, tools-first).
+    import httpx
+
+    from swarmkv.server import create_app
+    from swarmkv.server.background import BackgroundServer
+
+    llm = LLM(model=str(folder), dtype="float32", kv_cache_memory="4MiB", block_size=BLOCK)
+    req, mark = _tool_mark(_body("/home/a/work"))
+    tokenizer = llm.tokenizer
+    num_tools = len(render_pin(tokenizer, req.pin_request(mark, tokenizer, "tools-first"), "tools-first"))
+    with BackgroundServer(create_app(llm)) as server:
+        usages = []
+        for workdir in ("/home/a/work", "/home/b/elsewhere"):
+            body = {**_body(workdir), "model": "qwen3"}
+            reply = httpx.post(f"{server.url}/v1/messages", json=body, timeout=120)
+            assert reply.status_code == 200, reply.text
+            usages.append(reply.json()["usage"])
+    first, second = usages
+    assert first["cache_creation_input_tokens"] >= num_tools // BLOCK * BLOCK
+    assert second["cache_read_input_tokens"] >= num_tools // BLOCK * BLOCK
+    assert second["cache_creation_input_tokens"] == 0  # the pin was the first agent's: nothing new to pin
+    llm.engine.check_integrity()

@@ -30,7 +30,6 @@ from swarmkv.api.messages_objects import (
 from swarmkv.api.messages_request import Breakpoint, MessagesRequest, parse_messages_request
 from swarmkv.api.outputs import StepOutput
 from swarmkv.api.paths import CHAT_ROUTE
-from swarmkv.api.pin_request import PinRequest
 from swarmkv.api.render import render_chat, render_pin
 from swarmkv.api.session_id import CLAUDE_CODE_SESSION_HEADER
 from swarmkv.api.tool_formats import tool_format_of
@@ -98,8 +97,8 @@ async def _pin_breakpoints(ctx: ServerContext, req: MessagesRequest) -> int:
 
 async def _pin(ctx: ServerContext, req: MessagesRequest, mark: Breakpoint) -> int:
     salt = req.chat.options.cache_salt
-    pin = PinRequest(None, mark.messages, req.chat.prompt_tools, None, mark.ttl_s, salt)
-    ids = render_pin(ctx.tokenizer, pin, resolve_layout(ctx.prompt_layout, "messages"))  # as the prompt is
+    layout = resolve_layout(ctx.prompt_layout, "messages")
+    ids = render_pin(ctx.tokenizer, req.pin_request(mark, ctx.tokenizer, layout), layout)  # as the prompt is
     # The id follows from the prefix and salt, so a repeated request refreshes its pin instead of adding one.
     digest = hashlib.sha256(f"{salt}\0{ids}".encode()).hexdigest()[:32]
     pin_id = f"pin-msg-{digest}"
