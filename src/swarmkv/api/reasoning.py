@@ -28,13 +28,14 @@ def prompt_opens_thinking(prompt_text: str) -> bool:
     return prompt_text.rstrip().endswith(OPEN_THINK)
 
 
-def reasoning_splitter(template_source: str | None, prompt_text: str) -> ReasoningSplitter | None:
-    """A splitter for one reply to `prompt_text`, or None when the template is not a thinking model's."""
-    return (
-        ReasoningSplitter(prompt_opens_thinking(prompt_text))
-        if is_thinking_template(template_source)
-        else None
-    )
+def reasoning_splitter(
+    template_source: str | None, prompt_text: str, enabled: bool = True
+) -> ReasoningSplitter | None:
+    """A splitter for one reply to `prompt_text`; None when the template is not a thinking model's or its
+    thinking is switched off (`enable_thinking` false), where the reply is content as it was written."""
+    if not (enabled and is_thinking_template(template_source)):
+        return None
+    return ReasoningSplitter(prompt_opens_thinking(prompt_text))
 
 
 @dataclass(frozen=True)
