@@ -15,7 +15,7 @@ from swarmkv.api.chat_request import parse_chat_request
 from swarmkv.api.errors import APIError
 from swarmkv.api.messages_objects import ContentBlocks, reply_content, thinking_signature
 from swarmkv.api.messages_request import parse_messages_request
-from swarmkv.api.reasoning import reasoning_splitter
+from swarmkv.api.reasoning import ReasoningSplitter, reasoning_splitter
 from swarmkv.api.responses_objects import EventWriter, reasoning_item
 from swarmkv.api.responses_request import parse_responses_request
 from swarmkv.api.responses_stream import OutputItems
@@ -99,6 +99,22 @@ def test_messages_thinking_is_the_switch_on_the_chat_request() -> None:
 
     assert chat_kwargs({"type": "adaptive", "display": "updates"}) == {"enable_thinking": True}
     assert chat_kwargs({"type": "disabled"}) == {"enable_thinking": False}
+
+
+def test_the_splitter_counts_the_reasoning_blocks_tokens_tags_included() -> None:
+    splitter = ReasoningSplitter()
+    for text in ("<thi", "nk>", "\nPlan", ".\n", "</think>", "\n\n", "Done", "."):
+        splitter.feed(text, 1)
+    splitter.finish()
+    assert splitter.num_tokens == 5  # `<thi`, `nk>`, the two of the plan and `</think>`
+    opened = ReasoningSplitter(opened=True)
+    for text in ("Plan", "</think>\n\nDone"):
+        opened.feed(text, 2)
+    assert opened.num_tokens == 4
+    plain = ReasoningSplitter()
+    for text in ("<", "b>bold</b>"):
+        plain.feed(text, 1)
+    assert plain.num_tokens == 0
 
 
 def test_a_switched_off_or_plain_template_splits_nothing(qwen: Tokenizer, smol: Tokenizer) -> None:
@@ -303,5 +319,4 @@ def test_responses_stream_a_reasoning_item_as_codex_parses_it(summary: bool) -> 
     assert done["summary"] == ([{"type": "summary_text", "text": "Check the weather."}] if summary else [])
     assert done["encrypted_content"] is None
     assert [item["type"] for item in items.output] == ["reasoning", "message"]
-    assert items.reasoning == "Check the weather."
     assert [e["sequence_number"] for e in events] == list(range(len(events)))

@@ -34,7 +34,6 @@ class OutputItems:
         self.output: list[Item] = []  # the finished items
         self._reasoning: str | None = None  # the open reasoning item's text, None when none is open
         self._reasoning_id = ""
-        self.reasoning = ""  # the reply's whole reasoning so far
         self._text: str | None = None  # the open message's text, None when no message is open
         self._msg_id = ""
         self._call: tuple[str, str, str] | None = None  # the open call's item id, name and arguments so far
@@ -68,7 +67,6 @@ class OutputItems:
                 where = {"item_id": self._reasoning_id, **summary}
                 yield self._emit("response.reasoning_summary_part.added", {**where, "part": summary_part("")})
         self._reasoning += reasoning
-        self.reasoning += reasoning
         item_id = self._reasoning_id
         yield self._emit("response.reasoning_text.delta", {"item_id": item_id, **content, "delta": reasoning})
         if self._summary:

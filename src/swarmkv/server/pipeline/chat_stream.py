@@ -27,10 +27,12 @@ def parse_whole_reply(
     reasoning: ReasoningSplitter | None = None,
 ) -> ParsedDelta:
     """A finished reply's reasoning (when split), text and tool calls."""
-    body = "".join(o.text for o in outputs)
-    split = ReasoningSplit(content=body)
+    split = ReasoningSplit(content="".join(o.text for o in outputs))
     if reasoning is not None:
-        split = reasoning.feed(body).then(reasoning.finish())
+        split = ReasoningSplit()
+        for out in outputs:  # output by output, so the splitter counts the reasoning's tokens
+            split = split.then(reasoning.feed(out.text, out.num_new_tokens))
+        split = split.then(reasoning.finish())
     if not req.parses_tool_calls:
         return ParsedDelta(content=split.content, reasoning=split.reasoning)
     parsed = parse_tool_calls(req.forced_call_opening() + split.content, fmt=fmt, tools=req.prompt_tools)
@@ -52,7 +54,7 @@ async def chat_deltas(
         latency.observe(out)
         split = ReasoningSplit(content=out.text)
         if reasoning is not None:
-            split = reasoning.feed(out.text)
+            split = reasoning.feed(out.text, out.num_new_tokens)
             if out.finished:
                 split = split.then(reasoning.finish())
         parsed = ParsedDelta(reasoning=split.reasoning)

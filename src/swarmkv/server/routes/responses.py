@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from swarmkv.api.errors import APIError
 from swarmkv.api.outputs import StepOutput
 from swarmkv.api.paths import CHAT_ROUTE
+from swarmkv.api.reasoning import ReasoningSplitter
 from swarmkv.api.responses_objects import (
     EventWriter,
     ResponseHead,
@@ -80,7 +81,7 @@ async def create_response(request: Request) -> Response:
 
     if req.chat.options.stream:
         return EventStream(
-            _events(ctx, req, started, latency, head, on_done), lambda: ctx.engine.abort(stream.request_id)
+            _events(req, started, latency, head, on_done), lambda: ctx.engine.abort(stream.request_id)
         )
     outputs = await collect_unless_disconnected(request, ctx, stream, latency)
     if outputs is None:
@@ -97,7 +98,7 @@ async def create_response(request: Request) -> Response:
         function_call_item(new_id("fc"), call, namespace=req.namespaces.get(call.name))
         for call in parsed.tool_calls
     ]
-    body = _finished(ctx, head, output, last, len(parsed.tool_calls), parsed.reasoning)
+    body = _finished(head, output, last, len(parsed.tool_calls), started.reasoning)
     on_done(body, output)
     return JSONResponse(body)
 
@@ -156,22 +157,18 @@ def _not_found(response_id: str, param: str | None) -> APIError:
 
 
 def _finished(
-    ctx: ServerContext,
     head: ResponseHead,
     output: list[Item],
     last: StepOutput | None,
     num_calls: int,
-    reasoning: str,
+    reasoning: ReasoningSplitter | None,
 ) -> dict[str, Any]:
     incomplete = is_incomplete(last, num_calls)
-    # The reasoning's tokens as its text encodes (the `<think>` tags aside), which is what the model wrote.
-    num_reasoning_tokens = len(ctx.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
-    totals = usage(last, num_reasoning_tokens)
+    totals = usage(last, reasoning.num_tokens if reasoning is not None else 0)
     return head.body("incomplete" if incomplete else "completed", output, totals, incomplete)
 
 
 async def _events(
-    ctx: ServerContext,
     req: ResponsesRequest,
     started: StartedChat,
     latency: Latency,
@@ -197,7 +194,7 @@ async def _events(
     for event in items.close():
         yield event
     output = items.output
-    body = _finished(ctx, head, output, last, items.num_calls, items.reasoning)
+    body = _finished(head, output, last, items.num_calls, started.reasoning)
     on_done(body, output)
     # Always response.completed (the body's status says "incomplete"): the openai client's stream helpers
     # finish on that event alone.
