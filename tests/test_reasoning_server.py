@@ -33,6 +33,7 @@ from swarmkv.server.background import BackgroundServer
 from swarmkv.server.context import ServerContext
 from swarmkv.server.pipeline.generate import render_for_model
 
+pytestmark = pytest.mark.e2e  # a live server
 TIMEOUT_S = 600.0
 BLOCK_SIZE = 16
 THOUGHT = "Check the weather."
