@@ -216,6 +216,7 @@ def test_responses_return_a_reasoning_item_whole_and_streamed(served: Served, su
     assert reasoning["type"] == "reasoning" and call["type"] == "function_call"
     assert reasoning["content"] == [{"type": "reasoning_text", "text": THOUGHT}]
     assert reasoning["summary"] == ([{"type": "summary_text", "text": THOUGHT}] if summary else [])
+    assert reply["reasoning"] == {"effort": None, "summary": summary}
     # `<think>`, the thought and `</think>`, of the reply's 13 tokens.
     assert reply["usage"]["output_tokens_details"]["reasoning_tokens"] == 3
     assert reply["usage"]["output_tokens"] == 13
@@ -291,3 +292,53 @@ def _generated_text(reply: dict[str, Any]) -> str:
         return REASONING_REPLY + "<|im_end|>"
     assert reply["content"] == ANSWER
     return ANSWER + "<|im_end|>"
+
+
+def test_claude_codes_resent_thinking_block_is_read_from_cache(served: Served) -> None:
+    """Claude Code sends the thinking block back with the tool_use: the tool loop's next request renders it
+    as the model wrote it, so the cache serves turn 1's reply too, not only its prompt."""
+    body: dict[str, Any] = {
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": "Weather in Paris, please?"}],
+        "tools": _anthropic_tools(),
+        "thinking": {"type": "adaptive"},
+        "metadata": {"user_id": "claude-thinking-session"},
+    }
+    first = served.post("/v1/messages", body)
+    usage = first["usage"]
+    num_prompt = (
+        usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"]
+    )
+    call_id = first["content"][1]["id"]
+    result = {"type": "tool_result", "tool_use_id": call_id, "content": [{"type": "text", "text": "sunny"}]}
+    body["messages"] += [
+        {"role": "assistant", "content": first["content"]},
+        {"role": "user", "content": [result]},
+    ]
+    second = served.post("/v1/messages", body)
+    assert second["content"] == [{"type": "text", "text": ANSWER}]
+    assert second["usage"]["cache_read_input_tokens"] > num_prompt
+
+
+def test_codexs_resent_reasoning_item_is_read_from_cache(served: Served) -> None:
+    """Codex CLI (store: false) sends the reasoning item back in `input` with the call and its output."""
+    body: dict[str, Any] = {
+        "model": "scripted",
+        "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Paris weather?"}]}
+        ],
+        "tools": _responses_tools(),
+        "store": False,
+        "reasoning": {"summary": "auto"},
+        "prompt_cache_key": "codex-thinking-session",
+    }
+    first = served.post("/v1/responses", body)
+    reasoning, call = first["output"]
+    # As Codex serializes its ResponseItem::Reasoning: no id, the summary, the reasoning_text content.
+    resent = {k: reasoning[k] for k in ("type", "summary", "content", "encrypted_content")}
+    output = {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}
+    call_item = {k: call[k] for k in ("type", "name", "arguments", "call_id")}
+    body["input"] += [resent, call_item, output]
+    second = served.post("/v1/responses", body)
+    assert second["output"][0]["content"][0]["text"] == ANSWER
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] > first["usage"]["input_tokens"]

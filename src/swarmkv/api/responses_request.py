@@ -110,6 +110,7 @@ def parse_responses_request(
         "store": store,
         "parallel_tool_calls": get_field(body, "parallel_tool_calls", bool, "a boolean", True),
         "text": {"format": {"type": "text"}},
+        "reasoning": {"effort": reasoning.get("effort"), "summary": summary},
     }
     if offered.dropped:
         # Outside `metadata`, which is the client's own to set and read back: an extension field, as

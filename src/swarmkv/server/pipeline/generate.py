@@ -63,9 +63,8 @@ class StartedChat:
     """A submitted chat request: the request as it was rendered, its stream and prompt, the cache break it
     causes (if any), and the splitter of its reply's reasoning (None unless the model thinks)."""
 
-    req: (
-        ChatRequest  # in the template's tool-call format, a forced call closing a `<think>` the prompt opened
-    )
+    # In the template's tool-call format, a forced call closing a `<think>` the prompt opened.
+    req: ChatRequest
     stream: RequestStream
     rendered: RenderedPrompt
     found: Awaitable[Break | None]
