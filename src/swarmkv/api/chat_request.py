@@ -1,15 +1,19 @@
-"""The /v1/chat/completions body: messages normalised for the chat template, tools and tool_choice."""
+"""The /v1/chat/completions body: messages normalised for the chat template, tools, tool_choice and the
+template's own switches (vLLM's `chat_template_kwargs`, and `enable_thinking`)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from swarmkv.api.errors import bad_request, get_field, type_name
 from swarmkv.api.options import Options, parse_options
+from swarmkv.api.reasoning import CLOSE_THINK, THINKING_SWITCH
+from swarmkv.api.tool_formats import XML_FUNCTION_MARK, ToolFormat, tool_format_of
 from swarmkv.api.tool_parser import CLOSE_TAG, OPEN_TAG
+from swarmkv.api.xml_call_stream import PARAM_OPEN
 
 Message = dict[str, Any]
 
@@ -31,6 +35,26 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None
     tool_choice: ToolChoice
     diagnostics: bool = False  # `swarmkv_diagnostics`: add `usage.swarmkv` (the cache break, if any)
+    # The chat template's own switches: `chat_template_kwargs`, with a top-level `enable_thinking` in it.
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The tool-call format the model writes, from its chat template (`for_template`); a forced call opens in it.
+    tool_format: ToolFormat = "hermes"
+    # Whether the prompt ends inside an open `<think>` (Qwen3.5's generation prompt), which a forced call's
+    # opening closes first, so the call is not written as reasoning.
+    closes_thinking: bool = False
+
+    def for_template(self, template_source: str | None) -> ChatRequest:
+        """This request for a model with this chat template: its forced call opens in the template's format."""
+        return replace(self, tool_format=tool_format_of(template_source))
+
+    def closing_thinking(self) -> ChatRequest:
+        """This request for a prompt that ends inside `<think>`: a forced call's opening closes the block."""
+        return replace(self, closes_thinking=True)
+
+    @property
+    def thinking_enabled(self) -> bool:
+        """Whether the template's thinking switch is left on (a template's default is on where it has one)."""
+        return self.template_kwargs.get(THINKING_SWITCH) is not False
 
     @property
     def prompt_tools(self) -> list[dict[str, Any]] | None:
@@ -43,12 +67,21 @@ class ChatRequest:
         return bool(self.prompt_tools)
 
     def forced_prefix(self) -> str:
-        """Reply text written for the model when the call is required, so that it completes one call.
+        """Reply text written for the model when the call is required, so that it completes one call: the
+        call's opening (`forced_call_opening`), after the `</think>` that closes a block the prompt opened."""
+        opening = self.forced_call_opening()
+        # The empty block a thinking template writes when thinking is off: `<think>\n\n</think>\n\n`.
+        return f"\n{CLOSE_THINK}\n\n{opening}" if opening and self.closes_thinking else opening
+
+    def forced_call_opening(self) -> str:
+        """The start of the one call a forced reply makes, in the model's own format; what the parser reads.
 
         Without constrained decoding, "required" and a named tool are honoured by starting the reply
-        inside a Hermes tool-call block (naming the tool when it is named or the only one); the block's
-        end stops generation, so the reply is one call. A named call's arguments open with what its schema
-        fixes, the first required property's key, which keeps small models to the schema's names.
+        inside a tool-call block (naming the tool when it is named or the only one); the block's end stops
+        generation, so the reply is one call. A named call's arguments open with what its schema fixes, the
+        first required property's key, which keeps small models to the schema's names. The block is a Hermes
+        JSON one, or for a template of the XML family (Qwen3.5, Qwen3-Coder) `<function=NAME>` and
+        `<parameter=KEY>`, as that model writes its calls.
         """
         name = self.tool_choice.name
         if self.tool_choice.mode == "required" and self.tools and len(self.tools) == 1:
@@ -57,10 +90,18 @@ class ChatRequest:
             tool: dict[str, Any] = next(
                 (t["function"] for t in self.tools or () if t["function"]["name"] == name), {}
             )
+            if self.tool_format == "xml":
+                key = _first_required_key(tool.get("parameters"))
+                parameter = f"{PARAM_OPEN}{key}>\n" if key is not None else ""
+                return f"{OPEN_TAG}\n{XML_FUNCTION_MARK}{name}>\n{parameter}"
             opening = _arguments_opening(tool.get("parameters"))
             return f'{OPEN_TAG}\n{{"name": {json.dumps(name)}, "arguments": {opening}'
         if self.tool_choice.mode == "required":
-            return f'{OPEN_TAG}\n{{"name": "'
+            return (
+                f"{OPEN_TAG}\n{XML_FUNCTION_MARK}"
+                if self.tool_format == "xml"
+                else f'{OPEN_TAG}\n{{"name": "'
+            )
         return ""
 
     def forced_stop(self) -> tuple[str, ...]:
@@ -68,18 +109,24 @@ class ChatRequest:
         return (CLOSE_TAG,) if self.forced_prefix() else ()
 
 
+def _first_required_key(schema: Any) -> str | None:
+    """The first required property of a JSON schema, when the schema describes it."""
+    if not isinstance(schema, dict):
+        return None
+    required, properties = schema.get("required"), schema.get("properties")
+    if not (isinstance(required, list) and required and isinstance(properties, dict)):
+        return None
+    key = required[0]
+    return key if isinstance(key, str) and isinstance(properties.get(key), dict) else None
+
+
 def _arguments_opening(schema: Any) -> str:
     """The start of a call's arguments that its JSON schema fixes: the first required property's key, and
     the opening quote of a string value; nothing when the schema requires nothing."""
-    if not isinstance(schema, dict):
+    key = _first_required_key(schema)
+    if key is None:
         return ""
-    required, properties = schema.get("required"), schema.get("properties")
-    if not (isinstance(required, list) and required and isinstance(properties, dict)):
-        return ""
-    key = required[0]
-    if not isinstance(key, str) or not isinstance(properties.get(key), dict):
-        return ""
-    quote = '"' if properties[key].get("type") == "string" else ""
+    quote = '"' if schema["properties"][key].get("type") == "string" else ""
     return f"{{{json.dumps(key, ensure_ascii=False)}: {quote}"
 
 
@@ -89,7 +136,33 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     messages = parse_messages(body.get("messages"))
     tools = parse_tools(body.get("tools"))
     diagnostics = get_field(body, "swarmkv_diagnostics", bool, "a boolean", False)
-    return ChatRequest(options, messages, tools, _tool_choice(body.get("tool_choice"), tools), diagnostics)
+    choice = _tool_choice(body.get("tool_choice"), tools)
+    return ChatRequest(options, messages, tools, choice, diagnostics, parse_template_kwargs(body))
+
+
+# What the renderer itself passes to the chat template; a client's switch may not replace them.
+_RENDERER_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+def parse_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat template's switches: vLLM's `chat_template_kwargs` object, and a top-level `enable_thinking`
+    (as SGLang and DashScope take it), which must agree with the object's when both are given."""
+    kwargs = dict(get_field(body, "chat_template_kwargs", dict, "an object", {}))
+    for key in kwargs:
+        if key in _RENDERER_VARIABLES:
+            raise bad_request(
+                f"chat_template_kwargs.{key} is not a template switch: the server renders it from the request",
+                param=f"chat_template_kwargs.{key}",
+            )
+    enable_thinking = get_field(body, THINKING_SWITCH, bool, "a boolean")
+    if enable_thinking is not None:
+        if kwargs.get(THINKING_SWITCH, enable_thinking) != enable_thinking:
+            raise bad_request(
+                f"'{THINKING_SWITCH}' and 'chat_template_kwargs.{THINKING_SWITCH}' disagree",
+                param=THINKING_SWITCH,
+            )
+        kwargs[THINKING_SWITCH] = enable_thinking
+    return kwargs
 
 
 def parse_messages(raw_messages: Any, allow_empty: bool = False) -> list[Message]:
@@ -114,18 +187,35 @@ def _message(i: int, m: Any) -> Message:
         )
     content = _content(where, m.get("content"))
     out: Message = {"role": "system" if role == "developer" else role, "content": content}
+    reasoning = _reasoning_of(where, m) if role == "assistant" else None
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning  # the name thinking templates (Qwen3's, Qwen3.5's) read
     calls = m.get("tool_calls") if role == "assistant" else None
     if calls is not None:
         if not isinstance(calls, list):
             raise bad_request(f"{where}.tool_calls must be an array", param=f"{where}.tool_calls")
         out["tool_calls"] = [_history_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls)]
     if content is None and not calls:
-        raise bad_request(f"{where} has no content", param=f"{where}.content")
+        if reasoning is None:
+            raise bad_request(f"{where} has no content", param=f"{where}.content")
+        out["content"] = ""  # a turn cut off while reasoning: templates read its content as text
     for key in ("name", "tool_call_id"):
         value = get_field(m, key, str, "a string")
         if value is not None:
             out[key] = value
     return out
+
+
+def _reasoning_of(where: str, m: dict[str, Any]) -> str | None:
+    """An earlier assistant turn's reasoning as a client sends it back: `reasoning_content` (what this server
+    and vLLM return), or `reasoning` (vLLM's newer name)."""
+    for key in ("reasoning_content", "reasoning"):
+        value = m.get(key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise bad_request(f"{where}.{key} must be a string", param=f"{where}.{key}")
+            return value
+    return None
 
 
 # Content part types of images, video and audio in OpenAI's and compatible servers' chat APIs.

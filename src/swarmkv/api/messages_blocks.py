@@ -1,7 +1,8 @@
 """Anthropic content blocks -> OpenAI-form chat messages, with a snapshot of the conversation at each cache mark.
 
 Text blocks of one turn join with newlines, tool_use blocks become the assistant turn's `tool_calls`,
-tool_result blocks become `tool` messages, and a system message inside `messages` stays a system turn where it
+thinking blocks its `reasoning_content` (which thinking templates render, or drop from past turns),
+redacted_thinking blocks nothing (their text is Anthropic's, encrypted), tool_result blocks become `tool` messages, and a system message inside `messages` stays a system turn where it
 stands (the renderer folds it into a user turn for templates that cannot render it there); a block carrying `cache_control` records the conversation up to
 and including it, for the Messages route to pin.
 """
@@ -15,6 +16,7 @@ from swarmkv.api.chat_request import Message
 from swarmkv.api.errors import bad_request, type_name
 
 TTL_S = {"5m": 300.0, "1h": 3600.0}
+_THINKING_BLOCKS = ("thinking", "redacted_thinking")  # an assistant turn's reasoning, Anthropic's two forms
 
 
 def _ttl_s(where: str, block: dict[str, Any]) -> float | None:
@@ -94,7 +96,7 @@ class MessagesBuilder:
             raise bad_request(
                 f"{where}.content must be a string or an array of blocks", param=f"{where}.content"
             )
-        allowed = ("text", "tool_result") if role == "user" else ("text", "tool_use")
+        allowed = ("text", "tool_result") if role == "user" else ("text", "tool_use", *_THINKING_BLOCKS)
         self._flush()
         for j, raw in enumerate(content):
             bwhere = f"{where}.content[{j}]"
@@ -106,7 +108,9 @@ class MessagesBuilder:
                 self._open(role)
                 if block["type"] == "text":
                     self._text(bwhere, block)
-                else:
+                elif block["type"] == "thinking":
+                    self._thinking(bwhere, block)
+                elif block["type"] == "tool_use":
                     self._tool_use(bwhere, block)
             self.mark(bwhere, block)
         self._flush()
@@ -141,8 +145,9 @@ class MessagesBuilder:
 
     def _flush(self) -> None:
         if self.pending is not None:
-            if self.pending["content"] or self.pending.get("tool_calls"):
-                self.messages.append(self.pending)
+            pending = self.pending
+            if pending["content"] or pending.get("tool_calls") or pending.get("reasoning_content"):
+                self.messages.append(pending)
             self.pending = None
 
     def _text(self, where: str, block: dict[str, Any]) -> None:
@@ -152,6 +157,15 @@ class MessagesBuilder:
             raise bad_request(f"{where}.text must be a string", param=where)
         # Blocks of one turn join with newlines, as chat completions joins text parts.
         self.pending["content"] = f"{self.pending['content']}\n{text}" if self.pending["content"] else text
+
+    def _thinking(self, where: str, block: dict[str, Any]) -> None:
+        assert self.pending is not None
+        thinking = block.get("thinking")
+        if not isinstance(thinking, str):
+            raise bad_request(f"{where}.thinking: Input should be a valid string", param=where)
+        # The signature is not checked: a block sent back is the turn's reasoning (messages_objects.py).
+        before = self.pending.get("reasoning_content")
+        self.pending["reasoning_content"] = f"{before}\n{thinking}" if before else thinking
 
     def _tool_use(self, where: str, block: dict[str, Any]) -> None:
         assert self.pending is not None

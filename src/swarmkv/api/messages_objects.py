@@ -1,7 +1,13 @@
-"""The JSON objects the Anthropic Messages API answers with: messages, stream events, usage and errors."""
+"""The JSON objects the Anthropic Messages API answers with: messages, stream events, usage and errors.
+
+A thinking model's reasoning (`api/reasoning.py`) is a `thinking` block before the reply's text and calls,
+whole or streamed as Anthropic streams one (`thinking_delta`s, then a `signature_delta`), with a signature.
+"""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -85,6 +91,21 @@ class CacheTokens:
         }
 
 
+def thinking_signature(thinking: str) -> str:
+    """A thinking block's `signature`: a digest of its text (base64, as Anthropic's opaque ones are).
+
+    Anthropic signs its thinking so that a client sends the block back unchanged; clients (Claude Code) keep
+    and return the field, so it is never empty. This server does not check it: a block sent back is the
+    turn's reasoning, whatever its signature.
+    """
+    return base64.b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
+
+
+def thinking_block(thinking: str) -> dict[str, Any]:
+    """A reply's reasoning as a whole thinking content block."""
+    return {"type": "thinking", "thinking": thinking, "signature": thinking_signature(thinking)}
+
+
 def tool_input(arguments: str) -> dict[str, Any]:
     """A parsed call's JSON arguments as a tool_use block's `input` object."""
     try:
@@ -120,19 +141,55 @@ def message_json(
     }
 
 
+def reply_content(parsed: ParsedDelta) -> list[dict[str, Any]]:
+    """A whole reply's content blocks: its thinking, its text, then its tool_use blocks."""
+    content = [thinking_block(parsed.reasoning)] if parsed.reasoning else []
+    content += [{"type": "text", "text": parsed.content}] if parsed.content else []
+    return content + [tool_use_block(call) for call in parsed.tool_calls]
+
+
 class ContentBlocks:
-    """A streamed reply's content blocks as Anthropic's events: text blocks, and tool_use blocks whose
-    input JSON arrives in pieces. A call open when a delta arrives ends before that delta's text begins."""
+    """A streamed reply's content blocks as Anthropic's events: a thinking block, text blocks, and tool_use
+    blocks whose input JSON arrives in pieces. A call open when a delta arrives ends before that delta's text
+    begins; the reasoning comes before all of a reply's text and calls, so they end the thinking block."""
 
     def __init__(self) -> None:
         self.index = 0  # the open block's, or the next one's
         self.text_open = False
         self.call_open = False
+        self.thinking: str | None = None  # the open thinking block's text so far, None when none is open
         self.num_calls = 0
 
     def add(self, parsed: ParsedDelta) -> Iterator[str]:
         """The events for one parsed delta."""
-        return in_writing_order(parsed, self.call_open, self._text, self._calls)
+        yield from self._think(parsed.reasoning)
+        if parsed.content or parsed.pieces or parsed.tool_calls:
+            yield from self._close_thinking()
+        yield from in_writing_order(parsed, self.call_open, self._text, self._calls)
+
+    def close(self) -> Iterator[str]:
+        """End the reply's open thinking or text block."""
+        yield from self._close_thinking()
+        yield from self.close_text()
+
+    def _think(self, reasoning: str) -> Iterator[str]:
+        if not reasoning:
+            return
+        if self.thinking is None:
+            opening = {"type": "thinking", "thinking": "", "signature": ""}
+            yield anthropic_event("content_block_start", {"index": self.index, "content_block": opening})
+            self.thinking = ""
+        self.thinking += reasoning
+        delta = {"type": "thinking_delta", "thinking": reasoning}
+        yield anthropic_event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def _close_thinking(self) -> Iterator[str]:
+        if self.thinking is None:
+            return
+        delta = {"type": "signature_delta", "signature": thinking_signature(self.thinking)}
+        yield anthropic_event("content_block_delta", {"index": self.index, "delta": delta})
+        yield anthropic_event("content_block_stop", {"index": self.index})
+        self.index, self.thinking = self.index + 1, None
 
     def close_text(self) -> Iterator[str]:
         """End an open text block."""

@@ -28,13 +28,14 @@ def prompt_opens_thinking(prompt_text: str) -> bool:
     return prompt_text.rstrip().endswith(OPEN_THINK)
 
 
-def reasoning_splitter(template_source: str | None, prompt_text: str) -> ReasoningSplitter | None:
-    """A splitter for one reply to `prompt_text`, or None when the template is not a thinking model's."""
-    return (
-        ReasoningSplitter(prompt_opens_thinking(prompt_text))
-        if is_thinking_template(template_source)
-        else None
-    )
+def reasoning_splitter(
+    template_source: str | None, prompt_text: str, enabled: bool = True
+) -> ReasoningSplitter | None:
+    """A splitter for one reply to `prompt_text`; None when the template is not a thinking model's or its
+    thinking is switched off (`enable_thinking` false), where the reply is content as it was written."""
+    if not (enabled and is_thinking_template(template_source)):
+        return None
+    return ReasoningSplitter(prompt_opens_thinking(prompt_text))
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,26 @@ class ReasoningSplitter:
         self._buffer = ""
         self._reasoning_started = False  # leading whitespace of the reasoning is layout
         self._pending_space = ""  # the reasoning's trailing whitespace, held until more reasoning follows
+        # Output tokens of the reasoning block, its tags included (what Responses reports as reasoning tokens);
+        # those fed before the reply's start decides wait in `_undecided_tokens`.
+        self.num_tokens = 0
+        self._undecided_tokens = 0
 
-    def feed(self, text: str) -> ReasoningSplit:
-        """Split newly generated text."""
+    def feed(self, text: str, num_tokens: int = 0) -> ReasoningSplit:
+        """Split newly generated text, the reply's next `num_tokens` tokens."""
+        before = self._state
+        split = self._feed(text)
+        if before == "reasoning":
+            self.num_tokens += num_tokens
+        elif before == "start":
+            self._undecided_tokens += num_tokens
+            if self._state in ("reasoning", "after"):
+                self.num_tokens += self._undecided_tokens
+            if self._state != "start":
+                self._undecided_tokens = 0
+        return split
+
+    def _feed(self, text: str) -> ReasoningSplit:
         self._buffer += text
         reasoning, content = "", ""
         while True:

@@ -1,4 +1,10 @@
-"""The JSON objects the OpenAI Responses API answers with: responses, output items, usage and stream events."""
+"""The JSON objects the OpenAI Responses API answers with: responses, output items, usage and stream events.
+
+A thinking model's reasoning (`api/reasoning.py`) is a `reasoning` item before the reply's message and calls:
+its text as `reasoning_text` content, as the Responses API returns an open model's reasoning, and also as the
+item's one `summary_text` when the request asks for a summary (`reasoning.summary`): this server has no
+summarizer, and clients such as Codex CLI show the summary, not the content.
+"""
 
 from __future__ import annotations
 
@@ -47,15 +53,40 @@ def function_call_item(
     return item
 
 
-def usage(out: StepOutput | None) -> dict[str, Any]:
-    """The Responses usage object; `cached_tokens` counts prompt tokens the prefix cache served."""
+def reasoning_item(item_id: str, text: str, summary: bool, status: str = "completed") -> dict[str, Any]:
+    """A reply's reasoning as a reasoning output item (no text yet while it streams); `summary`: the text is
+    also the item's summary."""
+    done = status == "completed"
+    return {
+        "type": "reasoning",
+        "id": item_id,
+        "summary": [summary_part(text)] if done and summary else [],
+        "content": [reasoning_part(text)] if done else [],
+        "encrypted_content": None,  # nothing is encrypted: the text is in `content`, which clients send back
+        "status": status,
+    }
+
+
+def summary_part(text: str) -> dict[str, Any]:
+    """A reasoning item's summary_text part."""
+    return {"type": "summary_text", "text": text}
+
+
+def reasoning_part(text: str) -> dict[str, Any]:
+    """A reasoning item's reasoning_text content part."""
+    return {"type": "reasoning_text", "text": text}
+
+
+def usage(out: StepOutput | None, num_reasoning_tokens: int = 0) -> dict[str, Any]:
+    """The Responses usage object; `cached_tokens` counts prompt tokens the prefix cache served,
+    `reasoning_tokens` the output tokens of the reply's reasoning (among `output_tokens`)."""
     num_input = out.num_prompt_tokens if out else 0
     num_output = out.num_output_tokens if out else 0
     return {
         "input_tokens": num_input,
         "input_tokens_details": {"cached_tokens": out.num_cached_tokens if out else 0},
         "output_tokens": num_output,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": min(num_reasoning_tokens, num_output)},
         "total_tokens": num_input + num_output,
     }
 

@@ -1,8 +1,10 @@
 """The OpenAI /v1/responses body -> the chat completions body it means, plus the fields a response echoes.
 
 Responses is a thin layer like Messages: input items become OpenAI chat messages (function_call items as
-assistant `tool_calls`, function_call_output items as `tool` messages), a stored chain's items come first,
-and the result is validated by the same parser chat completions uses.
+assistant `tool_calls`, function_call_output items as `tool` messages, reasoning items as the next assistant
+turn's `reasoning_content`), a stored chain's items come first, and the result is validated by the same
+parser chat completions uses. `chat_template_kwargs` and `enable_thinking` pass through as on chat
+completions, and `reasoning.effort: "none"` switches a thinking template's thinking off.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ from typing import Any
 
 from swarmkv.api.chat_request import ChatRequest, Message, parse_chat_request
 from swarmkv.api.errors import bad_request, get_field, type_name
+from swarmkv.api.reasoning import THINKING_SWITCH
 from swarmkv.choices import HostedToolsPolicy
 
 Item = dict[str, Any]
 
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
+_REASONING_PARTS = ("reasoning_text", "text")  # a reasoning item's content parts
+_SUMMARY_STYLES = ("auto", "concise", "detailed")  # `reasoning.summary` values that ask for a summary
 _MEDIA_PARTS = ("input_image", "input_file", "input_audio", "image_url")
 
 
@@ -36,6 +41,8 @@ class ResponsesRequest:
     namespaces: dict[str, str]
     # The hosted tools (web_search, file_search, ...) left out of the prompt, as "tools[i]: type".
     dropped_tools: list[str]
+    # `reasoning.summary` asks for one: the reply's reasoning is also its reasoning item's summary.
+    reasoning_summary: bool = False
 
 
 def previous_response_id(body: dict[str, Any]) -> str | None:
@@ -67,6 +74,13 @@ def parse_responses_request(
         raise bad_request("'include' must be an array of strings", param="include")
     get_field(body, "client_metadata", dict, "an object")
     offered = _tools(get_field(body, "tools", list, "an array"), hosted_tools)
+    reasoning = get_field(body, "reasoning", dict, "an object", {})
+    summary = reasoning.get("summary", reasoning.get("generate_summary"))  # the second is its older name
+    if summary is not None and summary not in _SUMMARY_STYLES:
+        raise bad_request(
+            f"reasoning.summary must be one of {', '.join(_SUMMARY_STYLES)}, got {summary!r}",
+            param="reasoning.summary",
+        )
     items = _input_items(body.get("input"))
     # Instructions are not inherited along a chain (OpenAI's semantics): each request's go first, unstored.
     head: list[Message] = [{"role": "system", "content": instructions}] if instructions else []
@@ -80,6 +94,8 @@ def parse_responses_request(
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
         "prompt_cache_key": body.get("prompt_cache_key"),
+        "chat_template_kwargs": body.get("chat_template_kwargs"),
+        THINKING_SWITCH: _enable_thinking(body, reasoning),
     }
     chat_body = {key: value for key, value in chat_body.items() if value is not None}
     chat = parse_chat_request(chat_body)
@@ -94,6 +110,7 @@ def parse_responses_request(
         "store": store,
         "parallel_tool_calls": get_field(body, "parallel_tool_calls", bool, "a boolean", True),
         "text": {"format": {"type": "text"}},
+        "reasoning": {"effort": reasoning.get("effort"), "summary": summary},
     }
     if offered.dropped:
         # Outside `metadata`, which is the client's own to set and read back: an extension field, as
@@ -108,7 +125,20 @@ def parse_responses_request(
         previous_response_id(body),
         offered.namespaces,
         offered.dropped,
+        summary is not None,
     )
+
+
+def _enable_thinking(body: dict[str, Any], reasoning: dict[str, Any]) -> Any:
+    """The body's `enable_thinking`; else false for `reasoning.effort: "none"` (the Responses API's way to
+    ask for no reasoning) unless `chat_template_kwargs` sets the switch itself; else None (the template's
+    default)."""
+    if body.get(THINKING_SWITCH) is not None:
+        return body[THINKING_SWITCH]
+    kwargs = body.get("chat_template_kwargs")
+    if reasoning.get("effort") == "none" and not (isinstance(kwargs, dict) and THINKING_SWITCH in kwargs):
+        return False
+    return None
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
@@ -151,6 +181,8 @@ def parse_item(where: str, item: Any) -> Item:
                 raise bad_request(f"{where}.namespace must be a string", param=f"{where}.namespace")
             call["namespace"] = namespace
         return call
+    if kind == "reasoning":
+        return {"type": kind, "text": _reasoning_text(where, item)}
     if kind == "function_call_output":
         if not isinstance(item.get("call_id"), str):
             raise bad_request(f"{where}.call_id must be a string", param=f"{where}.call_id")
@@ -159,7 +191,8 @@ def parse_item(where: str, item: Any) -> Item:
     if kind in _MEDIA_PARTS:
         raise bad_request(f"{where}: {kind} is not supported: swarmkv runs the text model only", param=where)
     raise bad_request(
-        f"{where}: item type {kind!r} is not supported (allowed: message, function_call, function_call_output)",
+        f"{where}: item type {kind!r} is not supported (allowed: message, function_call, function_call_output, "
+        "reasoning)",
         param=where,
     )
 
@@ -184,19 +217,46 @@ def _text(where: str, content: Any) -> str:
     return "\n".join(texts)
 
 
+def _reasoning_text(where: str, item: dict[str, Any]) -> str:
+    """A reasoning item's text: its `reasoning_text` content (what this server returns and Codex CLI sends
+    back), else its summary texts joined with newlines; an item with neither (only encrypted content, which
+    only OpenAI can read) has none."""
+    content = item.get("content")
+    parts, kinds = (content, _REASONING_PARTS) if content else (item.get("summary") or [], ("summary_text",))
+    if not isinstance(parts, list):
+        raise bad_request(f"{where}: a reasoning item's content and summary must be arrays", param=where)
+    texts = []
+    for j, part in enumerate(parts):
+        if (
+            not isinstance(part, dict)
+            or part.get("type") not in kinds
+            or not isinstance(part.get("text"), str)
+        ):
+            raise bad_request(f"{where}: part {j} must be one of {', '.join(kinds)} with a text", param=where)
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def items_to_messages(items: list[Item]) -> list[Message]:
-    """Normalised items as chat messages; consecutive calls join the assistant turn before them."""
+    """Normalised items as chat messages; consecutive calls join the assistant turn before them, and a
+    reasoning item opens the assistant turn that its message and calls then join."""
     messages: list[Message] = []
     for item in items:
-        if item["type"] == "message":
-            messages.append({"role": item["role"], "content": item["content"]})
+        last = messages[-1] if messages else None
+        if item["type"] == "reasoning":
+            if item["text"]:
+                messages.append({"role": "assistant", "content": None, "reasoning_content": item["text"]})
+        elif item["type"] == "message":
+            if item["role"] == "assistant" and last is not None and _only_reasoning(last):
+                last["content"] = item["content"]
+            else:
+                messages.append({"role": item["role"], "content": item["content"]})
         elif item["type"] == "function_call":
             call = {
                 "id": item["call_id"],
                 "type": "function",
                 "function": {"name": item["name"], "arguments": item["arguments"]},
             }
-            last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": None}
                 messages.append(last)
@@ -204,6 +264,16 @@ def items_to_messages(items: list[Item]) -> list[Message]:
         else:
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
     return messages
+
+
+def _only_reasoning(message: Message) -> bool:
+    """Whether a chat message is an assistant turn holding only its reasoning so far."""
+    return (
+        message["role"] == "assistant"
+        and message["content"] is None
+        and "reasoning_content" in message
+        and "tool_calls" not in message
+    )
 
 
 # Tool types a client runs and the model calls by name; every other type is one the provider runs (hosted).

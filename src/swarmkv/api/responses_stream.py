@@ -1,22 +1,39 @@
-"""A streamed reply's output items as Responses API events: message items whose text arrives in deltas,
-and function_call items whose arguments arrive in pieces as the model writes them."""
+"""A streamed reply's output items as Responses API events: a reasoning item whose text arrives in
+`response.reasoning_text.delta`s (and `response.reasoning_summary_text.delta`s when a summary is asked for),
+message items whose text arrives in deltas, and function_call items whose arguments arrive in pieces as the
+model writes them."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from swarmkv.api.responses_objects import EventWriter, function_call_item, message_item, new_id, text_part
+from swarmkv.api.responses_objects import (
+    EventWriter,
+    function_call_item,
+    message_item,
+    new_id,
+    reasoning_item,
+    reasoning_part,
+    summary_part,
+    text_part,
+)
 from swarmkv.api.responses_request import Item
 from swarmkv.api.tool_parser import ParsedDelta, ToolCall, in_writing_order
 
 
 class OutputItems:
-    """The items of one streamed response; a call open when a delta arrives ends before that delta's text."""
+    """The items of one streamed response; a call open when a delta arrives ends before that delta's text,
+    and the reasoning, which comes before all of a reply's text and calls, ends when they begin."""
 
-    def __init__(self, emit: EventWriter, namespaces: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, emit: EventWriter, namespaces: dict[str, str] | None = None, summary: bool = False
+    ) -> None:
         self._emit = emit
         self._namespaces = namespaces or {}  # function name -> the namespace tool it was offered from
+        self._summary = summary  # whether the reasoning is also sent as the reasoning item's summary
         self.output: list[Item] = []  # the finished items
+        self._reasoning: str | None = None  # the open reasoning item's text, None when none is open
+        self._reasoning_id = ""
         self._text: str | None = None  # the open message's text, None when no message is open
         self._msg_id = ""
         self._call: tuple[str, str, str] | None = None  # the open call's item id, name and arguments so far
@@ -24,7 +41,54 @@ class OutputItems:
 
     def add(self, parsed: ParsedDelta) -> Iterator[str]:
         """The events for one parsed delta."""
-        return in_writing_order(parsed, self._call is not None, self._add_text, self._calls)
+        yield from self._add_reasoning(parsed.reasoning)
+        if parsed.content or parsed.pieces or parsed.tool_calls:
+            yield from self._close_reasoning()
+        yield from in_writing_order(parsed, self._call is not None, self._add_text, self._calls)
+
+    def close(self) -> Iterator[str]:
+        """End the reply's open reasoning item or message item."""
+        yield from self._close_reasoning()
+        yield from self.close_text()
+
+    def _add_reasoning(self, reasoning: str) -> Iterator[str]:
+        if not reasoning:
+            return
+        index = len(self.output)
+        content = {"output_index": index, "content_index": 0}
+        summary = {"output_index": index, "summary_index": 0}
+        if self._reasoning is None:
+            self._reasoning_id, self._reasoning = new_id("rs"), ""
+            opening = reasoning_item(self._reasoning_id, "", self._summary, "in_progress")
+            yield self._emit("response.output_item.added", {"output_index": index, "item": opening})
+            where = {"item_id": self._reasoning_id, **content}
+            yield self._emit("response.content_part.added", {**where, "part": reasoning_part("")})
+            if self._summary:
+                where = {"item_id": self._reasoning_id, **summary}
+                yield self._emit("response.reasoning_summary_part.added", {**where, "part": summary_part("")})
+        self._reasoning += reasoning
+        item_id = self._reasoning_id
+        yield self._emit("response.reasoning_text.delta", {"item_id": item_id, **content, "delta": reasoning})
+        if self._summary:
+            yield self._emit(
+                "response.reasoning_summary_text.delta", {"item_id": item_id, **summary, "delta": reasoning}
+            )
+
+    def _close_reasoning(self) -> Iterator[str]:
+        if self._reasoning is None:
+            return
+        text, index, item_id = self._reasoning, len(self.output), self._reasoning_id
+        where = {"item_id": item_id, "output_index": index, "content_index": 0}
+        yield self._emit("response.reasoning_text.done", {**where, "text": text})
+        yield self._emit("response.content_part.done", {**where, "part": reasoning_part(text)})
+        if self._summary:
+            where = {"item_id": item_id, "output_index": index, "summary_index": 0}
+            yield self._emit("response.reasoning_summary_text.done", {**where, "text": text})
+            yield self._emit("response.reasoning_summary_part.done", {**where, "part": summary_part(text)})
+        item = reasoning_item(item_id, text, self._summary)
+        yield self._emit("response.output_item.done", {"output_index": index, "item": item})
+        self.output.append(item)
+        self._reasoning = None
 
     def close_text(self) -> Iterator[str]:
         """End an open message item."""

@@ -42,7 +42,11 @@ _GAUGES: tuple[tuple[str, str, Read], ...] = (
     ("requests_running", "Requests admitted to the engine.", lambda s: s.requests_running),
     ("requests_waiting", "Requests queued for admission (new or preempted).", lambda s: s.requests_waiting),
     ("offloaded_bytes", "Bytes of KV pages kept in the host-memory tier.", lambda s: s.offloaded_bytes),
-    ("pinned_bytes", "Bytes held by pins: KV pages, and on hybrids the recurrent-state snapshots at their ends.", lambda s: s.pinned_bytes),
+    (
+        "pinned_bytes",
+        "Bytes held by pins: KV pages, and on hybrids the recurrent-state snapshots at their ends.",
+        lambda s: s.pinned_bytes,
+    ),
     ("pins", "Pins the engine holds.", lambda s: s.pins),
     ("sessions_open", "Sessions a request named that are not yet released.", lambda s: s.sessions_open),
     (

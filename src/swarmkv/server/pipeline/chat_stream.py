@@ -1,7 +1,8 @@
 """A chat reply's outputs as content and tool calls: piece by piece while it streams, or whole once it finished.
 
 Chat completions, Messages and Responses all read a reply through these two, so the three protocols parse
-the same text into the same calls, in the tool-call format the model's chat template asks for. A caller that
+the same text into the same calls, in the tool-call format the model's chat template asks for (`fmt`, the
+request's `tool_format`: a forced call's opening is read in it). A caller that
 passes a `ReasoningSplitter` also gets a thinking model's `<think>` reasoning apart from the content; the
 split comes first, so a call written while reasoning is not a call.
 """
@@ -26,13 +27,15 @@ def parse_whole_reply(
     reasoning: ReasoningSplitter | None = None,
 ) -> ParsedDelta:
     """A finished reply's reasoning (when split), text and tool calls."""
-    body = "".join(o.text for o in outputs)
-    split = ReasoningSplit(content=body)
+    split = ReasoningSplit(content="".join(o.text for o in outputs))
     if reasoning is not None:
-        split = reasoning.feed(body).then(reasoning.finish())
+        split = ReasoningSplit()
+        for out in outputs:  # output by output, so the splitter counts the reasoning's tokens
+            split = split.then(reasoning.feed(out.text, out.num_new_tokens))
+        split = split.then(reasoning.finish())
     if not req.parses_tool_calls:
         return ParsedDelta(content=split.content, reasoning=split.reasoning)
-    parsed = parse_tool_calls(req.forced_prefix() + split.content, fmt=fmt, tools=req.prompt_tools)
+    parsed = parse_tool_calls(req.forced_call_opening() + split.content, fmt=fmt, tools=req.prompt_tools)
     return ParsedDelta(reasoning=split.reasoning).then(parsed)
 
 
@@ -46,12 +49,12 @@ async def chat_deltas(
     """Each engine output with the reasoning (when split), content and complete tool calls it added."""
     parser = StreamingToolParser(fmt=fmt, tools=req.prompt_tools) if req.parses_tool_calls else None
     # A forced call's prefix opens its block and may open the call itself: that goes out with the first output.
-    opening = parser.feed(req.forced_prefix()) if parser is not None else ParsedDelta()
+    opening = parser.feed(req.forced_call_opening()) if parser is not None else ParsedDelta()
     async for out in stream:
         latency.observe(out)
         split = ReasoningSplit(content=out.text)
         if reasoning is not None:
-            split = reasoning.feed(out.text)
+            split = reasoning.feed(out.text, out.num_new_tokens)
             if out.finished:
                 split = split.then(reasoning.finish())
         parsed = ParsedDelta(reasoning=split.reasoning)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Mapping
-from typing import Any
+from collections.abc import Awaitable
+from dataclasses import dataclass
 
 from starlette.requests import Request
 
@@ -13,6 +13,7 @@ from swarmkv.api.errors import bad_request
 from swarmkv.api.layout import Api, resolve_layout
 from swarmkv.api.options import Options
 from swarmkv.api.outputs import StepOutput
+from swarmkv.api.reasoning import ReasoningSplitter, prompt_opens_thinking, reasoning_splitter
 from swarmkv.api.render import render_chat
 from swarmkv.api.session_id import SESSION_HEADER, resolve_session_id
 from swarmkv.breaks.causes import Break, RenderedPrompt
@@ -57,24 +58,52 @@ async def submit(
         raise bad_request(str(exc)) from exc
 
 
+@dataclass(frozen=True)
+class StartedChat:
+    """A submitted chat request: the request as it was rendered, its stream and prompt, the cache break it
+    causes (if any), and the splitter of its reply's reasoning (None unless the model thinks)."""
+
+    # In the template's tool-call format, a forced call closing a `<think>` the prompt opened.
+    req: ChatRequest
+    stream: RequestStream
+    rendered: RenderedPrompt
+    found: Awaitable[Break | None]
+    reasoning: ReasoningSplitter | None
+
+
+def render_for_model(ctx: ServerContext, req: ChatRequest, api: Api) -> tuple[ChatRequest, RenderedPrompt]:
+    """The request as this model's template takes it, and its prompt (laid out as `--prompt-layout` says
+    for `api`, with the request's template switches)."""
+    req = req.for_template(ctx.tokenizer.chat_template)
+    layout = resolve_layout(ctx.prompt_layout, api)
+    rendered = render_chat(ctx.tokenizer, req, template_kwargs=req.template_kwargs, layout=layout)
+    prefix = req.forced_prefix()
+    if prefix and prompt_opens_thinking(rendered.text.removesuffix(prefix)):
+        # Qwen3.5's generation prompt opens `<think>`: a forced call is written after the block, not in it.
+        req = req.closing_thinking()
+        rendered = render_chat(ctx.tokenizer, req, template_kwargs=req.template_kwargs, layout=layout)
+    return req, rendered
+
+
 async def start_chat(
     ctx: ServerContext,
     req: ChatRequest,
     session_id: str | None,
     arrival_s: float,
     id_prefix: str,
-    template_kwargs: Mapping[str, Any] | None = None,
     api: Api = "chat",
-) -> tuple[RequestStream, RenderedPrompt, Awaitable[Break | None]]:
-    """Render (laid out as `--prompt-layout` says for `api`) and submit a chat request; its stream, its prompt,
-    and the cache break it causes (if any)."""
-    layout = resolve_layout(ctx.prompt_layout, api)
-    rendered = render_chat(ctx.tokenizer, req, template_kwargs=template_kwargs, layout=layout)
+) -> StartedChat:
+    """Render and submit a chat request."""
+    req, rendered = render_for_model(ctx, req, api)
     params = req.options.sampling_params(
         len(rendered.token_ids), ctx.max_model_len, "messages", req.forced_stop(), ctx.max_tokens_policy
     )
     stream = await submit(ctx, id_prefix, rendered.token_ids, params, req.options, session_id, arrival_s)
-    return stream, rendered, ctx.breaks.watch(session_id, req.options.cache_salt, rendered)
+    found = ctx.breaks.watch(session_id, req.options.cache_salt, rendered)
+    # A forced call's reply is the rest of the call: nothing in it is reasoning.
+    thinks = req.thinking_enabled and not req.forced_prefix()
+    splitter = reasoning_splitter(ctx.tokenizer.chat_template, rendered.text, thinks)
+    return StartedChat(req, stream, rendered, found, splitter)
 
 
 async def collect_unless_disconnected(

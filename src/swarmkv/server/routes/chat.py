@@ -13,8 +13,8 @@ from swarmkv.api.completions_objects import Envelope, finish_reason, sse, tool_c
 from swarmkv.api.errors import APIError
 from swarmkv.api.outputs import StepOutput
 from swarmkv.api.paths import CHAT_ROUTE
-from swarmkv.api.reasoning import ReasoningSplitter, reasoning_splitter
-from swarmkv.api.tool_formats import ToolFormat, tool_format_of
+from swarmkv.api.reasoning import ReasoningSplitter
+from swarmkv.api.tool_formats import ToolFormat
 from swarmkv.api.tool_parser import ToolCall
 from swarmkv.breaks.causes import Break
 from swarmkv.server.context import ServerContext
@@ -36,11 +36,11 @@ async def chat_completions(request: Request) -> Response:
     ctx.check_model(req.options.model)
     session_id = request_session_id(request, req.options.session_id, req.options.prompt_cache_key)
     ctx.log_request(CHAT_ROUTE, session_id, payload)
-    stream, rendered, found = await start_chat(ctx, req, session_id, arrival_s, "chatcmpl")
+    started = await start_chat(ctx, req, session_id, arrival_s, "chatcmpl")
+    req, stream, found, reasoning = started.req, started.stream, started.found, started.reasoning
     env = Envelope(stream.request_id, int(time.time()), ctx.model_name)
     latency = Latency(ctx.metrics, arrival_s)
-    fmt = tool_format_of(ctx.tokenizer.chat_template)
-    reasoning = reasoning_splitter(ctx.tokenizer.chat_template, rendered.text)
+    fmt = req.tool_format
     if req.options.stream:
         events = _chat_events(env, req, stream, latency, found, fmt, reasoning)
         return EventStream(events, lambda: ctx.engine.abort(stream.request_id))

@@ -24,23 +24,28 @@ from swarmkv.api.messages_objects import (
     anthropic_event,
     matched_stop,
     message_json,
+    reply_content,
     stop_reason,
-    tool_use_block,
 )
 from swarmkv.api.messages_request import Breakpoint, MessagesRequest, parse_messages_request
 from swarmkv.api.outputs import StepOutput
 from swarmkv.api.paths import CHAT_ROUTE
-from swarmkv.api.render import render_chat, render_pin
+from swarmkv.api.render import render_pin
 from swarmkv.api.session_id import CLAUDE_CODE_SESSION_HEADER
-from swarmkv.api.tool_formats import tool_format_of
 from swarmkv.errors import InvalidRequestError
 from swarmkv.server.context import ServerContext
-from swarmkv.server.engine_loop.request_stream import EngineUnavailableError, RequestStream
+from swarmkv.server.engine_loop.request_stream import EngineUnavailableError
 from swarmkv.server.http.disconnect import STATUS_CLIENT_GONE
 from swarmkv.server.http.event_stream import EventStream
 from swarmkv.server.observability.latency import Latency
 from swarmkv.server.pipeline.chat_stream import chat_deltas, parse_whole_reply
-from swarmkv.server.pipeline.generate import collect_unless_disconnected, request_session_id, start_chat
+from swarmkv.server.pipeline.generate import (
+    StartedChat,
+    collect_unless_disconnected,
+    render_for_model,
+    request_session_id,
+    start_chat,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,23 +60,22 @@ async def messages(request: Request) -> Response:
     session_id = request_session_id(request, req.user_id, client_header=CLAUDE_CODE_SESSION_HEADER)
     ctx.log_request(CHAT_ROUTE, session_id, req.chat_body)  # logged as the chat request it runs as
     num_pinned = await _pin_breakpoints(ctx, req)
-    stream, rendered, _ = await start_chat(
-        ctx, req.chat, session_id, arrival_s, "msg", req.template_kwargs, "messages"
-    )
+    started = await start_chat(ctx, req.chat, session_id, arrival_s, "msg", "messages")
+    stream = started.stream
     msg_id = f"msg_{stream.request_id.removeprefix('msg-')}"
     latency = Latency(ctx.metrics, arrival_s)
     if req.chat.options.stream:
-        events = _events(ctx, req, stream, latency, msg_id, len(rendered.token_ids), num_pinned)
+        events = _events(ctx, started, latency, msg_id, num_pinned)
         return EventStream(events, lambda: ctx.engine.abort(stream.request_id))
     outputs = await collect_unless_disconnected(request, ctx, stream, latency)
     if outputs is None:
         return Response(status_code=STATUS_CLIENT_GONE)
     last = outputs[-1] if outputs else None
-    parsed = parse_whole_reply(req.chat, outputs, tool_format_of(ctx.tokenizer.chat_template))
-    content = [{"type": "text", "text": parsed.content}] if parsed.content else []
-    content += [tool_use_block(call) for call in parsed.tool_calls]
+    chat = started.req
+    parsed = parse_whole_reply(chat, outputs, chat.tool_format, started.reasoning)
     usage = CacheTokens.of(last, num_pinned).usage(last.num_output_tokens if last else 0)
     reason = stop_reason(last, len(parsed.tool_calls))
+    content = reply_content(parsed)
     body = message_json(msg_id, ctx.model_name, content, reason, usage, matched_stop(last, reason))
     return JSONResponse(body)
 
@@ -81,8 +85,7 @@ async def count_tokens(request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
     req = parse_messages_request(await ctx.read_body(request), needs_max_tokens=False)
     ctx.check_model(req.chat.options.model)
-    layout = resolve_layout(ctx.prompt_layout, "messages")
-    rendered = render_chat(ctx.tokenizer, req.chat, template_kwargs=req.template_kwargs, layout=layout)
+    _, rendered = render_for_model(ctx, req.chat, "messages")
     return JSONResponse({"input_tokens": len(rendered.token_ids)})
 
 
@@ -113,13 +116,7 @@ async def _pin(ctx: ServerContext, req: MessagesRequest, mark: Breakpoint) -> in
 
 
 async def _events(
-    ctx: ServerContext,
-    req: MessagesRequest,
-    stream: RequestStream,
-    latency: Latency,
-    msg_id: str,
-    num_prompt_tokens: int,
-    num_pinned: int,
+    ctx: ServerContext, started: StartedChat, latency: Latency, msg_id: str, num_pinned: int
 ) -> AsyncIterator[str]:
     def message_start(first: StepOutput | None) -> str:
         # Sent with the first step's output, as Anthropic sends it after the prefill: by then the prompt's
@@ -127,7 +124,7 @@ async def _events(
         usage = (
             CacheTokens.of(first, num_pinned).usage(0)
             if first
-            else CacheTokens(num_prompt_tokens, 0, 0).usage(0)
+            else CacheTokens(len(started.rendered.token_ids), 0, 0).usage(0)
         )
         return anthropic_event(
             "message_start", {"message": message_json(msg_id, ctx.model_name, [], None, usage)}
@@ -135,9 +132,10 @@ async def _events(
 
     blocks = ContentBlocks()
     last: StepOutput | None = None
+    chat = started.req
     try:
         async for out, parsed in chat_deltas(
-            req.chat, stream, latency, tool_format_of(ctx.tokenizer.chat_template)
+            chat, started.stream, latency, chat.tool_format, started.reasoning
         ):
             if last is None:
                 yield message_start(out)
@@ -151,7 +149,7 @@ async def _events(
         return
     if last is None:
         yield message_start(None)
-    for event in blocks.close_text():
+    for event in blocks.close():
         yield event
     usage = CacheTokens.of(last, num_pinned).usage(last.num_output_tokens if last else 0)
     reason = stop_reason(last, blocks.num_calls)

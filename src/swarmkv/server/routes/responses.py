@@ -17,10 +17,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from swarmkv.api.errors import APIError
-from swarmkv.api.layout import resolve_layout
 from swarmkv.api.outputs import StepOutput
 from swarmkv.api.paths import CHAT_ROUTE
-from swarmkv.api.render import render_chat
+from swarmkv.api.reasoning import ReasoningSplitter
 from swarmkv.api.responses_objects import (
     EventWriter,
     ResponseHead,
@@ -28,6 +27,7 @@ from swarmkv.api.responses_objects import (
     is_incomplete,
     message_item,
     new_id,
+    reasoning_item,
     usage,
 )
 from swarmkv.api.responses_request import (
@@ -38,14 +38,19 @@ from swarmkv.api.responses_request import (
     previous_response_id,
 )
 from swarmkv.api.responses_stream import OutputItems
-from swarmkv.api.tool_formats import ToolFormat, tool_format_of
 from swarmkv.server.context import ServerContext
-from swarmkv.server.engine_loop.request_stream import EngineUnavailableError, RequestStream
+from swarmkv.server.engine_loop.request_stream import EngineUnavailableError
 from swarmkv.server.http.disconnect import STATUS_CLIENT_GONE
 from swarmkv.server.http.event_stream import EventStream
 from swarmkv.server.observability.latency import Latency
 from swarmkv.server.pipeline.chat_stream import chat_deltas, parse_whole_reply
-from swarmkv.server.pipeline.generate import collect_unless_disconnected, request_session_id, start_chat
+from swarmkv.server.pipeline.generate import (
+    StartedChat,
+    collect_unless_disconnected,
+    render_for_model,
+    request_session_id,
+    start_chat,
+)
 from swarmkv.server.responses_store import StoredResponse
 
 # Called with the finished response object and its output items, to store them.
@@ -63,7 +68,8 @@ async def create_response(request: Request) -> Response:
     # prompt_cache_key names one), so its KV is kept between turns.
     session_id = previous.session_id if previous else named or (response_id if req.store else None)
     ctx.log_request(CHAT_ROUTE, session_id, req.chat_body)  # logged as the chat request it runs as
-    stream, _, _ = await start_chat(ctx, req.chat, session_id, arrival_s, "resp", api="responses")
+    started = await start_chat(ctx, req.chat, session_id, arrival_s, "resp", "responses")
+    stream = started.stream
     head = ResponseHead(response_id, int(time.time()), ctx.model_name, req.previous_response_id, req.echo)
     latency = Latency(ctx.metrics, arrival_s)
 
@@ -73,22 +79,26 @@ async def create_response(request: Request) -> Response:
             items = history + req.input_items + [parse_item("output", item) for item in output]
             ctx.responses.put(response_id, StoredResponse(body, items, session_id, ctx.responses.now_s()))
 
-    fmt = tool_format_of(ctx.tokenizer.chat_template)
     if req.chat.options.stream:
         return EventStream(
-            _events(req, stream, latency, head, on_done, fmt), lambda: ctx.engine.abort(stream.request_id)
+            _events(req, started, latency, head, on_done), lambda: ctx.engine.abort(stream.request_id)
         )
     outputs = await collect_unless_disconnected(request, ctx, stream, latency)
     if outputs is None:
         return Response(status_code=STATUS_CLIENT_GONE)
     last = outputs[-1] if outputs else None
-    parsed = parse_whole_reply(req.chat, outputs, fmt)
-    output = [message_item(new_id("msg"), parsed.content)] if parsed.content or not parsed.tool_calls else []
+    chat = started.req
+    parsed = parse_whole_reply(chat, outputs, chat.tool_format, started.reasoning)
+    output = (
+        [reasoning_item(new_id("rs"), parsed.reasoning, req.reasoning_summary)] if parsed.reasoning else []
+    )
+    if parsed.content or not parsed.tool_calls:
+        output.append(message_item(new_id("msg"), parsed.content))
     output += [
         function_call_item(new_id("fc"), call, namespace=req.namespaces.get(call.name))
         for call in parsed.tool_calls
     ]
-    body = _finished(head, output, last, len(parsed.tool_calls))
+    body = _finished(head, output, last, len(parsed.tool_calls), started.reasoning)
     on_done(body, output)
     return JSONResponse(body)
 
@@ -97,8 +107,7 @@ async def count_input_tokens(request: Request) -> Response:
     """POST /v1/responses/input_tokens: the prompt's length as /v1/responses would render it, nothing generated."""
     ctx: ServerContext = request.app.state.ctx
     req, _ = await _parse(ctx, request)
-    layout = resolve_layout(ctx.prompt_layout, "responses")
-    num_tokens = len(render_chat(ctx.tokenizer, req.chat, layout=layout).token_ids)
+    num_tokens = len(render_for_model(ctx, req.chat, "responses")[1].token_ids)
     return JSONResponse({"object": "response.input_tokens", "input_tokens": num_tokens})
 
 
@@ -148,37 +157,44 @@ def _not_found(response_id: str, param: str | None) -> APIError:
 
 
 def _finished(
-    head: ResponseHead, output: list[Item], last: StepOutput | None, num_calls: int
+    head: ResponseHead,
+    output: list[Item],
+    last: StepOutput | None,
+    num_calls: int,
+    reasoning: ReasoningSplitter | None,
 ) -> dict[str, Any]:
     incomplete = is_incomplete(last, num_calls)
-    return head.body("incomplete" if incomplete else "completed", output, usage(last), incomplete)
+    totals = usage(last, reasoning.num_tokens if reasoning is not None else 0)
+    return head.body("incomplete" if incomplete else "completed", output, totals, incomplete)
 
 
 async def _events(
     req: ResponsesRequest,
-    stream: RequestStream,
+    started: StartedChat,
     latency: Latency,
     head: ResponseHead,
     on_done: OnDone,
-    fmt: ToolFormat,
 ) -> AsyncIterator[str]:
     emit = EventWriter()
     yield emit("response.created", {"response": head.body("in_progress", [], None)})
     yield emit("response.in_progress", {"response": head.body("in_progress", [], None)})
-    items = OutputItems(emit, req.namespaces)
+    items = OutputItems(emit, req.namespaces, req.reasoning_summary)
     last: StepOutput | None = None
+    chat = started.req
     try:
-        async for out, parsed in chat_deltas(req.chat, stream, latency, fmt):
+        async for out, parsed in chat_deltas(
+            chat, started.stream, latency, chat.tool_format, started.reasoning
+        ):
             last = out
             for event in items.add(parsed):
                 yield event
     except EngineUnavailableError as exc:
         yield emit("error", {"code": "server_error", "message": str(exc), "param": None})
         return
-    for event in items.close_text():
+    for event in items.close():
         yield event
     output = items.output
-    body = _finished(head, output, last, items.num_calls)
+    body = _finished(head, output, last, items.num_calls, started.reasoning)
     on_done(body, output)
     # Always response.completed (the body's status says "incomplete"): the openai client's stream helpers
     # finish on that event alone.
