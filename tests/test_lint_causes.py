@@ -51,10 +51,11 @@ def check(tok: Tokenizer, earlier: RenderedPrompt, later: RenderedPrompt, cause:
     return found
 
 
-def test_causes_are_the_eight_names_in_order() -> None:
+def test_causes_are_the_nine_names_in_order() -> None:
     assert CAUSES == (
         "timestamp",
         "random_id",
+        "per_instance_env",
         "tool_order",
         "tool_set",
         "system_edit",
