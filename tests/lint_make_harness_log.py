@@ -24,7 +24,11 @@ KEEP_TOOLS = {
     "codex": ("exec_command", "write_stdin", "view_image", "get_goal"),
     "qwen": ("read_file", "run_shell_command", "edit", "write_file"),
 }
-LOGS = {"claude": "requests-claude-sonnet46.jsonl", "codex": "requests-codex.jsonl", "qwen": "requests-qwen.jsonl"}
+LOGS = {
+    "claude": "requests-claude-sonnet46.jsonl",
+    "codex": "requests-codex.jsonl",
+    "qwen": "requests-qwen.jsonl",
+}
 LINE_CHARS, TOOL_CHARS, PARAM_CHARS = 160, 300, 100
 _EVERY = 6
 _ENV_WORDS = ("/tmp/", "date", "directory", "branch", "commit", "git:", "cwd", "root>")

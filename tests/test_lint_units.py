@@ -123,5 +123,7 @@ def test_the_fix_moves_values_and_names_and_keeps_history(tmp_path: Path) -> Non
         assert later[: len(earlier)] == earlier  # each turn repeats the last one's messages exactly
     # The first turn keeps its time line and ends with the agent's name, after its own shared text.
     first_turn = agent0[0][1]["content"]
-    assert first_turn.startswith("Task 0:") and first_turn.endswith("\n\nYour name is Ada-0; sign your commits so.")
+    assert first_turn.startswith("Task 0:") and first_turn.endswith(
+        "\n\nYour name is Ada-0; sign your commits so."
+    )
     assert records[0]["body"]["messages"][0]["content"].split("\n")[0] in first_turn

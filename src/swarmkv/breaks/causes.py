@@ -102,7 +102,11 @@ def head_chars(prompt: RenderedPrompt, tokenizer: Tokenizer) -> int:
 
 
 def classify(
-    earlier: RenderedPrompt, later: RenderedPrompt, offset: int, tokenizer: Tokenizer, first_request: bool = False
+    earlier: RenderedPrompt,
+    later: RenderedPrompt,
+    offset: int,
+    tokenizer: Tokenizer,
+    first_request: bool = False,
 ) -> Break:
     """Why `later` shares only `offset` tokens of `earlier`: the cause, with the later text there.
     `first_request`: `later` opens a new instance's session (a date there is the instance's, not a clock)."""
@@ -119,18 +123,20 @@ def classify(
 
     env = _env_value(earlier, later, differ, in_head)
     if env is not None:
-        prompt, value = env
-        return Break(offset, value.kind, _evidence(later.text, start), describe(prompt.text, value))
+        prompt, env_value = env
+        evidence_start = min(start, env_value.start) if prompt is later else start
+        detail = describe(prompt.text, env_value)
+        return Break(offset, env_value.kind, _evidence(later.text, evidence_start), detail)
     value = volatile_at(later.text, differ)
     dropped = value is None
     if dropped:
         value = volatile_at(earlier.text, differ)  # a value the later prompt dropped
     if value is not None:
         text = later.text if not dropped else earlier.text
+        evidence_start = start if dropped else min(start, value.start)
         if first_request and _is_date(text, value):
             detail = f"date {text[value.start : value.end]}"
-            return Break(offset, "per_instance_env", _evidence(later.text, start), detail)
-        evidence_start = start if dropped else min(start, value.start)
+            return Break(offset, "per_instance_env", _evidence(later.text, evidence_start), detail)
         return Break(offset, value.kind, _evidence(later.text, evidence_start))
     evidence = _evidence(later.text, start)
     tools = _tools_cause(earlier, later, differ, tokenizer)
@@ -210,14 +216,19 @@ def _shared_system_lines(earlier: RenderedPrompt, later: RenderedPrompt, differ:
 
 
 def _evidence(text: str, start: int) -> str:
-    """Up to MAX_EVIDENCE_CHARS of `text` from the start of the word at `start`, ending at a line break past
-    its first characters, else at the last word break that fits."""
+    """Up to MAX_EVIDENCE_CHARS of `text` from the start of the word at `start` (of its part, in a long
+    word such as a path), ending at a line break past its first characters, else at the last word break
+    that fits."""
+    while start < len(text) - 1 and text[start] in " \t":  # a token's leading space: from the word
+        start += 1
     begin = start
     if start < len(text) and not text[start].isspace():
         while begin > max(0, start - _MAX_WORD_BACK) and not text[begin - 1].isspace():
             begin -= 1
-        if begin > 0 and not text[begin - 1].isspace():
-            begin = start  # a word too long to show whole: from the divergence
+        if begin > 0 and not text[begin - 1].isspace():  # a word too long to show whole (a path):
+            begin = start  # from the start of its part at the divergence
+            while begin > max(0, start - _MAX_WORD_BACK) and text[begin - 1].isalnum():
+                begin -= 1
     snippet = text[begin : begin + MAX_EVIDENCE_CHARS + 1]
     line_break = snippet.find("\n", _MIN_EVIDENCE_CHARS)
     if line_break > 0:
@@ -225,4 +236,15 @@ def _evidence(text: str, start: int) -> str:
     if len(snippet) <= MAX_EVIDENCE_CHARS:
         return snippet
     word_break = max(snippet.rfind(" ", _MIN_EVIDENCE_CHARS), snippet.rfind("\t", _MIN_EVIDENCE_CHARS))
-    return snippet[:word_break] if word_break > 0 else snippet[:MAX_EVIDENCE_CHARS]
+    if word_break > 0:
+        return snippet[:word_break]
+    # One word longer than the evidence (a path): cut where one of its parts ends.
+    part_end = max(
+        (
+            i
+            for i in range(_MIN_EVIDENCE_CHARS, MAX_EVIDENCE_CHARS)
+            if snippet[i - 1].isalnum() != snippet[i].isalnum()
+        ),
+        default=MAX_EVIDENCE_CHARS,
+    )
+    return snippet[:part_end]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 _PATH = re.compile(
-    r"(?<![\w.~/:@-])(?:~|[A-Za-z]:)?/[\w.@+-]+(?:/[\w.@+-]*)*"  # POSIX, ~/..., C:/...
+    r"(?<![\w.~/:@<-])(?:~|[A-Za-z]:)?/[\w.@+-]+(?:/[\w.@+-]*)*"  # POSIX, ~/..., C:/... (not a closing tag)
     r"|(?<![\w\\])[A-Za-z]:\\[\w.@+-]+(?:\\[\w.@+-]*)*"  # C:\Users\...
 )
 _WORKING_DIRECTORY = re.compile(

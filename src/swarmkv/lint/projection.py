@@ -119,7 +119,8 @@ def project(
         for r in requests
     ]
     families = [
-        FamilyProjection(name, base[name], candidates[name], chosen_fixes[name], final[name]) for name in names
+        FamilyProjection(name, base[name], candidates[name], chosen_fixes[name], final[name])
+        for name in names
     ]
     return Projection(rendered, replayed, fixed_log, families)
 
@@ -156,13 +157,17 @@ class _Plans:
         members = [r for r in self._today if self._family_of[r.request.index] == family]
         if rewrites(fix) and not any(r.request.index in self._rewritten for r in members):
             return False
-        if tools_first(fix):
-            if self._renderer.layout == "tools-first" or not any(self._has_block(r) for r in members):
-                return False
+        if tools_first(fix) and not self._movable(members):
+            return False
         try:
             return any(self._one(r, fix).prompt.token_ids != r.prompt.token_ids for r in members)
         except RenderError:
             return False  # a rewrite the server would refuse is no fix
+
+    def _movable(self, members: list[RenderedRequest]) -> bool:
+        """Whether tools-first would move a tool block: the server renders the template's order, and the
+        template renders a block for some member's tools."""
+        return self._renderer.layout != "tools-first" and any(self._has_block(r) for r in members)
 
     def _has_block(self, request: RenderedRequest) -> bool:
         """Whether the template renders a tool block tools-first can move, for this request's tools."""

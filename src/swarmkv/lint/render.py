@@ -103,7 +103,9 @@ class Renderer:
 
     def _chat(self, chat: ChatRequest, layout: Layout) -> RenderedPrompt:
         key = json.dumps(
-            [layout, chat.messages, chat.prompt_tools, chat.forced_prefix()], sort_keys=True, ensure_ascii=False
+            [layout, chat.messages, chat.prompt_tools, chat.forced_prefix()],
+            sort_keys=True,
+            ensure_ascii=False,
         )
         prompt = self._prompts.get(key)
         if prompt is None:

@@ -186,13 +186,16 @@ def _fix_text(family: FamilyResult) -> Text:
         how.append("serve with --prompt-layout tools-first")
     text.append(Text.assemble(("fix: ", "bold"), f"{' and '.join(how)}: {family.projected_hit_rate:.1%}"))
     server_alone = family.candidates.get("tools-first")
-    if family.fix != "tools-first" and server_alone is not None and server_alone >= family.hit_rate + MIN_GAIN:
+    if (
+        family.fix != "tools-first"
+        and server_alone is not None
+        and server_alone >= family.hit_rate + MIN_GAIN
+    ):
         text.append(f"\n     or, on the server alone: --prompt-layout tools-first: {server_alone:.1%}")
     return text
 
 
 _FIX_NAMES = {"rewrite": "the rewrite", "tools-first": "tools-first", "rewrite+tools-first": "both"}
-
 
 
 def _rewrite_text(causes: dict[str, int]) -> str:

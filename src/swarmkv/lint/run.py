@@ -133,7 +133,9 @@ def lint_log(
         families=_families(families.families, findings, results, projection.families),
         skipped=sorted([*(problems or []), *skipped], key=lambda p: p.line),
         hit_rate=_hit_rate([len(r.prompt.token_ids) for r in rendered], today),
-        projected_hit_rate=_hit_rate([len(r.prompt.token_ids) for r in projection.rendered], projection.replayed),
+        projected_hit_rate=_hit_rate(
+            [len(r.prompt.token_ids) for r in projection.rendered], projection.replayed
+        ),
         shared_head_tokens=_shared_head([r.prompt.token_ids for r in rendered]),
         kv_bytes=today.kv_bytes,
         projected_kv_bytes=projection.replayed.kv_bytes,
