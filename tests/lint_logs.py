@@ -1,9 +1,14 @@
-"""Synthetic request logs of an agent swarm, with switchable prefix breakers, for `swarmkv lint` tests.
+"""Request logs for `swarmkv lint` tests: a synthetic agent swarm with switchable prefix breakers, and the
+real harnesses' mixed log (lint_harnesses.jsonl).
 
-N agents, each a session, take T turns in round-robin order (agent 0's turn 0, agent 1's turn 0, ...).
-All share one system prompt and one set of tool schemas. A turn appends the assistant's reply and then a
-tool result (odd turns: the agent is in a tool loop) or a new user message (even turns). Each breaker
-spoils the shared prefix the way real harnesses do.
+Synthetic: N agents, each a session, take T turns in round-robin order (agent 0's turn 0, agent 1's turn
+0, ...). All share one system prompt and one set of tool schemas. A turn appends the assistant's reply and
+then a tool result (odd turns: the agent is in a tool loop) or a new user message (even turns). Each
+breaker spoils the shared prefix the way real harnesses do.
+
+Harnesses: Claude Code 2.1.332, Codex CLI 0.171.0 and Qwen Code 0.24.4 each ran one task (a tool round
+trip: two requests) against `swarmkv serve --log-requests`; lint_make_harness_log.py trimmed those logs and
+added a second instance of each, as a second run in another workspace would send it (`second_instance`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,25 @@ from pathlib import Path
 from typing import Any
 
 CHAT_ROUTE = "/v1/chat/completions"
+HARNESS_LOG = Path(__file__).with_name("lint_harnesses.jsonl")
+HARNESSES = ("claude", "codex", "qwen")
+# What a second run of each harness in another workspace writes differently: the workspace (and the
+# paths named after it), the git repository's first commit, the session id inside Claude Code's
+# `metadata.user_id` (its device id stays), and the server's tool call ids.
+SECOND_INSTANCE = {
+    "claude": {
+        "ws-claude": "ws-claude-2",
+        "572fb3a": "e81d3c0",
+        "e54ea063-b364-496f-8549-29254fd22eb6": "6f1a0c2e-4b7d-4e9a-a3c5-9d2e8f7b1a60",
+        "call_5422e86409eb462385565333": "call_9b1e0f7a3c2d4e5f8a6b7c9d",
+    },
+    "codex": {"ws-codex": "ws-codex-2", "call_5eed52d8dc7c45d79210b32e": "call_2c7d9e1f0a3b4c5d6e7f8a9b"},
+    "qwen": {
+        "ws-qwen": "ws-qwen-2",
+        "16ab655": "b07f2d9",
+        "call_0b3d553c54964fe2aa7f0bdf": "call_7e6d5c4b3a2f1e0d9c8b7a6f",
+    },
+}
 START_TIME = 1_736_000_000.0  # 2025-01-04, unix seconds
 AGENT_NAMES = ("Ada", "Grace", "Linus", "Barbara", "Edsger", "Donald", "Margaret", "Ken")
 
@@ -92,6 +116,20 @@ def agent_requests(
             records.append({"time": when, "session_id": session, "route": CHAT_ROUTE, "body": body})
             conversations[a] = [*conversations[a], *_next_turn(a, turn, breakers, reply_lines)]
     return records
+
+
+def second_instance(harness: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A harness's records as its second instance, in another workspace, would have sent them."""
+    text = json.dumps(records, ensure_ascii=False)
+    for old, new in SECOND_INSTANCE[harness].items():
+        text = text.replace(old, new)
+    return json.loads(text)
+
+
+def harness_log() -> list[dict[str, Any]]:
+    """The mixed harness log's records: instance 1 of each harness, then instance 2, each's first request,
+    then each's second."""
+    return [json.loads(line) for line in HARNESS_LOG.read_text(encoding="utf-8").splitlines()]
 
 
 def write_log(path: Path, records: list[dict[str, Any]]) -> Path:

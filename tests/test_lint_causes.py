@@ -51,10 +51,11 @@ def check(tok: Tokenizer, earlier: RenderedPrompt, later: RenderedPrompt, cause:
     return found
 
 
-def test_causes_are_the_eight_names_in_order() -> None:
+def test_causes_are_the_nine_names_in_order() -> None:
     assert CAUSES == (
         "timestamp",
         "random_id",
+        "per_instance_env",
         "tool_order",
         "tool_set",
         "system_edit",
@@ -103,7 +104,7 @@ def test_tools_added_or_removed(smol: Tokenizer, later_tools: list[dict[str, Any
 def test_an_edit_late_in_the_system_prompt(smol: Tokenizer) -> None:
     a = render(smol, chat(COMMON + "\nAnswer in English.", "hi"))
     b = render(smol, chat(COMMON + "\nAnswer in French.", "hi"))
-    assert check(smol, a, b, "system_edit").text.startswith(" French.")
+    assert check(smol, a, b, "system_edit").text.startswith("French.")
 
 
 def test_agent_name_above_the_common_instructions(smol: Tokenizer) -> None:

@@ -72,8 +72,9 @@ def test_the_text_report(tmp_path: Path, capsys: pytest.CaptureFixture[str], fas
     log = write_log(tmp_path / "log.jsonl", agent_requests(3, 2, CLASSIC))
     code, out, _ = run(capsys, str(log))
     assert code == 0
-    for text in ("sessions", "agent-2", "prefix breaks", "timestamp", "tool_order (hidden)", "with the fix"):
+    for text in ("family f1", "session", "agent-2", "break: cause", "timestamp", "tool_order (hidden)"):
         assert text in out
+    assert "with the fix (f1 rewrite)" in out
 
 
 def test_fail_under(tmp_path: Path, capsys: pytest.CaptureFixture[str], fast_model: None) -> None:

@@ -121,5 +121,9 @@ def test_the_fix_moves_values_and_names_and_keeps_history(tmp_path: Path) -> Non
     agent0 = [fixed[i]["messages"] for i in (0, 3, 6)]
     for earlier, later in zip(agent0, agent0[1:], strict=False):
         assert later[: len(earlier)] == earlier  # each turn repeats the last one's messages exactly
-    assert agent0[0][1]["content"].startswith("Your name is Ada-0")
-    assert agent0[0][-1]["content"].endswith(records[0]["body"]["messages"][0]["content"].split("\n")[0])
+    # The first turn keeps its time line and ends with the agent's name, after its own shared text.
+    first_turn = agent0[0][1]["content"]
+    assert first_turn.startswith("Task 0:") and first_turn.endswith(
+        "\n\nYour name is Ada-0; sign your commits so."
+    )
+    assert records[0]["body"]["messages"][0]["content"].split("\n")[0] in first_turn

@@ -1,23 +1,29 @@
 """Why a prompt stopped sharing an earlier one's tokens: the cause of a prefix break, with evidence.
 
-`classify` looks at the first character where two rendered prompts differ, in this order: a date or time
-there (`timestamp`), a UUID, hex string or nonce there (`random_id`), the tools (the break moves on when
-the later prompt is rendered with the earlier one's tools: `tool_order` for the same set, else
+`classify` looks at the first character where two rendered prompts differ, in this order: per-instance
+environment text there (`per_instance_env`: a working directory, a path, a git hash, a user or host name,
+in the head or on a line that says what it is; also a date in a new instance's first request), a date or
+time there (`timestamp`), a UUID, hex string or nonce there (`random_id`), the tools (the break moves on
+when the later prompt is rendered with the earlier one's tools: `tool_order` for the same set, else
 `tool_set`), then where it falls. In the head (system messages and tools) it is `private_before_shared`
 when more system-prompt text is shared after the break than before it, else `system_edit`; after the
 head it is `history_rewrite` (an earlier turn rendered differently). A completion prompt's is `other`.
+A `per_instance_env` break says what the value is (`working directory /tmp/ws-b`): one name for one kind
+of text, whichever harness wrote it and wherever it stands.
 
-This module needs only the tokenizer and `patterns`, so the server can classify breaks as it sees them.
+This module needs only the tokenizer, `patterns` and `environment`, so the server can classify breaks as
+it sees them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from swarmkv.breaks.patterns import volatile_at
+from swarmkv.breaks.environment import EnvValue, describe, env_at
+from swarmkv.breaks.patterns import Volatile, volatile_at
 from swarmkv.errors import InvalidRequestError
 from swarmkv.prefix import common_prefix_length
 from swarmkv.tokenizer import Tokenizer
@@ -25,6 +31,7 @@ from swarmkv.tokenizer import Tokenizer
 CAUSES: tuple[str, ...] = (
     "timestamp",
     "random_id",
+    "per_instance_env",
     "tool_order",
     "tool_set",
     "system_edit",
@@ -34,6 +41,8 @@ CAUSES: tuple[str, ...] = (
 )
 
 MAX_EVIDENCE_CHARS = 80
+_MIN_EVIDENCE_CHARS = 20  # an evidence line break or word break before this many characters is passed over
+_MAX_WORD_BACK = 40  # how far back evidence starting inside a word (a path) goes to the word's start
 # A user message no prompt contains: rendering the head followed by it shows where the head ends.
 _PROBE = "\u0000swarmkv-lint-probe\u0000"
 
@@ -54,7 +63,8 @@ class Break:
 
     offset: int  # tokens shared with the earlier prompt: the first diverging token's index
     cause: str  # one of CAUSES
-    text: str  # evidence: a short snippet of the later prompt's text at the divergence
+    text: str  # evidence: a short snippet of the later prompt's text at the divergence, cut at word breaks
+    detail: str = ""  # what a per_instance_env value is, and the value: `working directory /tmp/ws-b`
 
 
 def divergence(a: Sequence[int], b: Sequence[int]) -> int:
@@ -91,29 +101,83 @@ def head_chars(prompt: RenderedPrompt, tokenizer: Tokenizer) -> int:
     return common_chars(text, prompt.text)
 
 
-def classify(earlier: RenderedPrompt, later: RenderedPrompt, offset: int, tokenizer: Tokenizer) -> Break:
-    """Why `later` shares only `offset` tokens of `earlier`: the cause, with the later text there."""
+def classify(
+    earlier: RenderedPrompt,
+    later: RenderedPrompt,
+    offset: int,
+    tokenizer: Tokenizer,
+    first_request: bool = False,
+) -> Break:
+    """Why `later` shares only `offset` tokens of `earlier`: the cause, with the later text there.
+    `first_request`: `later` opens a new instance's session (a date there is the instance's, not a clock)."""
     differ = common_chars(earlier.text, later.text)  # the first character that differs
     start = char_offset(later, offset, tokenizer)
     start = differ if start is None else min(start, differ)
+    head_end: int | None = None
+
+    def in_head() -> bool:
+        nonlocal head_end
+        if head_end is None:
+            head_end = _head_end(earlier, later, tokenizer)
+        return differ < head_end
+
+    env = _env_value(earlier, later, differ, in_head)
+    if env is not None:
+        prompt, env_value = env
+        evidence_start = min(start, env_value.start) if prompt is later else start
+        detail = describe(prompt.text, env_value)
+        return Break(offset, env_value.kind, _evidence(later.text, evidence_start), detail)
     value = volatile_at(later.text, differ)
+    dropped = value is None
+    if dropped:
+        value = volatile_at(earlier.text, differ)  # a value the later prompt dropped
     if value is not None:
-        return Break(offset, value.kind, _evidence(later.text, min(start, value.start)))
-    value = volatile_at(earlier.text, differ)  # a value the later prompt dropped
-    if value is not None:
-        return Break(offset, value.kind, _evidence(later.text, start))
+        text = later.text if not dropped else earlier.text
+        evidence_start = start if dropped else min(start, value.start)
+        if first_request and _is_date(text, value):
+            detail = f"date {text[value.start : value.end]}"
+            return Break(offset, "per_instance_env", _evidence(later.text, evidence_start), detail)
+        return Break(offset, value.kind, _evidence(later.text, evidence_start))
     evidence = _evidence(later.text, start)
     tools = _tools_cause(earlier, later, differ, tokenizer)
     if tools is not None:
         return Break(offset, tools, evidence)
     if not later.messages or not earlier.messages:
         return Break(offset, "other", evidence)
-    head_end = max(head_chars(earlier, tokenizer), head_chars(later, tokenizer))
-    if differ < head_end:
+    if in_head():
+        assert head_end is not None
         shared_after = _shared_system_lines(earlier, later, differ, head_end)
         cause = "private_before_shared" if shared_after > differ else "system_edit"
         return Break(offset, cause, evidence)
     return Break(offset, "history_rewrite", evidence)
+
+
+def is_env_break(earlier: RenderedPrompt, later: RenderedPrompt, differ: int, head_end: int) -> bool:
+    """Whether the prompts part at per-instance environment text (`head_end`: where the head ends)."""
+    return _env_value(earlier, later, differ, lambda: differ < head_end) is not None
+
+
+def _env_value(
+    earlier: RenderedPrompt, later: RenderedPrompt, differ: int, in_head: Callable[[], bool]
+) -> tuple[RenderedPrompt, EnvValue] | None:
+    """The environment value at the divergence (the later prompt's, else one the later prompt dropped), if
+    it is environment text there: on a line that says what it is, or anywhere in the head."""
+    for prompt in (later, earlier):
+        value = env_at(prompt.text, differ)
+        if value is not None and (value.cued or (prompt.messages and in_head())):
+            return prompt, value
+    return None
+
+
+def _head_end(earlier: RenderedPrompt, later: RenderedPrompt, tokenizer: Tokenizer) -> int:
+    if not later.messages or not earlier.messages:
+        return 0
+    return max(head_chars(earlier, tokenizer), head_chars(later, tokenizer))
+
+
+def _is_date(text: str, value: Volatile) -> bool:
+    """A date alone (a clock in it would change within a session)."""
+    return value.kind == "timestamp" and ":" not in text[value.start : value.end]
 
 
 def _tools_cause(
@@ -152,7 +216,35 @@ def _shared_system_lines(earlier: RenderedPrompt, later: RenderedPrompt, differ:
 
 
 def _evidence(text: str, start: int) -> str:
-    """Up to MAX_EVIDENCE_CHARS of `text` from `start`, ending at a line break past its first 20 chars."""
-    snippet = text[start : start + MAX_EVIDENCE_CHARS]
-    cut = snippet.find("\n", 20)
-    return snippet[:cut] if cut > 0 else snippet
+    """Up to MAX_EVIDENCE_CHARS of `text` from the start of the word at `start` (of its part, in a long
+    word such as a path), ending at a line break past its first characters, else at the last word break
+    that fits."""
+    while start < len(text) - 1 and text[start] in " \t":  # a token's leading space: from the word
+        start += 1
+    begin = start
+    if start < len(text) and not text[start].isspace():
+        while begin > max(0, start - _MAX_WORD_BACK) and not text[begin - 1].isspace():
+            begin -= 1
+        if begin > 0 and not text[begin - 1].isspace():  # a word too long to show whole (a path):
+            begin = start  # from the start of its part at the divergence
+            while begin > max(0, start - _MAX_WORD_BACK) and text[begin - 1].isalnum():
+                begin -= 1
+    snippet = text[begin : begin + MAX_EVIDENCE_CHARS + 1]
+    line_break = snippet.find("\n", _MIN_EVIDENCE_CHARS)
+    if line_break > 0:
+        return snippet[:line_break]
+    if len(snippet) <= MAX_EVIDENCE_CHARS:
+        return snippet
+    word_break = max(snippet.rfind(" ", _MIN_EVIDENCE_CHARS), snippet.rfind("\t", _MIN_EVIDENCE_CHARS))
+    if word_break > 0:
+        return snippet[:word_break]
+    # One word longer than the evidence (a path): cut where one of its parts ends.
+    part_end = max(
+        (
+            i
+            for i in range(_MIN_EVIDENCE_CHARS, MAX_EVIDENCE_CHARS)
+            if snippet[i - 1].isalnum() != snippet[i].isalnum()
+        ),
+        default=MAX_EVIDENCE_CHARS,
+    )
+    return snippet[:part_end]

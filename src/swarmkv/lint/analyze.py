@@ -1,14 +1,17 @@
-"""Prefix breaks in a request log: each request against the earlier ones, in log order.
+"""Prefix breaks in a request log: each request against the earlier ones of its family, in log order.
 
-A request is compared with the earlier prompt (of its cache salt) it shares the most tokens with, its own
-session's newest prompt on a tie. It breaks when it does not continue that prompt, and either belongs to a
-session it should continue, or (a session's first request) parts from it inside the shared head (system
-messages and tools) or at a date, time or random id. A first request that parts after the head is a new
-agent with its own task: no break.
+A request is compared with the earlier prompt of its family (`families.py`: one harness, one system prompt)
+and cache salt that it shares the most tokens with, its own session's newest prompt on a tie; never with
+another family's. It breaks when it does not continue that prompt, and either belongs to a session it should
+continue, or (a session's first request: a new instance) parts from it inside the shared head (system
+messages and tools), at a date, time or random id, or at per-instance environment text (a working directory
+on a line that says so, say). A first request that parts after the head elsewhere is a new agent with its
+own task: no break.
 
-When the break is a volatile value, the request is matched again as if the heads' values were equal
-(`hidden.py`), and compared with that prompt given its values one by one: this shows the breaks the first
-one hides (more values, then one agent's reordered tools, say), up to the first that is not a value.
+When the break is at a value (a date, an id, a path, a git hash), the request is matched again as if the
+heads' values were equal (`hidden.py`), and compared with that prompt given its values one by one: this
+shows the breaks the first one hides (more values, then one agent's reordered tools, say), up to the first
+that is not a value.
 """
 
 from __future__ import annotations
@@ -17,22 +20,32 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from swarmkv.breaks.causes import Break, RenderedPrompt, classify, common_chars, divergence, head_chars
-from swarmkv.breaks.patterns import VolatileScanner, volatile_at
-from swarmkv.lint.hidden import MaskedHead, align, mask
+from swarmkv.breaks.causes import (
+    Break,
+    RenderedPrompt,
+    classify,
+    common_chars,
+    divergence,
+    head_chars,
+    is_env_break,
+)
+from swarmkv.breaks.patterns import volatile_at
+from swarmkv.lint.families import Family
+from swarmkv.lint.hidden import MaskedHead, ValueScanner, align, mask
 from swarmkv.lint.prefix_index import Match, PrefixIndex
 from swarmkv.lint.render import RenderedRequest
 from swarmkv.lint.sessions import Sessions
 from swarmkv.tokenizer import Tokenizer
 
-VOLATILE_CAUSES = ("timestamp", "random_id")
+VALUE_CAUSES = ("timestamp", "random_id", "per_instance_env")
 
 
 @dataclass(frozen=True)
 class Finding:
-    """A request's session, its break, and the breaks behind it if the first is a volatile value."""
+    """A request's family and session, its break, and the breaks behind it if the first is at a value."""
 
     rendered: RenderedRequest
+    family: Family
     session: str
     brk: Break | None
     hidden: tuple[Break, ...] = ()
@@ -41,6 +54,7 @@ class Finding:
 @dataclass(frozen=True)
 class _Seen:
     request: RenderedRequest
+    family: str
     session: str
     masked: MaskedHead
     masked_ids: list[int]
@@ -52,17 +66,19 @@ class BreakFinder:
     def __init__(self, tokenizer: Tokenizer, encode: Callable[[str], list[int]] | None = None) -> None:
         self.tokenizer = tokenizer
         self._encode = encode or tokenizer.encode
-        # Per cache salt (salts never share KV): the prompts' tokens, and their tokens with values masked.
-        self._indexes: dict[str | None, tuple[PrefixIndex, PrefixIndex]] = {}
+        # Per family and cache salt (salts never share KV): the prompts' tokens, and their tokens with
+        # values masked.
+        self._indexes: dict[tuple[str, str | None], tuple[PrefixIndex, PrefixIndex]] = {}
         self._seen: list[_Seen] = []
         self._sessions = Sessions()
         self._heads: dict[str, int] = {}
-        self._scanner = VolatileScanner()
+        self._scanner = ValueScanner()
 
-    def add(self, request: RenderedRequest) -> Finding:
-        """The request's finding; it then counts as seen for later requests."""
+    def add(self, request: RenderedRequest, family: Family) -> Finding:
+        """The request's finding; it then counts as seen for its family's later requests."""
         prompt = request.prompt
-        raw, masked_index = self._indexes.setdefault(request.cache_salt, (PrefixIndex(), PrefixIndex()))
+        where = (family.name, request.cache_salt)
+        raw, masked_index = self._indexes.setdefault(where, (PrefixIndex(), PrefixIndex()))
         masked = mask(prompt.text, self._head(prompt) if prompt.messages else 0, self._scanner)
         masked_ids = self._encode(masked.text) if masked.values else prompt.token_ids
         match = raw.match(prompt.token_ids)
@@ -76,22 +92,26 @@ class BreakFinder:
             None if extends is None else self._seen[extends].session,
         )
         previous = self._sessions.newest(session)
-        if previous is not None and self._seen[previous].request.cache_salt != request.cache_salt:
-            previous = None
+        if previous is not None and self._where(self._seen[previous]) != where:
+            previous = None  # the session's side request (another family) or another salt
         brk: Break | None = None
         hidden: tuple[Break, ...] = ()
         if match.key is not None:
             earlier = self._reference(match, previous, prompt.token_ids, masked=False)
             brk = self._break(earlier.request.prompt, prompt, match.num_tokens, previous is not None)
-        seen = _Seen(request, session, masked, masked_ids)
-        if brk is not None and brk.cause in VOLATILE_CAUSES and masked.values:
+        seen = _Seen(request, family.name, session, masked, masked_ids)
+        if brk is not None and brk.cause in VALUE_CAUSES and masked.values:
             hidden = self._hidden(masked_index.match(masked_ids), seen, previous, brk)
         number = len(self._seen)
         raw.add(number, prompt.token_ids)
         masked_index.add(number, masked_ids)
         self._seen.append(seen)
         self._sessions.remember(number, session, prompt.messages)
-        return Finding(request, session, brk, hidden)
+        return Finding(request, family, session, brk, hidden)
+
+    @staticmethod
+    def _where(seen: _Seen) -> tuple[str, str | None]:
+        return seen.family, seen.request.cache_salt
 
     def _reference(self, match: Match, previous: int | None, tokens: list[int], masked: bool) -> _Seen:
         """The earlier prompt to compare with: the session's newest if it shares the most, else the newest
@@ -111,10 +131,10 @@ class BreakFinder:
             return None  # it continues the earlier prompt
         if not continues_session and not self._parts_in_head(earlier, later):
             return None
-        return classify(earlier, later, offset, self.tokenizer)
+        return classify(earlier, later, offset, self.tokenizer, first_request=not continues_session)
 
     def _hidden(self, match: Match, later: _Seen, previous: int | None, first: Break) -> tuple[Break, ...]:
-        """The breaks behind `first` (a volatile value): against the most similar earlier prompt with values
+        """The breaks behind `first` (at a value): against the most similar earlier prompt with values
         masked, given the later prompt's values one by one."""
         if match.key is None:
             return ()
@@ -134,18 +154,19 @@ class BreakFinder:
             if brk is None:
                 break
             found.append(brk)
-            if brk.cause not in VOLATILE_CAUSES:
+            if brk.cause not in VALUE_CAUSES:
                 break
         return tuple(found[1:])
 
     def _parts_in_head(self, earlier: RenderedPrompt, later: RenderedPrompt) -> bool:
-        """Whether two prompts differ inside the head, or at a volatile value."""
+        """Whether two prompts differ inside the head, at a volatile value, or at environment text."""
         differ = common_chars(earlier.text, later.text)
         if volatile_at(later.text, differ) or volatile_at(earlier.text, differ):
             return True
         if not earlier.messages or not later.messages:
-            return False
-        return differ < max(self._head(earlier), self._head(later))
+            return is_env_break(earlier, later, differ, 0)
+        head_end = max(self._head(earlier), self._head(later))
+        return differ < head_end or is_env_break(earlier, later, differ, head_end)
 
     def _head(self, prompt: RenderedPrompt) -> int:
         # Keyed by what the head is rendered from; later system messages only make the key longer.

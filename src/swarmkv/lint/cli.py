@@ -104,9 +104,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"swarmkv lint: warning: {args.file}:{problem.line}: {problem.message}", file=sys.stderr)
         print(json.dumps(to_json(result), ensure_ascii=False))
     else:
+        families = f"{len(result.families)} famil{'y' if len(result.families) == 1 else 'ies'}"
         title = (
             f"swarmkv lint {args.file}: {len(result.requests)} requests, {len(result.sessions)} sessions, "
-            f"{model.name}, pages of {args.page_size} tokens ({page_bytes:,} B)"
+            f"{families}, {model.name}, pages of {args.page_size} tokens ({page_bytes:,} B)"
         )
         print_report(result, title)
     if args.fail_under is not None and result.hit_rate < args.fail_under:

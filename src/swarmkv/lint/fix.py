@@ -4,12 +4,15 @@
   move to a trailing line of the last message, and that message keeps them in the session's later
   requests (as a harness that stamps each new message once would), so the history never changes.
 - tool_order, tool_set: tools sorted by name (every agent then lists a shared tool at the same place).
-- private_before_shared: system-prompt lines only some agents have, above lines most agents share, move
-  to the top of the first turn, after the whole shared head.
+- private_before_shared, per_instance_env: system-prompt lines only some agents have (a name, a working
+  directory, a git hash), in a system prompt with lines most agents share, move to the end of the first
+  turn, after the whole shared head and the turn's own shared opening (both stay the same every turn).
 - history_rewrite (when the lint found it): reasoning (`<think>...</think>`, `reasoning_content`) dropped
   from earlier assistant turns, as templates that strip it render them later anyway.
 
-The first three change nothing in a log without such lines or with sorted tools.
+The first three change nothing in a log without such lines or with sorted tools. Lines count as shared
+among the requests given: give one family's (one harness, one system prompt) at a time, or every line of
+one harness's prompt is private next to another harness's.
 """
 
 from __future__ import annotations
@@ -114,20 +117,32 @@ def _move_to_tail(messages: list[dict[str, Any]], varies: Callable[[str], bool],
 
 
 def _move_private(messages: list[dict[str, Any]], shared: Callable[[str], bool]) -> None:
-    """Move private lines that precede shared ones from the first system message to the first turn."""
+    """Move the private lines of the system messages to the end of the first turn, when they hold shared
+    ones (a system prompt all private is one agent's own: nothing to share)."""
     head = _leading_system(messages)
-    if not head or len(head) == len(messages) or not isinstance(head[0].get("content"), str):
+    if not head or len(head) == len(messages):
         return
     first_turn = messages[len(head)]
-    if not isinstance(first_turn.get("content"), str):
+    if not isinstance(first_turn.get("content"), str | list):
         return
-    lines = head[0]["content"].split("\n")
-    last_shared = max((i for i, line in enumerate(lines) if line.strip() and shared(line)), default=-1)
-    private = [i for i, line in enumerate(lines[:last_shared]) if line.strip() and not shared(line)]
-    if not private:
+    moved: list[str] = []
+    for message in head:
+        if not isinstance(message.get("content"), str):
+            continue
+        lines = message["content"].split("\n")
+        if not any(line.strip() and shared(line) for line in lines):
+            continue
+        private = [i for i, line in enumerate(lines) if line.strip() and not shared(line)]
+        moved += [lines[i] for i in private]
+        message["content"] = "\n".join(line for i, line in enumerate(lines) if i not in private).strip("\n")
+    if not moved:
         return
-    head[0]["content"] = "\n".join(line for i, line in enumerate(lines) if i not in private).strip("\n")
-    first_turn["content"] = "\n".join(lines[i] for i in private) + "\n\n" + first_turn["content"]
+    text = "\n".join(moved)
+    content = first_turn["content"]
+    if isinstance(content, str):
+        first_turn["content"] = content + "\n\n" + text
+    else:
+        first_turn["content"] = [*content, {"type": "text", "text": text}]
 
 
 def _drop_reasoning(messages: list[dict[str, Any]]) -> None:

@@ -1,9 +1,10 @@
-"""Breaks hidden behind a volatile value: where a prompt would still part from an earlier one if the dates,
-times and ids in their heads were equal (one agent's reordered tools behind everyone's timestamp).
+"""Breaks hidden behind a value: where a prompt would still part from an earlier one if the dates, times,
+ids and per-instance environment values (paths, git hashes, ...) in their heads were equal (one agent's
+reordered tools behind everyone's timestamp, a memory path behind a git hash).
 
-Two tools: `mask` writes each volatile value of a head as a placeholder of its kind, so that prompts can
-be matched as if their values were equal; `align` gives an earlier prompt the later one's first values,
-so that the later prompt's own tokens show where the two part next.
+Two tools: `mask` writes each value of a head as a placeholder of its kind, so that prompts can be matched
+as if their values were equal; `align` gives an earlier prompt the later one's first values, so that the
+later prompt's own tokens show where the two part next.
 """
 
 from __future__ import annotations
@@ -13,9 +14,29 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmkv.breaks.causes import RenderedPrompt
+from swarmkv.breaks.environment import EnvScanner, EnvValue
 from swarmkv.breaks.patterns import Volatile, VolatileScanner
 
 Encode = Callable[[str], list[int]]
+Value = Volatile | EnvValue  # a span of text two agents write differently; its `kind` is a break's cause
+
+
+class ValueScanner:
+    """The values of a text: environment values, and the dates, times and ids outside them."""
+
+    def __init__(self) -> None:
+        self._volatile = VolatileScanner()
+        self._env = EnvScanner()
+
+    def spans(self, text: str) -> list[Value]:
+        """Every value in `text`, in order, none overlapping."""
+        env = self._env.spans(text)
+        volatile = [v for v in self._volatile.spans(text) if not any(_overlap(v, e) for e in env)]
+        return sorted([*env, *volatile], key=lambda v: v.start)
+
+
+def _overlap(a: Value, b: Value) -> bool:
+    return a.start < b.end and b.start < a.end
 
 
 @dataclass(frozen=True)
@@ -23,11 +44,11 @@ class MaskedHead:
     """A prompt's text with the volatile values of its head replaced, and those values."""
 
     text: str
-    values: list[Volatile]  # spans in the prompt's own text
+    values: list[Value]  # spans in the prompt's own text
 
 
-def mask(text: str, head_chars: int, scanner: VolatileScanner) -> MaskedHead:
-    """`text` with every volatile value in its first `head_chars` characters written as `<kind>`."""
+def mask(text: str, head_chars: int, scanner: ValueScanner) -> MaskedHead:
+    """`text` with every value in its first `head_chars` characters written as `<kind>`."""
     values = scanner.spans(text[:head_chars])
     if not values:
         return MaskedHead(text, [])
@@ -41,13 +62,13 @@ def mask(text: str, head_chars: int, scanner: VolatileScanner) -> MaskedHead:
 
 def align(
     earlier: RenderedPrompt,
-    earlier_values: list[Volatile],
+    earlier_values: list[Value],
     later: RenderedPrompt,
-    later_values: list[Volatile],
+    later_values: list[Value],
     num_values: int,
     encode: Encode,
 ) -> RenderedPrompt | None:
-    """`earlier` with the later prompt's first `num_values` volatile values in place of its own (None when
+    """`earlier` with the later prompt's first `num_values` values in place of its own (None when
     the two heads do not hold the same kinds of values in the same order)."""
     if [v.kind for v in earlier_values] != [v.kind for v in later_values] or not earlier_values:
         return None

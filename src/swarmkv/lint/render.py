@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from swarmkv.api.chat_request import ChatRequest, parse_chat_request
 from swarmkv.api.completion_request import parse_completion_request
 from swarmkv.api.errors import APIError
-from swarmkv.api.layout import resolve_layout
+from swarmkv.api.layout import Layout, resolve_layout
 from swarmkv.api.render import render_chat, render_completion
 from swarmkv.breaks.causes import RenderedPrompt
 from swarmkv.choices import PromptLayout
@@ -61,13 +61,14 @@ class Renderer:
         self._pieces: dict[str, list[int]] = {}
         self._prompts: dict[str, RenderedPrompt] = {}
 
-    def render(self, request: LoggedRequest) -> RenderedRequest:
-        """The request's prompt; RenderError when the server would refuse the body or cannot render it."""
+    def render(self, request: LoggedRequest, layout: Layout | None = None) -> RenderedRequest:
+        """The request's prompt (in `layout`, by default the server's); RenderError when the server would
+        refuse the body or cannot render it."""
         try:
             if request.is_chat:
                 chat = parse_chat_request(request.body)
                 options = chat.options
-                prompt = self._chat(chat)
+                prompt = self._chat(chat, layout or self.layout)
                 stop, param = chat.forced_stop(), "messages"
             else:
                 completion = parse_completion_request(request.body)
@@ -100,13 +101,15 @@ class Renderer:
             ids += cached
         return ids
 
-    def _chat(self, chat: ChatRequest) -> RenderedPrompt:
+    def _chat(self, chat: ChatRequest, layout: Layout) -> RenderedPrompt:
         key = json.dumps(
-            [chat.messages, chat.prompt_tools, chat.forced_prefix()], sort_keys=True, ensure_ascii=False
+            [layout, chat.messages, chat.prompt_tools, chat.forced_prefix()],
+            sort_keys=True,
+            ensure_ascii=False,
         )
         prompt = self._prompts.get(key)
         if prompt is None:
-            prompt = self._prompts[key] = render_chat(self.tokenizer, chat, self.encode, layout=self.layout)
+            prompt = self._prompts[key] = render_chat(self.tokenizer, chat, self.encode, layout=layout)
         return prompt
 
     def _completion(self, prompt: str | list[int]) -> RenderedPrompt:
