@@ -127,3 +127,23 @@ def test_the_fix_moves_values_and_names_and_keeps_history(tmp_path: Path) -> Non
         "\n\nYour name is Ada-0; sign your commits so."
     )
     assert records[0]["body"]["messages"][0]["content"].split("\n")[0] in first_turn
+
+
+def test_a_messages_request_renders_in_the_layout_the_server_gave_it(qwen: Tokenizer, tmp_path: Path) -> None:
+    # The server logs a Messages request as its chat body, with "api": "messages"; under --prompt-layout auto
+    # it ran tools-first, and lint renders it so (a chat request with the same body, in the template's order).
+    tool = {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}
+    body = {"messages": [{"role": "system", "content": "You are in /home/a."}, {"role": "user", "content": "hi"}]}
+    body["tools"] = [tool]
+    path = tmp_path / "log.jsonl"
+    lines = [{"route": "/v1/chat/completions", "body": body}, {"route": "/v1/chat/completions", "body": body}]
+    lines[1]["api"] = "messages"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    chat, messages = read_log(path)[0]
+    assert (chat.api, messages.api) == ("chat", "messages")
+    assert messages.to_json()["api"] == "messages" and "api" not in chat.to_json()
+    renderer = Renderer(qwen, prompt_layout="auto")
+    as_chat, as_messages = renderer.render(chat).prompt, renderer.render(messages).prompt
+    assert as_chat.text.index("# Tools") > as_chat.text.index("You are in")
+    assert as_messages.text.index("# Tools") < as_messages.text.index("You are in")
+    assert Renderer(qwen, prompt_layout="template").render(messages).prompt.text == as_chat.text

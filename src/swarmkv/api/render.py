@@ -18,6 +18,7 @@ from swarmkv.api.chat_request import ChatRequest, Message
 from swarmkv.api.errors import bad_request
 from swarmkv.api.layout import Layout, find_tool_block, tools_first
 from swarmkv.api.pin_request import PinRequest
+from swarmkv.api.reasoning import prompt_opens_thinking
 from swarmkv.breaks.causes import RenderedPrompt
 from swarmkv.errors import InvalidRequestError
 from swarmkv.tokenizer import Tokenizer
@@ -48,6 +49,22 @@ def render_chat(
     text += req.forced_prefix()
     token_ids = encode(text) if encode is not None else tokenizer.encode(text, add_special_tokens=False)
     return RenderedPrompt(token_ids, text, messages, tools)
+
+
+def render_request(
+    tokenizer: Tokenizer, req: ChatRequest, layout: Layout = "template", encode: Encode | None = None
+) -> tuple[ChatRequest, RenderedPrompt]:
+    """A chat request as this tokenizer's template takes it, and its prompt: the one rendering the server's
+    routes, lint and the cluster router share. The request's template switches (`chat_template_kwargs`,
+    Messages' `thinking`) apply; a forced call opens in the template's own tool-call format, and after the
+    generation prompt's `<think>` block where the template opens one (Qwen3.5), never inside it."""
+    req = req.for_template(tokenizer.chat_template)
+    rendered = render_chat(tokenizer, req, encode, template_kwargs=req.template_kwargs, layout=layout)
+    prefix = req.forced_prefix()
+    if prefix and prompt_opens_thinking(rendered.text.removesuffix(prefix)):
+        req = req.closing_thinking()
+        rendered = render_chat(tokenizer, req, encode, template_kwargs=req.template_kwargs, layout=layout)
+    return req, rendered
 
 
 def system_turns_in_place(tokenizer: Tokenizer, messages: list[Message]) -> list[Message]:

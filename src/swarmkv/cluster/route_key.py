@@ -19,7 +19,7 @@ from swarmkv.api.errors import APIError
 from swarmkv.api.layout import resolve_layout
 from swarmkv.api.messages_request import parse_messages_request
 from swarmkv.api.paths import CHAT_ROUTE, COMPLETIONS_ROUTE, MESSAGES_ROUTE, RESPONSES_ROUTE
-from swarmkv.api.render import render_chat, render_completion
+from swarmkv.api.render import render_completion, render_request
 from swarmkv.api.responses_request import parse_responses_request, previous_response_id
 from swarmkv.api.session_id import SESSION_HEADER, resolve_session_id
 from swarmkv.choices import PromptLayout
@@ -117,9 +117,9 @@ class RouteKeyer:
             chat = parse_chat_request(payload)
             session = resolve_session_id(chat.options.session_id, header_session)
             session = session if session is not None else chat.options.prompt_cache_key
-            tokens = render_chat(
-                self._tokenizer, chat, layout=resolve_layout(self._prompt_layout, "chat")
-            ).token_ids
+            tokens = render_request(self._tokenizer, chat, resolve_layout(self._prompt_layout, "chat"))[
+                1
+            ].token_ids
             return Routed(RouteKey(tokens, chat.options.cache_salt, session))
         if path == COMPLETIONS_ROUTE:
             req = parse_completion_request(payload)
@@ -130,8 +130,7 @@ class RouteKeyer:
             msg = parse_messages_request(payload, needs_max_tokens=path == MESSAGES_ROUTE)
             session = resolve_session_id(msg.user_id, header_session)
             layout = resolve_layout(self._prompt_layout, "messages")
-            kwargs = msg.template_kwargs
-            tokens = render_chat(self._tokenizer, msg.chat, template_kwargs=kwargs, layout=layout).token_ids
+            tokens = render_request(self._tokenizer, msg.chat, layout)[1].token_ids
             return Routed(RouteKey(tokens, msg.chat.options.cache_salt, session))
         if path in (RESPONSES_ROUTE, RESPONSES_ROUTE + "/input_tokens"):
             return self._route_response(payload, header_session)
@@ -141,7 +140,7 @@ class RouteKeyer:
         continued = previous_response_id(payload)
         req = parse_responses_request(payload, [])  # the chain's earlier items live on its replica
         layout = resolve_layout(self._prompt_layout, "responses")
-        tokens = render_chat(self._tokenizer, req.chat, layout=layout).token_ids
+        tokens = render_request(self._tokenizer, req.chat, layout)[1].token_ids
         session = resolve_session_id(None, header_session)
         session = session if session is not None else req.chat.options.prompt_cache_key
         key = RouteKey(tokens, req.chat.options.cache_salt, session)

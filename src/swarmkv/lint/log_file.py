@@ -13,10 +13,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from swarmkv.api.layout import Api
 from swarmkv.api.paths import CHAT_ROUTE, COMPLETIONS_ROUTE
 from swarmkv.errors import SwarmkvError
 
 ROUTES = (CHAT_ROUTE, COMPLETIONS_ROUTE)
+
+
+API_NAMES: tuple[Api, ...] = ("chat", "messages", "responses")
 
 
 class LintInputError(SwarmkvError, ValueError):
@@ -34,6 +38,7 @@ class LoggedRequest:
     session_id: str | None = None
     time: float | None = None
     bare: bool = False  # the line was the body alone
+    api: Api = "chat"  # the API it came in on: a Messages or Responses request is logged as its chat body
 
     @property
     def is_chat(self) -> bool:
@@ -48,7 +53,8 @@ class LoggedRequest:
         """The line as the server writes it (the body alone when it was read so)."""
         if self.bare:
             return self.body
-        return {"time": self.time, "session_id": self.session_id, "route": self.route, "body": self.body}
+        record = {"time": self.time, "session_id": self.session_id, "route": self.route, "body": self.body}
+        return record if self.api == "chat" else {**record, "api": self.api}
 
 
 @dataclass(frozen=True)
@@ -137,7 +143,10 @@ def _parse_line(raw: str, index: int, line: int) -> LoggedRequest | RefusedReque
     when = record.get("time")
     if when is not None and (not isinstance(when, int | float) or isinstance(when, bool)):
         raise ValueError("'time' must be a number")
-    return LoggedRequest(index, line, route, body, session_id, None if when is None else float(when))
+    api = record.get("api", "chat")
+    if api not in API_NAMES:
+        raise ValueError(f"'api' must be one of {', '.join(API_NAMES)}, got {api!r}")
+    return LoggedRequest(index, line, route, body, session_id, None if when is None else float(when), api=api)
 
 
 def _refused(record: dict[str, Any], line: int) -> RefusedRequest:

@@ -167,7 +167,9 @@ class _Plans:
     def _movable(self, members: list[RenderedRequest]) -> bool:
         """Whether tools-first would move a tool block: the server renders the template's order, and the
         template renders a block for some member's tools."""
-        return self._renderer.layout != "tools-first" and any(self._has_block(r) for r in members)
+        return any(
+            self._renderer.layout_of(r.request) != "tools-first" and self._has_block(r) for r in members
+        )
 
     def _has_block(self, request: RenderedRequest) -> bool:
         """Whether the template renders a tool block tools-first can move, for this request's tools."""
@@ -185,8 +187,9 @@ class _Plans:
         logged = request.request
         if rewrites(fix):
             logged = self._rewritten.get(logged.index, logged)
-        layout: Layout = "tools-first" if tools_first(fix) else self._renderer.layout
-        if logged is request.request and layout == self._renderer.layout:
+        served = self._renderer.layout_of(request.request)
+        layout: Layout = "tools-first" if tools_first(fix) else served
+        if logged is request.request and layout == served:
             return request
         return self._renderer.render(logged, layout)
 

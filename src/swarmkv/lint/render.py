@@ -16,7 +16,7 @@ from swarmkv.api.chat_request import ChatRequest, parse_chat_request
 from swarmkv.api.completion_request import parse_completion_request
 from swarmkv.api.errors import APIError
 from swarmkv.api.layout import Layout, resolve_layout
-from swarmkv.api.render import render_chat, render_completion
+from swarmkv.api.render import render_completion, render_request
 from swarmkv.breaks.causes import RenderedPrompt
 from swarmkv.choices import PromptLayout
 from swarmkv.errors import InvalidRequestError
@@ -46,10 +46,11 @@ class Renderer:
         self, tokenizer: Tokenizer, max_model_len: int | None = None, prompt_layout: PromptLayout = "auto"
     ) -> None:
         """`max_model_len`: refuse prompts that leave no room for the reply in it, as the server does;
-        `prompt_layout`: the server's `--prompt-layout` (the log holds chat bodies, so `auto` is the template's)."""
+        `prompt_layout`: the server's `--prompt-layout`, resolved per request by the API it came in on (the log
+        holds chat bodies, and names the API of a Messages or Responses request)."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.layout = resolve_layout(prompt_layout, "chat")
+        self.prompt_layout = prompt_layout
         special = [
             token.content
             for token in tokenizer.backend.get_added_tokens_decoder().values()
@@ -66,9 +67,9 @@ class Renderer:
         refuse the body or cannot render it."""
         try:
             if request.is_chat:
-                chat = parse_chat_request(request.body)
+                chat = parse_chat_request(request.body).for_template(self.tokenizer.chat_template)
                 options = chat.options
-                prompt = self._chat(chat, layout or self.layout)
+                prompt = self._chat(chat, layout or self.layout_of(request))
                 stop, param = chat.forced_stop(), "messages"
             else:
                 completion = parse_completion_request(request.body)
@@ -87,6 +88,10 @@ class Renderer:
             request, prompt, options.cache_salt, session, user if isinstance(user, str) else None
         )
 
+    def layout_of(self, request: LoggedRequest) -> Layout:
+        """The layout the server gave this request: its `--prompt-layout` on the API it came in on."""
+        return resolve_layout(self.prompt_layout, request.api)
+
     def encode(self, text: str) -> list[int]:
         """`tokenizer.encode(text, add_special_tokens=False)`, from cached pieces."""
         if self._special is None:
@@ -103,13 +108,13 @@ class Renderer:
 
     def _chat(self, chat: ChatRequest, layout: Layout) -> RenderedPrompt:
         key = json.dumps(
-            [layout, chat.messages, chat.prompt_tools, chat.forced_prefix()],
+            [layout, chat.messages, chat.prompt_tools, chat.forced_prefix(), chat.template_kwargs],
             sort_keys=True,
             ensure_ascii=False,
         )
         prompt = self._prompts.get(key)
         if prompt is None:
-            prompt = self._prompts[key] = render_chat(self.tokenizer, chat, self.encode, layout=layout)
+            prompt = self._prompts[key] = render_request(self.tokenizer, chat, layout, self.encode)[1]
         return prompt
 
     def _completion(self, prompt: str | list[int]) -> RenderedPrompt:

@@ -47,10 +47,12 @@ class ServerContext:
         """The request's body as a JSON object, under the size cap, or a 400."""
         return await read_json_body(request, self.max_request_bytes)
 
-    def log_request(self, route: str, session_id: str | None, body: dict[str, Any]) -> None:
+    def log_request(
+        self, route: str, session_id: str | None, body: dict[str, Any], api: str | None = None
+    ) -> None:
         """Append the request's body to the request log, when there is one."""
         if self.request_log is not None:
-            self.request_log.write(route, session_id, body)
+            self.request_log.write(route, session_id, body, api)
 
     @property
     def listed_model_names(self) -> tuple[str, ...]:

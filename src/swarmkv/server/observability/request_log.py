@@ -1,7 +1,9 @@
 """`swarmkv serve --log-requests FILE.jsonl`: every generation request's body, one JSON line each.
 
 A line is `{"time": unix seconds, "session_id": str | null, "route": "/v1/chat/completions" |
-"/v1/completions", "body": the request's JSON object as received}`, for each request whose body and
+"/v1/completions", "body": the request's JSON object as received}`, plus `"api": "messages" | "responses"`
+for a request that came in on those APIs, logged as the chat body it runs as (the server lays out its
+prompt by that API: `--prompt-layout auto`), for each request whose body and
 session id are well-formed (it reached the tokenizer). A request the server refused (a 4xx) adds a line
 `{"time", "session_id": null, "route": the path it was sent to, "status": the HTTP status, "error": the
 message, "body": its JSON as received, its text when it is not JSON, or null}`; a request refused after
@@ -34,9 +36,11 @@ class RequestLog:
             raise ValueError(f"cannot open the request log {str(path)!r}: {exc.strerror}") from exc
         self._lock = threading.Lock()
 
-    def write(self, route: str, session_id: str | None, body: dict[str, Any]) -> None:
-        """Append one request as one whole line."""
-        self._append({"time": time.time(), "session_id": session_id, "route": route, "body": body})
+    def write(self, route: str, session_id: str | None, body: dict[str, Any], api: str | None = None) -> None:
+        """Append one request as one whole line; `api` names the API it came in on when its body was
+        translated (a Messages or Responses request, logged as the chat request it runs as)."""
+        record = {"time": time.time(), "session_id": session_id, "route": route, "body": body}
+        self._append(record if api is None else {**record, "api": api})
 
     def write_refused(self, route: str, status: int, error: str, body: Any) -> None:
         """Append a refused request: where it went, the status and error it got, and its body."""

@@ -13,8 +13,8 @@ from swarmkv.api.errors import bad_request
 from swarmkv.api.layout import Api, resolve_layout
 from swarmkv.api.options import Options
 from swarmkv.api.outputs import StepOutput
-from swarmkv.api.reasoning import ReasoningSplitter, prompt_opens_thinking, reasoning_splitter
-from swarmkv.api.render import render_chat
+from swarmkv.api.reasoning import ReasoningSplitter, reasoning_splitter
+from swarmkv.api.render import render_request
 from swarmkv.api.session_id import SESSION_HEADER, resolve_session_id
 from swarmkv.breaks.causes import Break, RenderedPrompt
 from swarmkv.core.sampling_params import SamplingParams
@@ -72,17 +72,9 @@ class StartedChat:
 
 
 def render_for_model(ctx: ServerContext, req: ChatRequest, api: Api) -> tuple[ChatRequest, RenderedPrompt]:
-    """The request as this model's template takes it, and its prompt (laid out as `--prompt-layout` says
-    for `api`, with the request's template switches)."""
-    req = req.for_template(ctx.tokenizer.chat_template)
-    layout = resolve_layout(ctx.prompt_layout, api)
-    rendered = render_chat(ctx.tokenizer, req, template_kwargs=req.template_kwargs, layout=layout)
-    prefix = req.forced_prefix()
-    if prefix and prompt_opens_thinking(rendered.text.removesuffix(prefix)):
-        # Qwen3.5's generation prompt opens `<think>`: a forced call is written after the block, not in it.
-        req = req.closing_thinking()
-        rendered = render_chat(ctx.tokenizer, req, template_kwargs=req.template_kwargs, layout=layout)
-    return req, rendered
+    """The request as this model's template takes it, and its prompt, laid out as `--prompt-layout` says
+    for `api` (`api.render.render_request`)."""
+    return render_request(ctx.tokenizer, req, resolve_layout(ctx.prompt_layout, api))
 
 
 async def start_chat(

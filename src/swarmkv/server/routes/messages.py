@@ -58,7 +58,9 @@ async def messages(request: Request) -> Response:
     req = parse_messages_request(payload)
     ctx.check_model(req.chat.options.model)
     session_id = request_session_id(request, req.user_id, client_header=CLAUDE_CODE_SESSION_HEADER)
-    ctx.log_request(CHAT_ROUTE, session_id, req.chat_body)  # logged as the chat request it runs as
+    ctx.log_request(
+        CHAT_ROUTE, session_id, req.chat_body, "messages"
+    )  # logged as the chat request it runs as
     num_pinned = await _pin_breakpoints(ctx, req)
     started = await start_chat(ctx, req.chat, session_id, arrival_s, "msg", "messages")
     stream = started.stream
