@@ -133,7 +133,9 @@ def test_a_messages_request_renders_in_the_layout_the_server_gave_it(qwen: Token
     # The server logs a Messages request as its chat body, with "api": "messages"; under --prompt-layout auto
     # it ran tools-first, and lint renders it so (a chat request with the same body, in the template's order).
     tool = {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}
-    body = {"messages": [{"role": "system", "content": "You are in /home/a."}, {"role": "user", "content": "hi"}]}
+    body = {
+        "messages": [{"role": "system", "content": "You are in /home/a."}, {"role": "user", "content": "hi"}]
+    }
     body["tools"] = [tool]
     path = tmp_path / "log.jsonl"
     lines = [{"route": "/v1/chat/completions", "body": body}, {"route": "/v1/chat/completions", "body": body}]
