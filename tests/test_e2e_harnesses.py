@@ -63,22 +63,23 @@ def harnesses_installed() -> None:
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Server]]:
-    """`serve(arch, layout)`: a `swarmkv serve` of the scripted checkpoint, started once per module and kind."""
+    """`serve(arch, layout, name)`: a `swarmkv serve` of the scripted checkpoint, started once per module and
+    kind (`name` another server of the same kind, with a cache of its own)."""
     root = tmp_path_factory.mktemp("e2e-serve")
-    servers: dict[tuple[str, str], Server] = {}
+    servers: dict[tuple[str, str, str], Server] = {}
     with ExitStack() as stack:
 
-        def get(arch: str = "llama", layout: str = "auto") -> Server:
-            if (arch, layout) not in servers:
+        def get(arch: str = "llama", layout: str = "auto", name: str = "") -> Server:
+            if (arch, layout, name) not in servers:
                 model = root / f"scripted-{arch}"
                 if not model.exists():
                     make_scripted_checkpoint(
                         model, vocabulary="qwen3", arch=arch, max_positions=MAX_POSITIONS
                     )  # type: ignore[arg-type]
                 flags = ["--served-model-name", f"{MODEL},*", "--prompt-layout", layout]
-                flags += ["--log-requests", str(root / f"requests-{arch}-{layout}.jsonl")]
-                servers[arch, layout] = stack.enter_context(swarmkv_serve(model, root, *flags))
-            return servers[arch, layout]
+                flags += ["--log-requests", str(root / f"requests-{arch}-{layout}{name}.jsonl")]
+                servers[arch, layout, name] = stack.enter_context(swarmkv_serve(model, root, *flags))
+            return servers[arch, layout, name]
 
         yield get
 
@@ -146,7 +147,7 @@ def test_a_tool_round_trip_then_a_second_instance_reads_the_shared_head(
 
 def test_eight_instances_at_once_share_their_head(serve: Callable[..., Server], tmp_path: Path) -> None:
     harness = CODEX
-    server = serve(layout=LAYOUT[harness])
+    server = serve(layout=LAYOUT[harness], name="-cold")  # nothing cached: the eight start cold, together
     home = tmp_path / "home"
     instances = []
     for workspace in make_workspaces(tmp_path, 8):
