@@ -182,6 +182,7 @@ def test_a_bodyless_write_from_another_sites_page_is_a_403(served: Served) -> No
     foreign = served.http.post(release, headers={"Origin": EVIL})
     assert foreign.status_code == 403 and foreign.json()["error"]["code"] == "origin_not_allowed"
     assert served.http.post(release, headers={"Origin": "null"}).status_code == 403  # a sandboxed page
+    assert served.http.post(release, headers={"Origin": "http://[::1"}).status_code == 403  # no URL
     assert served.http.delete("/v1/responses/resp_x", headers={"Origin": EVIL}).status_code == 403
     # The server's own pages (its /cache page) and clients that are no page (no Origin) go on.
     assert served.http.post(release, headers={"Origin": served.url}).status_code == 404

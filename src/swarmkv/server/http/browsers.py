@@ -79,7 +79,7 @@ class BrowserChecks:
         if method in _SAFE_METHODS or origin is None or self._cors_allows(origin):
             return None
         host = headers.get("host", "").strip().lower()
-        if host and urlsplit(origin.strip()).netloc.lower() == host:
+        if host and _netloc(origin) == host:
             return None  # the server's own page (/cache)
         return APIError(
             403,
@@ -134,6 +134,14 @@ def is_json(content_type: str) -> bool:
     """Whether a Content-Type (its parameters aside) is JSON: application/json or application/*+json."""
     kind, _, subtype = content_type.partition(";")[0].strip().lower().partition("/")
     return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def _netloc(origin: str) -> str:
+    """An Origin header's host[:port], lower case; empty for "null" or one that is no URL."""
+    try:
+        return urlsplit(origin.strip()).netloc.lower()
+    except ValueError:  # "http://[::1": an unclosed IPv6 address
+        return ""
 
 
 def _has_body(headers: Headers) -> bool:

@@ -8,11 +8,11 @@ message, "body": its JSON as received, its text when it is not JSON, or null}`; 
 its body was logged (a prompt past the context) has both lines.
 
 The file holds prompts in clear, so a new one is created readable by its owner only (0600); an existing
-file keeps its mode (a deliberate 0640 for a group running lint stays), with a warning when others can
-read it. Lines are ASCII (JSON's escapes), so a body holding text that is not valid Unicode (a lone surrogate)
-is written escaped, never refused by the encoder. The file is opened in append mode; each line goes out
-in one `write` on an `O_APPEND` descriptor, under a lock, so lines from concurrent requests (or two
-servers sharing the file) never interleave. `swarmkv lint` reads these files.
+file keeps its mode (its owner's choice: a 0640 for a group that runs lint), with a warning when users
+other than its owner can read it. Lines are ASCII (JSON's escapes), so a body holding text that is not
+valid Unicode (a lone surrogate) is written escaped, never refused by the encoder. The file is opened in
+append mode; each line goes out in one `write` on an `O_APPEND` descriptor, under a lock, so lines from
+concurrent requests (or two servers sharing the file) never interleave. `swarmkv lint` reads these files.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class RequestLog:
         except OSError as exc:
             raise ValueError(f"cannot open the request log {str(path)!r}: {exc.strerror}") from exc
         mode = stat.S_IMODE(os.fstat(self._fd).st_mode)
-        if mode & 0o077:
+        if mode & (stat.S_IRGRP | stat.S_IROTH):
             log.warning(
                 "the request log %s holds prompts in clear and other users can read it (mode %04o): "
                 "chmod 600 it",
