@@ -105,7 +105,7 @@ def served() -> Iterator[Served]:
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of /metrics, keyed by sample name and sorted labels, parsed by prometheus_client."""
-    text = httpx.get(f"{url}/metrics", timeout=TIMEOUT_S).text
+    text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=TIMEOUT_S).text  # /metrics needs the key too
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)

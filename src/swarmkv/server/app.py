@@ -1,8 +1,9 @@
 """The ASGI app: one engine loop, the routes of every protocol (`routes/`), the gate and the error handlers.
 
 `create_app(llm, config)` builds the context the routes share, the route table (OpenAI chat, completions and
-Responses, Anthropic Messages, pins, sessions, the cache view, /health, /metrics), the API-key and counting
-middleware (`http/gate.py`) and the handlers answering every failure in its protocol's error shape
+Responses, Anthropic Messages, pins, sessions, the cache view, /health, /metrics), the middleware checking
+each request's Host, key, content type and origin and counting the answers (`http/gate.py`, `http/browsers.py`),
+CORS when `--cors-origins` names origins, and the handlers answering every failure in its protocol's error shape
 (`http/errors.py`).
 """
 
@@ -25,6 +26,7 @@ from swarmkv.server.context import ANY_MODEL, ServerContext
 from swarmkv.server.engine_loop.async_engine import AsyncEngine
 from swarmkv.server.engine_loop.request_stream import EngineUnavailableError
 from swarmkv.server.http import errors
+from swarmkv.server.http.browsers import BrowserChecks
 from swarmkv.server.http.gate import Gate
 from swarmkv.server.observability.cache_breaks import CacheBreaks
 from swarmkv.server.observability.metrics import ServerMetrics
@@ -100,10 +102,20 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> Starlette:
         Route("/health", service.health, methods=["GET"]),
         Route("/metrics", service.metrics, methods=["GET"]),
     ]
+    browsers = BrowserChecks.of(config)
+    gate = Middleware(
+        Gate,
+        api_key=config.api_key,
+        metrics=metrics,
+        routes=routes,
+        browsers=browsers,
+        metrics_public=config.metrics_public,
+    )
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
-        middleware=[Middleware(Gate, api_key=config.api_key, metrics=metrics, routes=routes)],
+        # CORS outside the gate, so its refusals (a 401, a 415) reach a listed origin's page readable.
+        middleware=[*browsers.cors_middleware(), gate],
         exception_handlers={
             APIError: errors.api_error,
             HTTPException: errors.http_error,

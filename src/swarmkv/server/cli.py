@@ -42,7 +42,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         if "metavar" in f.metadata:
             options["metavar"] = f.metadata["metavar"]
         kind = hints[f.name]
-        if typing.get_origin(kind) is typing.Literal:
+        if kind is bool:
+            options["action"] = "store_true"
+        elif typing.get_origin(kind) is typing.Literal:
             options["choices"] = typing.get_args(kind)
         elif kind is int:
             options["type"] = int
@@ -77,10 +79,32 @@ def run(args: argparse.Namespace) -> int:
 def prepare(args: argparse.Namespace) -> ServerConfig:
     """Check the flags every way of serving shares, warn of an open listener, show swarmkv's logs."""
     config = server_config(args)
-    if not config.api_key and not _is_loopback(config.host):
-        print(f"swarmkv serve: warning: listening on {config.host} without --api-key", file=sys.stderr)
+    for warning in config_warnings(config):
+        print(f"swarmkv serve: warning: {warning}", file=sys.stderr)
     _show_swarmkv_logs(config.log_level)
     return config
+
+
+def config_warnings(config: ServerConfig) -> list[str]:
+    """What in `config` lets others use the server: no key off loopback, or browser checks turned off."""
+    if config.api_key:
+        return []
+    warnings = []
+    if not _is_loopback(config.host):
+        warnings.append(
+            f"listening on {config.host} without --api-key: anyone who reaches this port can run requests, "
+            "read /v1/cache/tree and stored responses, and delete them (set --api-key or $SWARMKV_API_KEY)"
+        )
+    if "*" in config.cors_origin_list:
+        warnings.append(
+            "--cors-origins '*' without --api-key: any web page a browser here opens can use this server"
+        )
+    if config.allowed_host_names is None:
+        warnings.append(
+            "--allowed-hosts '*' without --api-key: a web page that rebinds its DNS name to this address can "
+            "use this server"
+        )
+    return warnings
 
 
 def _show_swarmkv_logs(level: str) -> None:

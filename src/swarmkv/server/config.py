@@ -6,6 +6,7 @@ fields into flags, so a default written here is the default everywhere. Imports 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -74,6 +75,35 @@ class ServerConfig:
         "(default %(default)s)",
     )
 
+    allowed_hosts: str | None = _opt(
+        None,
+        "host names the Host header may carry, besides IP addresses, localhost and the --host name, which are "
+        "always answered (any port); another name gets a 400, so a DNS-rebinding web page cannot reach the "
+        "server. Separate names by commas; '*' answers any (default: none)",
+        metavar="HOST[,HOST...]",
+    )
+    cors_origins: str | None = _opt(
+        None,
+        "web origins (scheme://host[:port], separated by commas, or '*' for any) whose pages may call this "
+        "server from a browser: their preflights are answered and their responses carry CORS headers "
+        "(default: none, no CORS headers at all)",
+        metavar="ORIGIN[,ORIGIN...]",
+    )
+    metrics_public: bool = _opt(
+        False, "answer /metrics without the API key when --api-key is set (default: /metrics needs the key)"
+    )
+
+    @property
+    def allowed_host_names(self) -> frozenset[str] | None:
+        """The Host names answered besides IP addresses and localhost, lower case; None: any name."""
+        names = (*_comma_list(self.allowed_hosts), self.host)
+        return None if "*" in names else frozenset(name.strip("[]").rstrip(".").lower() for name in names)
+
+    @property
+    def cors_origin_list(self) -> tuple[str, ...]:
+        """The origins `--cors-origins` lists, lower case ('*' among them when given; empty: CORS is off)."""
+        return tuple(origin.lower() for origin in _comma_list(self.cors_origins))
+
     @property
     def model_names(self) -> tuple[str, ...]:
         """The names `--served-model-name` lists, '*' among them when given (empty: the default name only)."""
@@ -90,3 +120,22 @@ class ServerConfig:
             raise ValueError(f"--max-request-bytes must be positive, got {self.max_request_bytes}")
         if self.responses_store_max < 0:
             raise ValueError(f"--responses-store-max must be at least 0, got {self.responses_store_max}")
+        for name in _comma_list(self.allowed_hosts):
+            with_port = name.count(":") == 1 or "]:" in name  # IPv6 addresses have several colons
+            if not name or with_port or any(c in name for c in "/ "):
+                raise ValueError(f"--allowed-hosts takes host names without a scheme or port, got {name!r}")
+        for origin in _comma_list(self.cors_origins):
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise ValueError(
+                    f"--cors-origins takes origins like 'https://app.example' or 'http://localhost:3000' (no "
+                    f"path, no trailing '/'), or '*', got {origin!r}"
+                )
+
+
+# scheme://host[:port], as a browser's Origin header spells a page's origin.
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s]+", re.IGNORECASE)
+
+
+def _comma_list(value: str | None) -> tuple[str, ...]:
+    """The stripped items of a comma-separated flag value (empty for None)."""
+    return () if value is None else tuple(item.strip() for item in value.split(","))

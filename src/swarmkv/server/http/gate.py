@@ -1,29 +1,39 @@
-"""Gate: the ASGI middleware in front of every route: the API-key check on /v1/ routes and the HTTP counts."""
+"""Gate: the ASGI middleware in front of every route: the browser checks, the API key and the HTTP counts."""
 
 from __future__ import annotations
 
 import hmac
-from typing import Any
 
+from starlette.datastructures import Headers
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from swarmkv.api.errors import APIError
+from swarmkv.server.http.browsers import BrowserChecks
 from swarmkv.server.http.errors import error_response
 from swarmkv.server.observability.metrics import ServerMetrics
 
 
 class Gate:
-    """Counts every answer by route and status; on /v1/ routes requires `Authorization: Bearer KEY` or
-    Anthropic's `x-api-key: KEY`."""
+    """Counts every answer by route and status. Refuses, in order: a Host it does not answer (400); on /v1/
+    routes, and on /metrics unless `metrics_public`, a request without `Authorization: Bearer KEY` or
+    Anthropic's `x-api-key: KEY` (401); a POST whose body is not JSON (415); a write from another site (403)."""
 
     def __init__(
-        self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics, routes: list[Route]
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        metrics: ServerMetrics,
+        routes: list[Route],
+        browsers: BrowserChecks,
+        metrics_public: bool = False,
     ) -> None:
         self.app = app
         self.api_key = api_key
         self.metrics = metrics
         self.routes = routes
+        self.browsers = browsers
+        self.metrics_public = metrics_public
 
     def _route_label(self, path: str) -> str:
         """The matching route's template (ids never become labels, bounding cardinality), else "other"."""
@@ -43,26 +53,36 @@ class Gate:
             await send(message)
 
         try:
-            if path.startswith("/v1/") and not self._authorized(scope):
-                error = APIError(
-                    401,
-                    "a valid API key is required: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
-                    code="invalid_api_key",
-                )
+            error = self._refusal(scope)
+            if error is not None:
                 await error_response(error, path)(scope, receive, counting_send)
             else:
                 await self.app(scope, receive, counting_send)
         finally:
             self.metrics.http_requests.labels(route=self._route_label(path), status=str(status)).inc()
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _refusal(self, scope: Scope) -> APIError | None:
+        """Why the request is refused before any route sees it, or None."""
+        headers = Headers(scope=scope)
+        path = scope["path"]
+        wrong_host = self.browsers.host_refusal(headers)
+        if wrong_host is not None:
+            return wrong_host
+        needs_key = path.startswith("/v1/") or (path == "/metrics" and not self.metrics_public)
+        if needs_key and not self._authorized(headers):
+            return APIError(
+                401,
+                "a valid API key is required: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                code="invalid_api_key",
+            )
+        return self.browsers.write_refusal(scope["method"], path, headers)
+
+    def _authorized(self, headers: Headers) -> bool:
         if self.api_key is None:
             return True
-        headers: dict[bytes, Any] = dict(scope["headers"])
         key = self.api_key.encode()
-        x_api_key = headers.get(b"x-api-key")
-        if x_api_key is not None and hmac.compare_digest(bytes(x_api_key).strip(), key):
+        x_api_key = headers.get("x-api-key")
+        if x_api_key is not None and hmac.compare_digest(x_api_key.strip().encode("latin-1"), key):
             return True
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), key)

@@ -9,20 +9,26 @@ session id are well-formed (it reached the tokenizer). A request the server refu
 message, "body": its JSON as received, its text when it is not JSON, or null}`; a request refused after
 its body was logged (a prompt past the context) has both lines.
 
-Lines are ASCII (JSON's escapes), so a body holding text that is not valid Unicode (a lone surrogate)
-is written escaped, never refused by the encoder. The file is opened in append mode; each line goes out
-in one `write` on an `O_APPEND` descriptor, under a lock, so lines from concurrent requests (or two
-servers sharing the file) never interleave. `swarmkv lint` reads these files.
+The file holds prompts in clear, so a new one is created readable by its owner only (0600); an existing
+file keeps its mode (its owner's choice: a 0640 for a group that runs lint), with a warning when users
+other than its owner can read it. Lines are ASCII (JSON's escapes), so a body holding text that is not
+valid Unicode (a lone surrogate) is written escaped, never refused by the encoder. The file is opened in
+append mode; each line goes out in one `write` on an `O_APPEND` descriptor, under a lock, so lines from
+concurrent requests (or two servers sharing the file) never interleave. `swarmkv lint` reads these files.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import stat
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class RequestLog:
@@ -31,9 +37,17 @@ class RequestLog:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         except OSError as exc:
             raise ValueError(f"cannot open the request log {str(path)!r}: {exc.strerror}") from exc
+        mode = stat.S_IMODE(os.fstat(self._fd).st_mode)
+        if mode & (stat.S_IRGRP | stat.S_IROTH):
+            log.warning(
+                "the request log %s holds prompts in clear and other users can read it (mode %04o): "
+                "chmod 600 it",
+                path,
+                mode,
+            )
         self._lock = threading.Lock()
 
     def write(self, route: str, session_id: str | None, body: dict[str, Any], api: str | None = None) -> None:
