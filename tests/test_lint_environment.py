@@ -38,6 +38,9 @@ def test_environment_values_on_the_harnesses_lines() -> None:
     assert values("User: ada") == [("user name", "ada", True)]
     assert values("<hostname>build-7</hostname>") == [("host name", "build-7", True)]
     assert values(r"cwd: C:\Users\ada\src") == [("working directory", r"C:\Users\ada\src", True)]
+    # Claude Code's git status: each worktree of a project is on a branch of its own.
+    assert values("Current branch: agent-1") == [("git branch", "agent-1", True)]
+    assert values("On branch feature/x-2") == [("git branch", "feature/x-2", True)]
     for plain in (
         "user: I'm a data scientist",  # prose after `user:`, as in Claude Code's memory examples
         "user: stop summarizing what you just did",
@@ -45,6 +48,8 @@ def test_environment_values_on_the_harnesses_lines() -> None:
         "  - /help: Get help with using Claude Code",
         "see https://example.com/a/b and/or the docs",
         "version 16ab655 of the file",  # hex, but no git on the line
+        "Main branch (you will usually use this for PRs): main",  # the project's, the same in every worktree
+        "We branch out to many cities",
     ):
         assert values(plain) == [], plain
 

@@ -9,6 +9,8 @@ instance. A value is found on its line:
   `working directory`, `workspace`, ...), else a `path` (one with at least two parts, so a lone `/help`
   is no path);
 - a `git hash`: 7 to 40 hex digits, digits and letters, on a line naming git or a commit, or just below one;
+- a `git branch`: after `Current branch:`, `On branch`, `branch:` (a git status a harness writes; each worktree
+  has its own), the line's last word;
 - a `user name` or `host name`: after `user:`, `hostname=`..., or as `user@host` (not an e-mail address).
 
 A value is `cued` when its line says what it is (a working directory, a commit, a user): environment text
@@ -39,6 +41,11 @@ _HOST = re.compile(
     r"(?i)\b(?:host\s*(?:name)?|machine(?:\s+name)?|computer\s+name)\s*[:=>]\s*`?([A-Za-z0-9][\w.-]{0,62})"
     + _END_OF_FIELD
 )
+# A git branch where a harness writes its git status: `Current branch: agent-1` (Claude Code), `On branch x`,
+# `branch: x`, `Branch: x`; each worktree of a project has its own.
+_GIT_BRANCH = re.compile(
+    r"(?i)\b(?:current\s+branch|on\s+branch|branch)\s*[:=]?\s+`?([\w./-]{1,100})" + _END_OF_FIELD
+)
 _USER_AT_HOST = re.compile(r"(?<![\w.@-])([a-z_][\w-]{0,31})@([A-Za-z0-9][\w-]*(?:\.[\w-]+)*)(?=[:\s]|$)")
 _GIT_CUE_LINES = 2  # a commit list's hashes sit below the line that names it
 _TRAILING = ".,;:"  # punctuation a path regex takes that ends the sentence instead
@@ -50,7 +57,7 @@ class EnvValue:
     """A per-instance environment value: what it is and its span [start, end) in characters."""
 
     kind: ClassVar[str] = "per_instance_env"  # the cause a break at it has
-    what: str  # "working directory", "path", "git hash", "user name" or "host name"
+    what: str  # "working directory", "path", "git hash", "git branch", "user name" or "host name"
     start: int
     end: int
     cued: bool  # its line says what it is
@@ -76,6 +83,8 @@ def line_values(line: str, above: str = "") -> list[EnvValue]:
         cued = _WORKING_DIRECTORY.search(line, 0, match.start()) is not None
         if len(value) > 1 and (cued or value.rstrip("/").count("/") + value.count("\\") >= 2):
             add("working directory" if cued else "path", match.start(), match.start() + len(value), cued)
+    for match in _GIT_BRANCH.finditer(line):
+        add("git branch", match.start(1), match.end(1), True)
     cue_lines = "\n".join([*above.split("\n")[-_GIT_CUE_LINES:], line])
     if _GIT_CUE.search(cue_lines):
         for match in _GIT_HASH.finditer(line):
