@@ -33,6 +33,13 @@ class ServerConfig:
         "else none)",
         env=API_KEY_ENV,
     )
+    api_keys: Path | None = _opt(
+        None,
+        "serve several tenants: FILE holds one 'KEY TENANT' line per key ('#' comments; a third word 'admin' "
+        "lets that key's cache view show every tenant); a tenant's caches, sessions, pins and stored "
+        "responses are its own (instead of --api-key)",
+        metavar="FILE",
+    )
     served_model_name: str | None = _opt(
         None,
         "the `model` clients send: a name, or several separated by commas (aliases; the first names replies), "

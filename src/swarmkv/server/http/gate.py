@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-import hmac
-from typing import Any
-
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from swarmkv.api.errors import APIError
 from swarmkv.server.http.errors import error_response
 from swarmkv.server.observability.metrics import ServerMetrics
+from swarmkv.server.tenants import TENANT_SCOPE_KEY, TenantKeys
 
 
 class Gate:
     """Counts every answer by route and status; on /v1/ routes requires `Authorization: Bearer KEY` or
-    Anthropic's `x-api-key: KEY`."""
+    Anthropic's `x-api-key: KEY`, and leaves the key's tenant in the scope (`tenants.py`)."""
 
     def __init__(
-        self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics, routes: list[Route]
+        self, app: ASGIApp, tenants: TenantKeys, metrics: ServerMetrics, routes: list[Route]
     ) -> None:
         self.app = app
-        self.api_key = api_key
+        self.tenants = tenants
         self.metrics = metrics
         self.routes = routes
 
@@ -43,7 +41,10 @@ class Gate:
             await send(message)
 
         try:
-            if path.startswith("/v1/") and not self._authorized(scope):
+            tenant = self.tenants.authenticate(scope["headers"])
+            if tenant is not None:
+                scope[TENANT_SCOPE_KEY] = tenant
+            if path.startswith("/v1/") and tenant is None:
                 error = APIError(
                     401,
                     "a valid API key is required: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
@@ -54,15 +55,3 @@ class Gate:
                 await self.app(scope, receive, counting_send)
         finally:
             self.metrics.http_requests.labels(route=self._route_label(path), status=str(status)).inc()
-
-    def _authorized(self, scope: Scope) -> bool:
-        if self.api_key is None:
-            return True
-        headers: dict[bytes, Any] = dict(scope["headers"])
-        key = self.api_key.encode()
-        x_api_key = headers.get(b"x-api-key")
-        if x_api_key is not None and hmac.compare_digest(bytes(x_api_key).strip(), key):
-            return True
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)

@@ -20,7 +20,7 @@ from swarmkv.api.pin_objects import pin_json
 from swarmkv.api.pin_request import parse_pin_request
 from swarmkv.api.render import render_pin
 from swarmkv.errors import InvalidRequestError, PinLimitError
-from swarmkv.server.context import ServerContext
+from swarmkv.server.context import ServerContext, request_context
 from swarmkv.server.http.disconnect import STATUS_CLIENT_GONE, ClientDisconnected, unless_disconnected
 
 
@@ -30,15 +30,23 @@ def _not_found(pin_id: str) -> APIError:
     )
 
 
+def _engine_id(ctx: ServerContext, pin_id: str) -> str:
+    """The engine's id of the tenant's pin: another tenant's pin of that id is not this one (a 404)."""
+    engine_id = ctx.tenant.scope(pin_id)
+    assert engine_id is not None
+    return engine_id
+
+
 async def create_pin(request: Request) -> Response:
     """POST /v1/cache/pin: pin `messages` (+ `tools`) or `prompt_token_ids` for `ttl_s` seconds."""
-    ctx: ServerContext = request.app.state.ctx
+    ctx = request_context(request)
     req = parse_pin_request(await ctx.read_body(request))
     ctx.check_model(req.model)
     ids = render_pin(ctx.tokenizer, req, resolve_layout(ctx.prompt_layout, "chat"))  # as chat prompts are
     pin_id = f"pin-{uuid.uuid4().hex}"
+    pinning = ctx.engine.pin(_engine_id(ctx, pin_id), ids, req.ttl_s, ctx.tenant.cache_salt(req.cache_salt))
     try:
-        info = await unless_disconnected(request, ctx.engine.pin(pin_id, ids, req.ttl_s, req.cache_salt))
+        info = await unless_disconnected(request, pinning)
     except PinLimitError as exc:
         raise APIError(400, str(exc), code="pin_limit_exceeded") from exc
     except InvalidRequestError as exc:
@@ -49,23 +57,24 @@ async def create_pin(request: Request) -> Response:
         raise APIError(
             404, "the pin was deleted, or its TTL ran out, before it was ready", code="pin_not_found"
         )
-    return JSONResponse(pin_json(info))
+    return JSONResponse({**pin_json(info), "id": pin_id})
 
 
 async def get_pin(request: Request) -> Response:
     """GET /v1/cache/pin/{pin_id}: the pin's size and remaining time, or 404."""
-    ctx: ServerContext = request.app.state.ctx
+    ctx = request_context(request)
     pin_id = request.path_params["pin_id"]
-    info = await asyncio.wrap_future(ctx.engine.call(lambda engine: engine.get_pin(pin_id)))
+    engine_id = _engine_id(ctx, pin_id)
+    info = await asyncio.wrap_future(ctx.engine.call(lambda engine: engine.get_pin(engine_id)))
     if info is None:
         raise _not_found(pin_id)
-    return JSONResponse(pin_json(info))
+    return JSONResponse({**pin_json(info), "id": pin_id})
 
 
 async def delete_pin(request: Request) -> Response:
     """DELETE /v1/cache/pin/{pin_id}: unpin; its pages stay cached (evictable) like any finished request's."""
-    ctx: ServerContext = request.app.state.ctx
+    ctx = request_context(request)
     pin_id = request.path_params["pin_id"]
-    if not await ctx.engine.unpin(pin_id):
+    if not await ctx.engine.unpin(_engine_id(ctx, pin_id)):
         raise _not_found(pin_id)
     return JSONResponse({"id": pin_id, "object": "cache.pin", "deleted": True})
