@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from swarmkv import LLM
+from swarmkv.kv.retention import Retention
 from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
 from swarmkv.server.tenants import (
@@ -233,3 +234,14 @@ def test_cache_breaks_compare_a_tenants_own_prompts_only(alpha: Client, beta: Cl
     assert first["usage"]["swarmkv"]["cache_break"] is None
     again = alpha.chat("Alpha's edited turn about Seville.", **session)
     assert again["usage"]["swarmkv"]["cache_break"] is not None  # alpha's own history still counts
+
+
+def test_a_tenant_past_the_open_session_cap_ends_its_own_sessions_only() -> None:
+    retention = Retention("session", max_open=6)
+    for i, session in enumerate(["beta\0b1", "beta\0b2"] + [f"alpha\0a{i}" for i in range(10)]):
+        retention.open(f"r{i}", session)
+        retention.close(f"r{i}")  # the turn finished: an idle, paused session
+    # alpha opened 10 under a cap of 6: its own longest idle went, beta's two older sessions stayed.
+    assert retention.num_open == 6
+    assert not retention.release("alpha\0a5") and retention.release("alpha\0a6")
+    assert retention.release("beta\0b1") and retention.release("beta\0b2")

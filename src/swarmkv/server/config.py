@@ -33,13 +33,6 @@ class ServerConfig:
         "else none)",
         env=API_KEY_ENV,
     )
-    api_keys: Path | None = _opt(
-        None,
-        "serve several tenants: FILE holds one 'KEY TENANT' line per key ('#' comments; a third word 'admin' "
-        "lets that key's cache view show every tenant); a tenant's caches, sessions, pins and stored "
-        "responses are its own (instead of --api-key)",
-        metavar="FILE",
-    )
     served_model_name: str | None = _opt(
         None,
         "the `model` clients send: a name, or several separated by commas (aliases; the first names replies), "
@@ -79,6 +72,14 @@ class ServerConfig:
         "system texts differ still share the tools' KV; the template's order where the block cannot be found "
         "exactly) or auto (tools-first on /v1/messages, Anthropic's cache order; template elsewhere) "
         "(default %(default)s)",
+    )
+    # Last, so that positional construction of the fields above holds.
+    api_keys: Path | None = _opt(
+        None,
+        "serve several tenants: FILE holds one 'KEY TENANT' line per key ('#' comments; a third word 'admin' "
+        "lets that key's cache view show every tenant); a tenant's caches, sessions, pins and stored "
+        "responses are its own (instead of --api-key)",
+        metavar="FILE",
     )
 
     @property
