@@ -40,6 +40,8 @@ SYSTEM = "You answer questions about cities. " * 12
 ALPHA_SALT = "alpha-secret-salt"
 ALPHA_SESSION = "alpha-secret-session"
 TIMEOUT_S = 60
+# Three tenants' shares of 128 KiB: two pins of SYSTEM (27 pages of 2 KiB each on the scripted model) each.
+PINNED_BYTES = 3 * 128 * 1024
 
 
 class Client:
@@ -68,7 +70,7 @@ class Client:
 def server(scripted_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(KEY_FILE)
-    llm = LLM(str(scripted_model_dir), dtype="float32", kv_cache_memory="16MiB", max_num_seqs=4)
+    llm = LLM(str(scripted_model_dir), dtype="float32", kv_cache_memory="16MiB", max_num_seqs=4, max_pinned_memory=PINNED_BYTES)
     with BackgroundServer(create_app(llm, ServerConfig(api_keys=key_file))) as served:
         yield served.url
 
@@ -245,3 +247,20 @@ def test_a_tenant_past_the_open_session_cap_ends_its_own_sessions_only() -> None
     assert retention.num_open == 6
     assert not retention.release("alpha\0a5") and retention.release("alpha\0a6")
     assert retention.release("beta\0b1") and retention.release("beta\0b2")
+
+
+def test_a_tenant_pins_its_share_and_no_more_leaving_room_for_others(alpha: Client, beta: Client) -> None:
+    pin_body = {"messages": [{"role": "system", "content": SYSTEM}], "ttl_s": 60}
+    pins = []
+    for _ in range(2):
+        pinned = alpha.http.post("/v1/cache/pin", json=pin_body)
+        assert pinned.status_code == 200, pinned.text
+        pins.append(pinned.json()["id"])
+    refused = alpha.http.post("/v1/cache/pin", json=pin_body)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "pin_limit_exceeded"
+    assert "this tenant's share" in refused.json()["error"]["message"]
+    theirs = beta.http.post("/v1/cache/pin", json=pin_body)  # alpha's full share leaves beta's whole
+    assert theirs.status_code == 200, theirs.text
+    for pin_id in pins:
+        assert alpha.http.delete(f"/v1/cache/pin/{pin_id}").status_code == 200
+    assert beta.http.delete(f"/v1/cache/pin/{theirs.json()['id']}").status_code == 200

@@ -179,7 +179,9 @@ class Retention:
             group = session_group(session_id)
             sizes[group] = sizes.get(group, 0) + 1
         idle = [
-            (-sizes[session_group(sid)], s.last_active, sid) for sid, s in self._sessions.items() if not s.live
+            (-sizes[session_group(sid)], s.last_active, sid)
+            for sid, s in self._sessions.items()
+            if not s.live
         ]
         if idle:
             self.release(min(idle)[2])

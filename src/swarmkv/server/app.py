@@ -66,6 +66,7 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> Starlette:
         request_log=RequestLog(log) if log is not None else None,
         max_request_bytes=config.max_request_bytes,
         responses=ResponseStore(config.responses_store_max, num_tenants=tenants.num_tenants),
+        num_tenants=tenants.num_tenants,
         hosted_tools=config.hosted_tools,
         max_tokens_policy=config.max_tokens_policy,
         prompt_layout=config.prompt_layout,

@@ -48,6 +48,7 @@ class ServerContext:
     hosted_tools: HostedToolsPolicy = "drop"  # `--hosted-tools`
     max_tokens_policy: MaxTokensPolicy = "clamp"  # `--max-tokens-policy`
     prompt_layout: PromptLayout = "auto"  # `--prompt-layout`
+    num_tenants: int = 1  # the tenants the keys name; each gets this share of the pinned memory
     # Set on a request's copy only (`request_context`), so that no route can act for no one by mistake.
     request_tenant: Tenant | None = None
 

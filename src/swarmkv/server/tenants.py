@@ -19,8 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarmkv.api.session_id import MAX_SESSION_ID_CHARS
+from swarmkv.kv.retention import GROUP_SEP
 
-SEP = "\0"  # between a tenant's name and a scoped value; never in a name
+# Between a tenant's name and a scoped value; never in a name. Retention and pins count a tenant's sessions
+# and pins by this prefix, for its share of their caps.
+SEP = GROUP_SEP
 MAX_TENANT_CHARS = 64
 _NAME = re.compile(r"[A-Za-z0-9._-]+")  # a tenant's name reaches logs and metrics: keep it plain
 ADMIN_WORD = "admin"

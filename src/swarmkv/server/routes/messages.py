@@ -46,6 +46,7 @@ from swarmkv.server.pipeline.generate import (
     request_session_id,
     start_chat,
 )
+from swarmkv.server.routes.pins import check_pin_share, engine_pin_id
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +107,10 @@ async def _pin(ctx: ServerContext, req: MessagesRequest, mark: Breakpoint) -> in
     ids = render_pin(ctx.tokenizer, req.pin_request(mark, ctx.tokenizer, layout), layout)  # as the prompt is
     # The id follows from the prefix and salt, so a repeated request refreshes its pin instead of adding one.
     digest = hashlib.sha256(f"{salt}\0{ids}".encode()).hexdigest()[:32]
-    pin_id = f"pin-msg-{digest}"
+    pin_id = engine_pin_id(ctx, f"pin-msg-{digest}")
     await ctx.engine.unpin(pin_id)
     try:
+        await check_pin_share(ctx, len(ids))
         info = await ctx.engine.pin(pin_id, ids, mark.ttl_s, salt)
     except InvalidRequestError as exc:  # over --max-pinned-memory, or a concurrent twin holds the id
         # A cache hint must not fail the message: answer it unpinned.
