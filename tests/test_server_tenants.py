@@ -70,7 +70,13 @@ class Client:
 def server(scripted_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(KEY_FILE)
-    llm = LLM(str(scripted_model_dir), dtype="float32", kv_cache_memory="16MiB", max_num_seqs=4, max_pinned_memory=PINNED_BYTES)
+    llm = LLM(
+        str(scripted_model_dir),
+        dtype="float32",
+        kv_cache_memory="16MiB",
+        max_num_seqs=4,
+        max_pinned_memory=PINNED_BYTES,
+    )
     with BackgroundServer(create_app(llm, ServerConfig(api_keys=key_file))) as served:
         yield served.url
 

@@ -67,7 +67,9 @@ async def create_pin(request: Request) -> Response:
         await check_pin_share(ctx, len(ids))
     except PinLimitError as exc:
         raise APIError(400, str(exc), code="pin_limit_exceeded") from exc
-    pinning = ctx.engine.pin(engine_pin_id(ctx, pin_id), ids, req.ttl_s, ctx.tenant.cache_salt(req.cache_salt))
+    pinning = ctx.engine.pin(
+        engine_pin_id(ctx, pin_id), ids, req.ttl_s, ctx.tenant.cache_salt(req.cache_salt)
+    )
     try:
         info = await unless_disconnected(request, pinning)
     except PinLimitError as exc:
