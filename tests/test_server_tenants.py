@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from swarmkv import LLM
+from swarmkv.cluster.route_key import RouteKeyer
 from swarmkv.kv.retention import Retention
 from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
@@ -28,6 +29,7 @@ from swarmkv.server.tenants import (
     parse_key_lines,
     read_key_file,
 )
+from swarmkv.tokenizer import Tokenizer
 
 KEYS = {"alpha": "key-alpha-1", "beta": "key-beta-1", "ops": "key-ops-1"}
 KEY_FILE = f"""# tenants of the test server
@@ -270,3 +272,25 @@ def test_a_tenant_pins_its_share_and_no_more_leaving_room_for_others(alpha: Clie
     for pin_id in pins:
         assert alpha.http.delete(f"/v1/cache/pin/{pin_id}").status_code == 200
     assert beta.http.delete(f"/v1/cache/pin/{theirs.json()['id']}").status_code == 200
+
+
+def test_the_clusters_route_keys_and_stored_chains_are_per_tenant(scripted_model_dir: Path) -> None:
+    keyer = RouteKeyer(Tokenizer.from_hf_dir(scripted_model_dir))
+    alpha, beta = Tenant("alpha"), Tenant("beta")
+    body = {"messages": [{"role": "user", "content": "Hi"}], "cache_salt": "s", "session_id": "x"}
+    raw = json.dumps(body).encode()
+    mine, theirs = (keyer.route("POST", "/v1/chat/completions", {}, raw, t).key for t in (alpha, beta))
+    assert mine.tokens == theirs.tokens and (mine.salt, mine.session) == ("alpha\0s", "alpha\0x")
+    assert (theirs.salt, theirs.session) == (
+        "beta\0s",
+        "beta\0x",
+    )  # beta's shadow index never matches alpha's
+
+    keyer.remember("resp_1", None, "replica-a", [{"role": "user", "content": "secret"}], tenant="alpha")
+    assert keyer.route("GET", "/v1/responses/resp_1", {}, b"", alpha).target == "replica-a"
+    assert keyer.route("GET", "/v1/responses/resp_1", {}, b"", beta).target is None
+    follow_up = json.dumps({"input": "Go on.", "previous_response_id": "resp_1"}).encode()
+    assert keyer.replay(follow_up, "resp_1", "beta") is None  # alpha's items are never replayed for beta
+    assert b"secret" in (keyer.replay(follow_up, "resp_1", "alpha") or b"")
+    keyer.forget("resp_1", "beta")
+    assert keyer.route("GET", "/v1/responses/resp_1", {}, b"", alpha).target == "replica-a"
