@@ -2,7 +2,8 @@
 
 A generation request names its session with `session_id` in the body or an `X-Session-Id` header (see
 `api/session_id.py`). Under the "session" retention the engine evicts a paused session's pages
-late (its agent is expected back); once released, its private pages are the first to be evicted.
+late (its agent is expected back); once released, its private pages are the first to be evicted. A session
+is its tenant's (`tenants.py`): another tenant's session of the same name is a different one.
 """
 
 from __future__ import annotations
