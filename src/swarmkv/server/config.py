@@ -50,7 +50,7 @@ class ServerConfig:
     responses_store_max: int = _opt(
         1000,
         "keep at most this many stored /v1/responses responses for previous_response_id, each at most "
-        "an hour (default %(default)s; 0 stores none)",
+        "an hour (default %(default)s; 0 stores none); with --api-keys each tenant keeps its equal share",
     )
     log_level: LogLevel = _opt("info", "swarmkv's and uvicorn's log level (default %(default)s)")
     hosted_tools: HostedToolsPolicy = _opt(
