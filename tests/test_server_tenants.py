@@ -3,7 +3,9 @@
 One server on the scripted checkpoint with three keys: tenants "alpha" and "beta", and "ops", an admin.
 Each test starts from what alpha did and checks what beta can see or reach: nothing of alpha's in
 `/v1/cache/tree`, a 404 for each of alpha's ids, no cached tokens for alpha's exact prompt even under
-alpha's salt, no cache break against alpha's prompts. The admin's tree shows both.
+alpha's salt, no cache break against alpha's prompts. The admin's tree shows both. Shares: a tenant's
+pins stop at its share of the pinned memory, and past the open-session cap a tenant ends its own sessions.
+The cluster's route keys and stored chains are per tenant too.
 """
 
 from __future__ import annotations
