@@ -10,6 +10,7 @@ The cluster's route keys and stored chains are per tenant too.
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from swarmkv import LLM
 from swarmkv.cluster.route_key import RouteKeyer
 from swarmkv.kv.retention import Retention
 from swarmkv.server import ServerConfig, create_app
+from swarmkv.server import cli as server_cli
 from swarmkv.server.background import BackgroundServer
 from swarmkv.server.tenants import (
     ANONYMOUS,
@@ -296,3 +298,12 @@ def test_the_clusters_route_keys_and_stored_chains_are_per_tenant(scripted_model
     assert b"secret" in (keyer.replay(follow_up, "resp_1", "alpha") or b"")
     keyer.forget("resp_1", "beta")
     assert keyer.route("GET", "/v1/responses/resp_1", {}, b"", alpha).target == "replica-a"
+
+
+def test_serve_refuses_a_bad_key_file_before_loading_the_model(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    server_cli.register(parser.add_subparsers())
+    bad = tmp_path / "keys.txt"
+    bad.write_text("k1 alpha\nk2\n")
+    with pytest.raises(KeyFileError, match="keys.txt:2: expected 'KEY TENANT'"):
+        server_cli.prepare(parser.parse_args(["serve", "--api-keys", str(bad)]))
