@@ -3,7 +3,8 @@
 Each request gets its route key here (route_key.py) and goes through the Engine deployment's handle, whose
 request router places it. A replica lost before the answer started is retried once on another replica
 (non-streaming answers are buffered, so they retry at any point); a stream cut mid-way ends with a 503
-error event, which clients retry. /metrics and /health fan out to every replica.
+error event, which clients retry. /metrics and /health fan out to every replica. The replicas check the
+API keys; the ingress reads a key's tenant only to route (`route_key.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from swarmkv.cluster.config import ClusterConfig, load_tokenizer
 from swarmkv.cluster.exchange import Exchange, ReplicaLost, error_event, unavailable
 from swarmkv.cluster.forward import ANY_REPLICA, RESPONSE_HEADERS_DROPPED, ForwardedRequest, ReplicaInfo
 from swarmkv.cluster.route_key import EMPTY_KEY, Routed, RouteKeyer
+from swarmkv.server.tenants import ANONYMOUS, TenantKeys
 
 _RESPONSE_ID = re.compile(rb'"id":\s*"(resp_[^"]+)"')
 
@@ -34,6 +36,7 @@ class Ingress:
         self._config = config
         tokenizer = load_tokenizer(config.model_kwargs.get("model"))
         self._keyer = RouteKeyer(tokenizer, prompt_layout=config.server.prompt_layout)
+        self._tenants = TenantKeys.of(config.server.api_key, config.server.api_keys)
         self._pool: ReplicaInfo | None = None  # one replica's KV pool: the router's shadow index size
 
     async def __call__(self, request: Request) -> Response:
@@ -45,7 +48,9 @@ class Ingress:
             return await self._health()
         body = await request.body()
         headers = tuple((k.lower(), v) for k, v in request.headers.items() if k.lower() != "host")
-        routed = self._keyer.route(method, path, dict(headers), body)
+        # An unknown key routes as no tenant's; its replica answers the 401.
+        tenant = self._tenants.authenticate(request.headers.raw) or ANONYMOUS
+        routed = self._keyer.route(method, path, dict(headers), body, tenant)
         target = routed.target
         if target is None and not routed.key.tokens and routed.key.session is None:
             target = ANY_REPLICA  # nothing to route on (models, cache view, a malformed body)
@@ -97,7 +102,7 @@ class Ingress:
             return None
         if req.target is None and routed.target is not None:
             return None  # already replayed once
-        body = self._keyer.replay(req.body, routed.response_id)
+        body = self._keyer.replay(req.body, routed.response_id, routed.tenant)
         return None if body is None else replace(req, body=body, target=None)
 
     async def _stream(self, exchange: Exchange, req: ForwardedRequest, routed: Routed) -> Any:
@@ -123,7 +128,7 @@ class Ingress:
         output = response.get("output")
         outputs: list[Any] = output if isinstance(output, list) else []
         items = (*routed.inputs, *outputs) if routed.inputs else ()
-        self._keyer.remember(str(response["id"]), routed.response_id, replica, items)
+        self._keyer.remember(str(response["id"]), routed.response_id, replica, items, routed.tenant)
 
     def _after(
         self,
@@ -139,7 +144,7 @@ class Ingress:
         if status != 200 or replica is None or not req.path.startswith("/v1/responses"):
             return False
         if req.method == "DELETE" and routed.response_id is not None:
-            self._keyer.forget(routed.response_id)
+            self._keyer.forget(routed.response_id, routed.tenant)
             return True
         match = _RESPONSE_ID.search(body)
         if req.method == "POST" and req.path == "/v1/responses" and match is not None:
@@ -147,7 +152,7 @@ class Ingress:
             if whole is not None and whole.get("object") == "response":
                 self._remember(whole, routed, replica)
             else:
-                self._keyer.remember(match.group(1).decode(), routed.response_id, replica)
+                self._keyer.remember(match.group(1).decode(), routed.response_id, replica, (), routed.tenant)
         return match is not None
 
     async def _fan_out(self, path: str) -> dict[str, tuple[int, bytes, Any]]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from swarmkv.errors import InvalidRequestError, PinLimitError
 from swarmkv.kv import KVCacheManager
+from swarmkv.kv.retention import GROUP_SEP
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,33 @@ class Pins:
             raise PinLimitError(
                 f"pinning {len(token_ids)} tokens ({wanted:,} bytes with pins in progress) would hold more "
                 f"than max_pinned_memory allows: {self.held_bytes:,} of {self.max_bytes:,} bytes are pinned"
+            )
+
+    def group_bytes(self, group: str) -> int:
+        """KV bytes the pins with an id `GROUP\\0...` hold, or will once computed (their whole pages, a page
+        two of them share counted twice), a hybrid's snapshots included."""
+        prefix = group + GROUP_SEP
+        total = 0
+        for pin_id, pin in self._pins.items():
+            if pin_id.startswith(prefix):
+                pages = (
+                    len(self.kv.pinned_pages(pin_id))
+                    if pin.ready
+                    else len(pin.token_ids) // self.kv.page_size
+                )
+                total += pages * self.page_bytes + (self.state_bytes if self.kv.takes_snapshots else 0)
+        return total
+
+    def check_share(self, group: str, num_tokens: int, share_bytes: int) -> None:
+        """Raise PinLimitError unless `group`'s pins stay within `share_bytes` with one of `num_tokens` more."""
+        held = self.group_bytes(group)
+        wanted = num_tokens // self.kv.page_size * self.page_bytes
+        if self.kv.takes_snapshots:
+            wanted += self.state_bytes
+        if held + wanted > share_bytes:
+            raise PinLimitError(
+                f"pinning {num_tokens} tokens ({wanted:,} bytes) would pass this tenant's share of "
+                f"max_pinned_memory: {held:,} of its {share_bytes:,} bytes are pinned"
             )
 
     def prefill_prompt(self, token_ids: list[int], cache_salt: str | None) -> list[int] | None:

@@ -19,7 +19,10 @@ Within a rank the least recently used page goes first, and only leaves go, so a 
 The ranks are read at eviction time, so a session's priority changes after the fact: a new turn demotes the
 old branch the moment it arrives. The `lru` policy gives every page the same rank: plain LRU. Sessions are
 kept under either policy: each one's newest turn (the request the next turn continues), and at most
-`max_open` of them, past which the one idle longest is released as if its client had released it.
+`max_open` of them, past which the one idle longest is released as if its client had released it. A session
+id `GROUP\0ID` belongs to GROUP (the server's tenants): past `max_open`, the idle session released is the
+longest idle of the group with the most open sessions, so a group that opens many sessions ends its own,
+never those of a group with fewer.
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ from swarmkv.kv.radix_index import Node
 
 RetentionPolicy = Literal["lru", "session"]
 RETENTION_POLICIES: tuple[RetentionPolicy, ...] = ("lru", "session")
+GROUP_SEP = "\0"  # a session id "GROUP\0ID" counts in GROUP's share of `max_open`
+
+
+def session_group(session_id: str) -> str:
+    """The group a session id counts in: the part before GROUP_SEP ("" when there is none)."""
+    group, sep, _ = session_id.partition(GROUP_SEP)
+    return group if sep else ""
 
 
 class Rank(enum.IntEnum):
@@ -160,9 +170,21 @@ class Retention:
         session.last_active = next(self._clock)
         self._session_of[request_id] = session_id
         if self.max_open is not None and len(self._sessions) > self.max_open:
-            idle = [(s.last_active, sid) for sid, s in self._sessions.items() if not s.live]
-            if idle:  # clients that never release: end the longest idle
-                self.release(min(idle)[1])
+            self._release_longest_idle()
+
+    def _release_longest_idle(self) -> None:
+        """Clients that never release: end the longest idle session of the largest group that has one."""
+        sizes: dict[str, int] = {}
+        for session_id in self._sessions:
+            group = session_group(session_id)
+            sizes[group] = sizes.get(group, 0) + 1
+        idle = [
+            (-sizes[session_group(sid)], s.last_active, sid)
+            for sid, s in self._sessions.items()
+            if not s.live
+        ]
+        if idle:
+            self.release(min(idle)[2])
 
     def run(self, request_id: str, running: bool) -> None:
         """The request was admitted (holds pages) or stopped running (preempted or finished)."""

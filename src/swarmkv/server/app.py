@@ -35,6 +35,7 @@ from swarmkv.server.responses_store import ResponseStore
 from swarmkv.server.routes import cache_view, messages, pins, responses, service, sessions
 from swarmkv.server.routes.chat import chat_completions
 from swarmkv.server.routes.completions import completions
+from swarmkv.server.tenants import TenantKeys
 
 
 def default_model_name(llm: LLM) -> str:
@@ -52,6 +53,7 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> Starlette:
     """An app serving `llm` as `config` says (None: the defaults); its engine loop runs while the app's lifespan
     does. One app per LLM; `config.host`, `port` and `log_level` are for whoever runs it (`swarmkv serve`)."""
     config = config if config is not None else ServerConfig()
+    tenants = TenantKeys.of(config.api_key, config.api_keys)
     engine = AsyncEngine(llm.engine)
     metrics = ServerMetrics(engine.snapshot, lambda: engine.num_aborted)
     log = config.log_requests
@@ -65,7 +67,8 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> Starlette:
         breaks=CacheBreaks(llm.tokenizer, metrics.cache_breaks),
         request_log=RequestLog(log) if log is not None else None,
         max_request_bytes=config.max_request_bytes,
-        responses=ResponseStore(config.responses_store_max),
+        responses=ResponseStore(config.responses_store_max, num_tenants=tenants.num_tenants),
+        num_tenants=tenants.num_tenants,
         hosted_tools=config.hosted_tools,
         max_tokens_policy=config.max_tokens_policy,
         prompt_layout=config.prompt_layout,
@@ -105,7 +108,7 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> Starlette:
     browsers = BrowserChecks.of(config)
     gate = Middleware(
         Gate,
-        api_key=config.api_key,
+        tenants=tenants,
         metrics=metrics,
         routes=routes,
         browsers=browsers,

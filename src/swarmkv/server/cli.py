@@ -18,6 +18,7 @@ from typing import Any
 
 from swarmkv.options import add_engine_arguments, add_model_arguments, engine_kwargs, model_kwargs
 from swarmkv.server.config import ServerConfig
+from swarmkv.server.tenants import TenantKeys
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -59,6 +60,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     values["api_key"] = values["api_key"] or None
     if values["log_requests"] is not None:
         values["log_requests"] = values["log_requests"].resolve()
+    if values["api_keys"] is not None:
+        values["api_keys"] = values["api_keys"].resolve()
     return ServerConfig(**values)
 
 
@@ -79,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
 def prepare(args: argparse.Namespace) -> ServerConfig:
     """Check the flags every way of serving shares, warn of an open listener, show swarmkv's logs."""
     config = server_config(args)
+    TenantKeys.of(config.api_key, config.api_keys)  # a bad key file stops here, before the model loads
     for warning in config_warnings(config):
         print(f"swarmkv serve: warning: {warning}", file=sys.stderr)
     _show_swarmkv_logs(config.log_level)
@@ -87,7 +91,7 @@ def prepare(args: argparse.Namespace) -> ServerConfig:
 
 def config_warnings(config: ServerConfig) -> list[str]:
     """What in `config` lets others use the server: no key off loopback, or browser checks turned off."""
-    if config.api_key:
+    if config.api_key or config.api_keys:
         return []
     warnings = []
     if not _is_loopback(config.host):

@@ -51,7 +51,7 @@ class ServerConfig:
     responses_store_max: int = _opt(
         1000,
         "keep at most this many stored /v1/responses responses for previous_response_id, each at most "
-        "an hour (default %(default)s; 0 stores none)",
+        "an hour (default %(default)s; 0 stores none); with --api-keys each tenant keeps its equal share",
     )
     log_level: LogLevel = _opt("info", "swarmkv's and uvicorn's log level (default %(default)s)")
     hosted_tools: HostedToolsPolicy = _opt(
@@ -73,6 +73,14 @@ class ServerConfig:
         "system texts differ still share the tools' KV; the template's order where the block cannot be found "
         "exactly) or auto (tools-first on /v1/messages, Anthropic's cache order; template elsewhere) "
         "(default %(default)s)",
+    )
+    # Last, so that positional construction of the fields above holds.
+    api_keys: Path | None = _opt(
+        None,
+        "serve several tenants: FILE holds one 'KEY TENANT' line per key ('#' comments; a third word 'admin' "
+        "lets that key's cache view show every tenant); a tenant's caches, sessions, pins and stored "
+        "responses are its own (instead of --api-key)",
+        metavar="FILE",
     )
 
     allowed_hosts: str | None = _opt(

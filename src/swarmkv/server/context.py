@@ -1,7 +1,12 @@
-"""ServerContext: what every route of one app shares (engine loop, tokenizer, model name, metrics, logs)."""
+"""ServerContext: what every route of one app shares (engine loop, tokenizer, model name, metrics, logs).
+
+A route takes its request's copy, `request_context(request)`, which also carries the request's tenant
+(`tenants.py`): every name the route hands the engine (salt, session, pin id) goes through `ctx.tenant`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +21,7 @@ from swarmkv.server.observability.cache_snapshot import TreeSnapshots
 from swarmkv.server.observability.metrics import ServerMetrics
 from swarmkv.server.observability.request_log import RequestLog
 from swarmkv.server.responses_store import ResponseStore
+from swarmkv.server.tenants import TENANT_SCOPE_KEY, Tenant
 from swarmkv.tokenizer import Tokenizer
 
 ANY_MODEL = "*"  # as a served model name: answer whatever `model` a request names
@@ -42,6 +48,15 @@ class ServerContext:
     hosted_tools: HostedToolsPolicy = "drop"  # `--hosted-tools`
     max_tokens_policy: MaxTokensPolicy = "clamp"  # `--max-tokens-policy`
     prompt_layout: PromptLayout = "auto"  # `--prompt-layout`
+    num_tenants: int = 1  # the tenants the keys name; each gets this share of the pinned memory
+    # Set on a request's copy only (`request_context`), so that no route can act for no one by mistake.
+    request_tenant: Tenant | None = None
+
+    @property
+    def tenant(self) -> Tenant:
+        """The tenant of the request this context serves."""
+        assert self.request_tenant is not None, "a route must take its context from request_context()"
+        return self.request_tenant
 
     async def read_body(self, request: Request) -> dict[str, Any]:
         """The request's body as a JSON object, under the size cap, or a 400."""
@@ -76,3 +91,9 @@ class ServerContext:
             param="model",
             code="model_not_found",
         )
+
+
+def request_context(request: Request) -> ServerContext:
+    """The app's context for one request, carrying the tenant the gate found for its key."""
+    ctx: ServerContext = request.app.state.ctx
+    return dataclasses.replace(ctx, request_tenant=request.scope[TENANT_SCOPE_KEY])

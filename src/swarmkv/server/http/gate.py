@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
-
 from starlette.datastructures import Headers
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -12,24 +10,26 @@ from swarmkv.api.errors import APIError
 from swarmkv.server.http.browsers import BrowserChecks
 from swarmkv.server.http.errors import error_response
 from swarmkv.server.observability.metrics import ServerMetrics
+from swarmkv.server.tenants import TENANT_SCOPE_KEY, TenantKeys
 
 
 class Gate:
     """Counts every answer by route and status. Refuses, in order: a Host it does not answer (400); on /v1/
     routes, and on /metrics unless `metrics_public`, a request without `Authorization: Bearer KEY` or
-    Anthropic's `x-api-key: KEY` (401); a POST whose body is not JSON (415); a write from another site (403)."""
+    Anthropic's `x-api-key: KEY` (401); a POST whose body is not JSON (415); a write from another site (403).
+    A request's key leaves its tenant in the scope (`tenants.py`)."""
 
     def __init__(
         self,
         app: ASGIApp,
-        api_key: str | None,
+        tenants: TenantKeys,
         metrics: ServerMetrics,
         routes: list[Route],
         browsers: BrowserChecks,
         metrics_public: bool = False,
     ) -> None:
         self.app = app
-        self.api_key = api_key
+        self.tenants = tenants
         self.metrics = metrics
         self.routes = routes
         self.browsers = browsers
@@ -68,21 +68,14 @@ class Gate:
         wrong_host = self.browsers.host_refusal(headers)
         if wrong_host is not None:
             return wrong_host
+        tenant = self.tenants.authenticate(scope["headers"])
+        if tenant is not None:
+            scope[TENANT_SCOPE_KEY] = tenant
         needs_key = path.startswith("/v1/") or (path == "/metrics" and not self.metrics_public)
-        if needs_key and not self._authorized(headers):
+        if needs_key and tenant is None:
             return APIError(
                 401,
                 "a valid API key is required: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                 code="invalid_api_key",
             )
         return self.browsers.write_refusal(scope["method"], path, headers)
-
-    def _authorized(self, headers: Headers) -> bool:
-        if self.api_key is None:
-            return True
-        key = self.api_key.encode()
-        x_api_key = headers.get("x-api-key")
-        if x_api_key is not None and hmac.compare_digest(x_api_key.strip().encode("latin-1"), key):
-            return True
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), key)

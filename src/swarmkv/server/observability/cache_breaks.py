@@ -6,7 +6,8 @@ prompt's end, the KV after the divergence is computed again: a cache break. `swa
 names the cause (a timestamp, a random id, reordered tools, an edited system prompt...). Each break is
 counted in `swarmkv_cache_breaks_total{cause}`, logged at INFO, and returned to a client that asks for
 `swarmkv_diagnostics`. A request with neither a session nor a salt is compared with nothing: unrelated
-agents sharing a system prompt diverge by design.
+agents sharing a system prompt diverge by design. Under `--api-keys` the session and salt arrive scoped to
+their tenant (`tenants.py`), so a prompt is only ever compared with its own tenant's.
 
 The prompts are remembered on the event loop, in request order; the comparison and the classifier run on
 a worker thread, never on the engine's thread, while the request generates.
@@ -23,6 +24,7 @@ from typing import Any
 from prometheus_client import Counter
 
 from swarmkv.breaks.causes import CAUSES, Break, RenderedPrompt, classify, divergence
+from swarmkv.kv.retention import GROUP_SEP
 from swarmkv.prefix import common_prefix_length
 from swarmkv.server.observability.prompt_history import PromptHistory, StoredPrompt
 from swarmkv.tokenizer import Tokenizer
@@ -89,7 +91,7 @@ class CacheBreaks:
         self.counter.labels(cause=found.cause).inc()
         log.info(
             "cache break: session=%s offset=%d cause=%s evidence=%r",
-            session_id,
+            session_id.replace(GROUP_SEP, "/") if session_id is not None else None,  # a tenant's: TENANT/ID
             found.offset,
             found.cause,
             found.text[:EVIDENCE_CHARS],

@@ -3,7 +3,7 @@
 Every second the page reads `/v1/cache/tree` (see `cache_tree.py` for its nodes) and draws each node as a
 bar: x is the token position, the width its tokens, and each branch gets its own lane, so the shared head
 is the trunk at the top left and every session's tail runs to the right of where it left the head. Colour:
-hue by cache salt, darker with more holders (pale: cached, no request holds it). Host-tier nodes are
+hue by tenant and cache salt, darker with more holders (pale: cached, no request holds it). Host-tier nodes are
 hatched, pinned ones outlined in black, aggregates faded. Each node's `<g>` carries `data-tokens`,
 `data-holders`, `data-kind`, `data-tier`, `data-pinned`, and `data-role="trunk"` on a root's largest child.
 With an API key, open `/cache#key=KEY` (the fragment never leaves the browser).
@@ -68,10 +68,11 @@ function el(name, attrs, parent) {
   return node;
 }
 
-function hue(salt) {
-  if (salt === null) return 215;
+function hue(n) {
+  if (n.salt === null && n.tenant === null) return 215;
   let h = 0;
-  for (const c of salt) h = (h * 31 + c.charCodeAt(0)) % 360;
+  const name = (n.tenant === null ? "" : n.tenant + "/") + (n.salt === null ? "" : n.salt);
+  for (const c of name) h = (h * 31 + c.charCodeAt(0)) % 360;
   return h;
 }
 
@@ -115,7 +116,8 @@ function drawPool(pool) {
 
 function label(n) {
   if (n.kind === "aggregate") return n.aggregated + " more leaves, " + n.tokens + " tokens";
-  const head = "shared head" + (n.salt === null ? "" : " (salt " + n.salt + ")");
+  const head = "shared head" + (n.tenant === null ? "" : " of " + n.tenant)
+    + (n.salt === null ? "" : " (salt " + n.salt + ")");
   const who = n.trunk ? head : (n.num_sessions ? n.sessions.slice(0, 2).join(", ") : "no session");
   const more = n.num_sessions > 2 && !n.trunk ? " +" + (n.num_sessions - 2) : "";
   return who + more + " \\u00b7 " + n.tokens + " tok \\u00b7 " + n.holders + " held";
@@ -146,7 +148,7 @@ function drawTree(tree) {
     if (n.trunk) g.setAttribute("data-role", "trunk");
     const left = x(n.start), width = Math.max(2, x(n.start + n.span) - left);
     const light = n.holders === 0 ? 86 : 66 - 8 * Math.log2(Math.min(n.holders, 8));  // any holder shows
-    el("rect", {x: left, y: y(n), width: width, height: BAR, fill: `hsl(${hue(n.salt)},65%,${light}%)`}, g);
+    el("rect", {x: left, y: y(n), width: width, height: BAR, fill: `hsl(${hue(n)},65%,${light}%)`}, g);
     if (n.tier !== "device") el("rect", {x: left, y: y(n), width: width, height: BAR, fill: "url(#hatch)"}, g);
     el("title", {}, g).textContent = [
       label(n), n.pages + " pages, tier " + n.tier + (n.pinned ? ", pinned" : ""),

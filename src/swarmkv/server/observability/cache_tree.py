@@ -1,12 +1,14 @@
 """The radix tree as a reader sees it: chains of single-child pages collapsed, small siblings aggregated.
 
-`build_view(records, pinned)` turns `RadixIndex.export()` records (one per page, thousands of them) into a
-few dozen view nodes, parents before children, each a JSON object:
+`build_view(records, pinned, viewer)` turns `RadixIndex.export()` records (one per page, thousands of them)
+into a few dozen view nodes, parents before children, each a JSON object. `viewer` (`tenants.py`) is who
+asks: it sees its own roots only (an admin every tenant's), salts and sessions as its clients sent them.
 
 - `id` (int), `parent` (an earlier node's id; None on a root), `kind`: "root" (one per cache salt),
   "pages" (a chain of pages where each but the last has exactly one child) or "aggregate" (the smaller
   children of one node, with everything under them).
-- `salt`: the root's cache salt (None: the shared, unsalted tree).
+- `salt`: the root's cache salt (None: the shared, unsalted tree); `tenant`: the tenant whose root it is
+  (None: the one unnamed tenant, when the server has no key file).
 - `start`: the token position of the node's first token; `tokens`: the tokens it holds (for an aggregate,
   all of its subtrees'); `span`: the token positions it covers when drawn (`tokens` for a chain, the
   longest merged subtree for an aggregate); `pages`: its pages.
@@ -27,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from swarmkv.server.tenants import ANONYMOUS, Tenant
 
 MAX_CHILDREN = 8
 MAX_SESSIONS_LISTED = 32
@@ -107,24 +111,30 @@ class _Work:
     aggregate: tuple[_Summary, int, int] | None = None  # (summary, span, children merged)
 
 
-def build_view(records: list[dict[str, Any]], pinned: frozenset[int] = frozenset()) -> list[dict[str, Any]]:
-    """View nodes (see the module docstring) of `RadixIndex.export()` records; `pinned`: pinned device pages."""
+def build_view(
+    records: list[dict[str, Any]], pinned: frozenset[int] = frozenset(), viewer: Tenant = ANONYMOUS
+) -> list[dict[str, Any]]:
+    """View nodes (see the module docstring) of `RadixIndex.export()` records that `viewer` may see;
+    `pinned`: pinned device pages."""
     tree = _Tree(records)
     nodes: list[dict[str, Any]] = []
     work: list[_Work] = []
     for record in records:
-        if record["parent"] is None:
+        seen = viewer.view(record["salt"]) if record["parent"] is None else None
+        if seen is not None:
             root_id = len(nodes)
-            nodes.append(_node(root_id, None, "root", record["salt"], 0, _Summary(), 0, 0))
+            nodes.append(_node(root_id, None, "root", seen, 0, _Summary(), 0, 0, viewer))
             kids = tree.children[record["id"]]
             work.extend(_Work(root_id, 0, kid, trunk=i == 0) for i, kid in reversed(list(enumerate(kids))))
     # Depth first, so every node follows its parent, and a node's children follow in order, largest first.
     while work:
         item = work.pop()
-        node_id, salt = len(nodes), nodes[item.parent]["salt"]
+        node_id, owner = len(nodes), (nodes[item.parent]["tenant"], nodes[item.parent]["salt"])
         if item.aggregate is not None:
             merged, span, count = item.aggregate
-            nodes.append(_node(node_id, item.parent, "aggregate", salt, item.start, merged, span, count))
+            nodes.append(
+                _node(node_id, item.parent, "aggregate", owner, item.start, merged, span, count, viewer)
+            )
             continue
         assert item.first is not None
         summary = _Summary()
@@ -132,7 +142,18 @@ def build_view(records: list[dict[str, Any]], pinned: frozenset[int] = frozenset
         for i in ids:
             summary.add(records[i], pinned)
         nodes.append(
-            _node(node_id, item.parent, "pages", salt, item.start, summary, summary.tokens, 0, item.trunk)
+            _node(
+                node_id,
+                item.parent,
+                "pages",
+                owner,
+                item.start,
+                summary,
+                summary.tokens,
+                0,
+                viewer,
+                item.trunk,
+            )
         )
         end = item.start + summary.tokens
         kids = tree.children[ids[-1]]
@@ -153,18 +174,21 @@ def _node(
     node_id: int,
     parent: int | None,
     kind: str,
-    salt: str | None,
+    owner: tuple[str | None, str | None],  # the root's (tenant, salt)
     start: int,
     summary: _Summary,
     span: int,
     aggregated: int,
+    viewer: Tenant,
     trunk: bool = False,
 ) -> dict[str, Any]:
-    sessions = sorted(summary.sessions)
+    tenant, salt = owner
+    sessions = sorted(_shown_sessions(summary.sessions, tenant, viewer))
     return {
         "id": node_id,
         "parent": parent,
         "kind": kind,
+        "tenant": tenant,
         "salt": salt,
         "start": start,
         "tokens": summary.tokens,
@@ -178,3 +202,11 @@ def _node(
         "aggregated": aggregated,
         "trunk": trunk,
     }
+
+
+def _shown_sessions(sessions: set[str], tenant: str | None, viewer: Tenant) -> Iterable[str]:
+    """The root's tenant's sessions among a node's, as its clients named them; nobody else's."""
+    for session in sessions:
+        seen = viewer.view(session)
+        if seen is not None and seen[0] == tenant and seen[1] is not None:
+            yield seen[1]

@@ -48,12 +48,11 @@ async def submit(
     session_id: str | None,
     arrival_s: float,
 ) -> RequestStream:
-    """Queue a prompt under a fresh request id; the engine's refusal is a 400."""
+    """Queue a prompt under a fresh request id, its salt and session its tenant's; the engine's refusal is a 400."""
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    salt, session = ctx.tenant.cache_salt(options.cache_salt), ctx.tenant.scope(session_id)
     try:
-        return await ctx.engine.submit(
-            request_id, prompt_ids, params, options.cache_salt, arrival_s, session_id=session_id
-        )
+        return await ctx.engine.submit(request_id, prompt_ids, params, salt, arrival_s, session_id=session)
     except InvalidRequestError as exc:
         raise bad_request(str(exc)) from exc
 
@@ -91,7 +90,7 @@ async def start_chat(
         len(rendered.token_ids), ctx.max_model_len, "messages", req.forced_stop(), ctx.max_tokens_policy
     )
     stream = await submit(ctx, id_prefix, rendered.token_ids, params, req.options, session_id, arrival_s)
-    found = ctx.breaks.watch(session_id, req.options.cache_salt, rendered)
+    found = ctx.breaks.watch(ctx.tenant.scope(session_id), ctx.tenant.scope(req.options.cache_salt), rendered)
     # A forced call's reply is the rest of the call: nothing in it is reasoning.
     thinks = req.thinking_enabled and not req.forced_prefix()
     splitter = reasoning_splitter(ctx.tokenizer.chat_template, rendered.text, thinks)

@@ -1,8 +1,8 @@
 """GET /v1/cache/tree (the prefix cache as JSON, for scripts) and GET /cache (the live page drawing it).
 
 `/v1/cache/tree` answers `{"object": "cache.tree", "page_size": tokens per page, "num_indexed_pages":
-pages in the tree (both tiers), "pool": {...}, "nodes": [...]}`. `nodes` are the tree's view nodes, parents
-first (schema in `observability/cache_tree.py`). `pool`: `page_size`, `pages_total`, `pages_in_use` (held
+pages in the nodes (both tiers), "pool": {...}, "nodes": [...]}`. `nodes` are the tree's view nodes, parents
+first (schema in `observability/cache_tree.py`), of the caller's tenant only (an admin key's: every tenant's). `pool`: `page_size`, `pages_total`, `pages_in_use` (held
 by a request or a pin), `pages_cached` (indexed, unheld), `pages_free`, `offloaded_bytes` (host tier),
 `pinned_bytes`, `prompt_tokens`, `prefix_hit_tokens` and `hit_rate` = prefix_hit_tokens / prompt_tokens
 (None before any prompt). The tree, the pins and the counters are read together on the engine's thread, between
@@ -19,10 +19,11 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from swarmkv.core.stats import EngineStats
-from swarmkv.server.context import ServerContext
+from swarmkv.server.context import request_context
 from swarmkv.server.observability.cache_page import PAGE
 from swarmkv.server.observability.cache_snapshot import CacheSnapshot
 from swarmkv.server.observability.cache_tree import build_view
+from swarmkv.server.tenants import Tenant
 
 
 def pool_json(stats: EngineStats, page_size: int) -> dict[str, Any]:
@@ -41,22 +42,24 @@ def pool_json(stats: EngineStats, page_size: int) -> dict[str, Any]:
     }
 
 
-def tree_json(snapshot: CacheSnapshot) -> dict[str, Any]:
-    """The /v1/cache/tree object of one snapshot."""
+def tree_json(snapshot: CacheSnapshot, viewer: Tenant) -> dict[str, Any]:
+    """The /v1/cache/tree object of one snapshot, as `viewer` may see it."""
+    nodes = build_view(snapshot.records, snapshot.pinned, viewer)
     return {
         "object": "cache.tree",
         "page_size": snapshot.page_size,
-        "num_indexed_pages": sum(1 for r in snapshot.records if r["parent"] is not None),
+        "num_indexed_pages": sum(node["pages"] for node in nodes),
         "pool": pool_json(snapshot.stats, snapshot.page_size),
-        "nodes": build_view(snapshot.records, snapshot.pinned),
+        "nodes": nodes,
     }
 
 
 async def cache_tree(request: Request) -> Response:
-    """GET /v1/cache/tree: the radix tree, collapsed for reading, and the pool's occupancy."""
-    ctx: ServerContext = request.app.state.ctx
+    """GET /v1/cache/tree: the caller's part of the radix tree (an admin's: all), collapsed for reading, and
+    the pool's occupancy."""
+    ctx = request_context(request)
     snapshot = await asyncio.wrap_future(ctx.engine.call(ctx.tree_snapshots.take))
-    return JSONResponse(await asyncio.to_thread(tree_json, snapshot))
+    return JSONResponse(await asyncio.to_thread(tree_json, snapshot, ctx.tenant))
 
 
 async def cache_page(request: Request) -> Response:

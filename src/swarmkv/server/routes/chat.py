@@ -17,7 +17,7 @@ from swarmkv.api.reasoning import ReasoningSplitter
 from swarmkv.api.tool_formats import ToolFormat
 from swarmkv.api.tool_parser import ToolCall
 from swarmkv.breaks.causes import Break
-from swarmkv.server.context import ServerContext
+from swarmkv.server.context import request_context
 from swarmkv.server.engine_loop.request_stream import EngineUnavailableError, RequestStream
 from swarmkv.server.http.disconnect import STATUS_CLIENT_GONE
 from swarmkv.server.http.event_stream import EventStream
@@ -30,7 +30,7 @@ from swarmkv.server.pipeline.generate import collect_unless_disconnected, reques
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
     arrival_s = time.perf_counter()
-    ctx: ServerContext = request.app.state.ctx
+    ctx = request_context(request)
     payload = await ctx.read_body(request)
     req = parse_chat_request(payload)
     ctx.check_model(req.options.model)

@@ -14,7 +14,7 @@ from swarmkv.api.errors import APIError
 from swarmkv.api.outputs import StepOutput
 from swarmkv.api.paths import COMPLETIONS_ROUTE
 from swarmkv.api.render import render_completion
-from swarmkv.server.context import ServerContext
+from swarmkv.server.context import request_context
 from swarmkv.server.engine_loop.request_stream import EngineUnavailableError, RequestStream
 from swarmkv.server.http.disconnect import STATUS_CLIENT_GONE
 from swarmkv.server.http.event_stream import EventStream
@@ -25,7 +25,7 @@ from swarmkv.server.pipeline.generate import collect_unless_disconnected, reques
 async def completions(request: Request) -> Response:
     """POST /v1/completions."""
     arrival_s = time.perf_counter()
-    ctx: ServerContext = request.app.state.ctx
+    ctx = request_context(request)
     body = await ctx.read_body(request)
     req = parse_completion_request(body)
     ctx.check_model(req.options.model)

@@ -33,7 +33,7 @@ from swarmkv.api.paths import CHAT_ROUTE
 from swarmkv.api.render import render_pin
 from swarmkv.api.session_id import CLAUDE_CODE_SESSION_HEADER
 from swarmkv.errors import InvalidRequestError
-from swarmkv.server.context import ServerContext
+from swarmkv.server.context import ServerContext, request_context
 from swarmkv.server.engine_loop.request_stream import EngineUnavailableError
 from swarmkv.server.http.disconnect import STATUS_CLIENT_GONE
 from swarmkv.server.http.event_stream import EventStream
@@ -46,6 +46,7 @@ from swarmkv.server.pipeline.generate import (
     request_session_id,
     start_chat,
 )
+from swarmkv.server.routes.pins import check_pin_share, engine_pin_id
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 async def messages(request: Request) -> Response:
     """POST /v1/messages."""
     arrival_s = time.perf_counter()
-    ctx: ServerContext = request.app.state.ctx
+    ctx = request_context(request)
     payload = await ctx.read_body(request)
     req = parse_messages_request(payload)
     ctx.check_model(req.chat.options.model)
@@ -84,7 +85,7 @@ async def messages(request: Request) -> Response:
 
 async def count_tokens(request: Request) -> Response:
     """POST /v1/messages/count_tokens: the prompt's length as /v1/messages would render it, nothing generated."""
-    ctx: ServerContext = request.app.state.ctx
+    ctx = request_context(request)
     req = parse_messages_request(await ctx.read_body(request), needs_max_tokens=False)
     ctx.check_model(req.chat.options.model)
     _, rendered = render_for_model(ctx, req.chat, "messages")
@@ -101,14 +102,15 @@ async def _pin_breakpoints(ctx: ServerContext, req: MessagesRequest) -> int:
 
 
 async def _pin(ctx: ServerContext, req: MessagesRequest, mark: Breakpoint) -> int:
-    salt = req.chat.options.cache_salt
+    salt = ctx.tenant.cache_salt(req.chat.options.cache_salt)
     layout = resolve_layout(ctx.prompt_layout, "messages")
     ids = render_pin(ctx.tokenizer, req.pin_request(mark, ctx.tokenizer, layout), layout)  # as the prompt is
     # The id follows from the prefix and salt, so a repeated request refreshes its pin instead of adding one.
     digest = hashlib.sha256(f"{salt}\0{ids}".encode()).hexdigest()[:32]
-    pin_id = f"pin-msg-{digest}"
+    pin_id = engine_pin_id(ctx, f"pin-msg-{digest}")
     await ctx.engine.unpin(pin_id)
     try:
+        await check_pin_share(ctx, len(ids))
         info = await ctx.engine.pin(pin_id, ids, mark.ttl_s, salt)
     except InvalidRequestError as exc:  # over --max-pinned-memory, or a concurrent twin holds the id
         # A cache hint must not fail the message: answer it unpinned.

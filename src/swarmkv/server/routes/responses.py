@@ -38,7 +38,7 @@ from swarmkv.api.responses_request import (
     previous_response_id,
 )
 from swarmkv.api.responses_stream import OutputItems
-from swarmkv.server.context import ServerContext
+from swarmkv.server.context import ServerContext, request_context
 from swarmkv.server.engine_loop.request_stream import EngineUnavailableError
 from swarmkv.server.http.disconnect import STATUS_CLIENT_GONE
 from swarmkv.server.http.event_stream import EventStream
@@ -60,7 +60,7 @@ OnDone = Callable[[dict[str, Any], list[Item]], None]
 async def create_response(request: Request) -> Response:
     """POST /v1/responses."""
     arrival_s = time.perf_counter()
-    ctx: ServerContext = request.app.state.ctx
+    ctx = request_context(request)
     req, previous = await _parse(ctx, request)
     response_id = new_id("resp")
     named = request_session_id(request, None, req.chat.options.prompt_cache_key)
@@ -79,7 +79,8 @@ async def create_response(request: Request) -> Response:
         if req.store and session_id is not None:
             history = previous.items if previous else []
             items = history + req.input_items + [parse_item("output", item) for item in output]
-            ctx.responses.put(response_id, StoredResponse(body, items, session_id, ctx.responses.now_s()))
+            stored = StoredResponse(body, items, session_id, ctx.responses.now_s(), ctx.tenant.name)
+            ctx.responses.put(response_id, stored)
 
     if req.chat.options.stream:
         return EventStream(
@@ -107,17 +108,17 @@ async def create_response(request: Request) -> Response:
 
 async def count_input_tokens(request: Request) -> Response:
     """POST /v1/responses/input_tokens: the prompt's length as /v1/responses would render it, nothing generated."""
-    ctx: ServerContext = request.app.state.ctx
+    ctx = request_context(request)
     req, _ = await _parse(ctx, request)
     num_tokens = len(render_for_model(ctx, req.chat, "responses")[1].token_ids)
     return JSONResponse({"object": "response.input_tokens", "input_tokens": num_tokens})
 
 
 async def get_response(request: Request) -> Response:
-    """GET /v1/responses/{id}: a stored response; 404 if unknown, expired or not stored."""
-    ctx: ServerContext = request.app.state.ctx
+    """GET /v1/responses/{id}: a stored response; 404 if unknown, expired, not stored or another tenant's."""
+    ctx = request_context(request)
     response_id = request.path_params["response_id"]
-    stored = ctx.responses.get(response_id)
+    stored = ctx.responses.get(response_id, ctx.tenant.name)
     if stored is None:
         raise _not_found(response_id, None)
     return JSONResponse(stored.body)
@@ -125,14 +126,15 @@ async def get_response(request: Request) -> Response:
 
 async def delete_response(request: Request) -> Response:
     """DELETE /v1/responses/{id}: forget it; deleting a chain's newest response releases the chain's session."""
-    ctx: ServerContext = request.app.state.ctx
+    ctx = request_context(request)
     response_id = request.path_params["response_id"]
-    deleted = ctx.responses.delete(response_id)
+    deleted = ctx.responses.delete(response_id, ctx.tenant.name)
     if deleted is None:
         raise _not_found(response_id, None)
     stored, was_newest = deleted
     if was_newest:
-        session_id = stored.session_id
+        session_id = ctx.tenant.scope(stored.session_id)
+        assert session_id is not None
         await asyncio.wrap_future(ctx.engine.call(lambda engine: engine.release_session(session_id)))
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
@@ -141,7 +143,7 @@ async def _parse(ctx: ServerContext, request: Request) -> tuple[ResponsesRequest
     """The validated body and the stored response it continues; a 404 for an unknown previous_response_id."""
     payload = await ctx.read_body(request)
     prev_id = previous_response_id(payload)
-    previous = ctx.responses.get(prev_id) if prev_id is not None else None
+    previous = ctx.responses.get(prev_id, ctx.tenant.name) if prev_id is not None else None
     if prev_id is not None and previous is None:
         raise _not_found(prev_id, "previous_response_id")
     req = parse_responses_request(payload, previous.items if previous else [], ctx.hosted_tools)
