@@ -3,8 +3,9 @@
 Each request gets its route key here (route_key.py) and goes through the Engine deployment's handle, whose
 request router places it. A replica lost before the answer started is retried once on another replica
 (non-streaming answers are buffered, so they retry at any point); a stream cut mid-way ends with a 503
-error event, which clients retry. /metrics and /health fan out to every replica. The replicas check the
-API keys; the ingress reads a key's tenant only to route (`route_key.py`).
+error event, which clients retry. /metrics and /health fan out to every replica. The ingress checks the
+Host, the key and the body's type first (`http.gate.refusal`), as one server's gate does, and reads a key's
+tenant to route (`route_key.py`); replicas, reached only through it, check again but for /metrics.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from swarmkv.cluster.config import ClusterConfig, load_tokenizer
 from swarmkv.cluster.exchange import Exchange, ReplicaLost, error_event, unavailable
 from swarmkv.cluster.forward import ANY_REPLICA, RESPONSE_HEADERS_DROPPED, ForwardedRequest, ReplicaInfo
 from swarmkv.cluster.route_key import EMPTY_KEY, Routed, RouteKeyer
+from swarmkv.server.http.browsers import BrowserChecks
+from swarmkv.server.http.errors import error_response
+from swarmkv.server.http.gate import refusal
 from swarmkv.server.tenants import ANONYMOUS, TenantKeys
 
 _RESPONSE_ID = re.compile(rb'"id":\s*"(resp_[^"]+)"')
@@ -38,18 +42,23 @@ class Ingress:
         self._keyer = RouteKeyer(tokenizer, prompt_layout=config.server.prompt_layout)
         self._tenants = TenantKeys.of(config.server.api_key, config.server.api_keys)
         self._pool: ReplicaInfo | None = None  # one replica's KV pool: the router's shadow index size
+        self._browsers = BrowserChecks.of(config.server)
 
     async def __call__(self, request: Request) -> Response:
         """Answer one HTTP request."""
         path, method = request.url.path, request.method
+        # The Host check and the key for /metrics here: replicas see no Host (it is dropped below) and
+        # answer the fan-out without a key. Replicas check the rest again.
+        error = refusal(request.scope, self._tenants, self._browsers, self._config.server.metrics_public)
+        if error is not None:
+            return error_response(error, path)
         if method == "GET" and path == "/metrics":
             return await self._metrics()
         if method == "GET" and path == "/health":
             return await self._health()
         body = await request.body()
         headers = tuple((k.lower(), v) for k, v in request.headers.items() if k.lower() != "host")
-        # An unknown key routes as no tenant's; its replica answers the 401.
-        tenant = self._tenants.authenticate(request.headers.raw) or ANONYMOUS
+        tenant = self._tenants.authenticate(request.headers.raw) or ANONYMOUS  # a 401 was answered above
         routed = self._keyer.route(method, path, dict(headers), body, tenant)
         target = routed.target
         if target is None and not routed.key.tokens and routed.key.session is None:

@@ -8,6 +8,7 @@ and bench/cluster.py run it with `serve.run`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import AsyncIterator
 from typing import Any, cast
@@ -37,7 +38,9 @@ class EngineReplica:
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
         llm = LLM(**config.model_kwargs, **config.engine_kwargs)
-        self._app = create_app(llm, config.server)
+        # Replicas are reached through the ingress only (no socket), which checks the key, the Host and
+        # /metrics itself; its /metrics fan-out carries no key.
+        self._app = create_app(llm, dataclasses.replace(config.server, metrics_public=True))
         self._engine = self._app.state.ctx.engine
         self._engine.start()  # the app's lifespan is not run: nothing serves it over a socket
         replica = serve.get_replica_context().replica_id.unique_id

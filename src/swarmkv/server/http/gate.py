@@ -62,20 +62,27 @@ class Gate:
             self.metrics.http_requests.labels(route=self._route_label(path), status=str(status)).inc()
 
     def _refusal(self, scope: Scope) -> APIError | None:
-        """Why the request is refused before any route sees it, or None."""
-        headers = Headers(scope=scope)
-        path = scope["path"]
-        wrong_host = self.browsers.host_refusal(headers)
-        if wrong_host is not None:
-            return wrong_host
-        tenant = self.tenants.authenticate(scope["headers"])
-        if tenant is not None:
-            scope[TENANT_SCOPE_KEY] = tenant
-        needs_key = path.startswith("/v1/") or (path == "/metrics" and not self.metrics_public)
-        if needs_key and tenant is None:
-            return APIError(
-                401,
-                "a valid API key is required: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
-                code="invalid_api_key",
-            )
-        return self.browsers.write_refusal(scope["method"], path, headers)
+        return refusal(scope, self.tenants, self.browsers, self.metrics_public)
+
+
+def refusal(
+    scope: Scope, tenants: TenantKeys, browsers: BrowserChecks, metrics_public: bool
+) -> APIError | None:
+    """Why the request is refused before any route sees it, or None; a key's tenant is left in the scope.
+    The gate asks it of every request, and the cluster's ingress of those it answers itself."""
+    headers = Headers(scope=scope)
+    path = scope["path"]
+    wrong_host = browsers.host_refusal(headers)
+    if wrong_host is not None:
+        return wrong_host
+    tenant = tenants.authenticate(scope["headers"])
+    if tenant is not None:
+        scope[TENANT_SCOPE_KEY] = tenant
+    needs_key = path.startswith("/v1/") or (path == "/metrics" and not metrics_public)
+    if needs_key and tenant is None:
+        return APIError(
+            401,
+            "a valid API key is required: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+            code="invalid_api_key",
+        )
+    return browsers.write_refusal(scope["method"], path, headers)
