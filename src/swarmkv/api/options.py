@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from swarmkv.api.errors import bad_request, get_field
+from swarmkv.api.errors import APIError, bad_request, get_field
 from swarmkv.api.session_id import check_session_id
 from swarmkv.choices import MaxTokensPolicy
 from swarmkv.core.sampling_params import SamplingParams
@@ -50,12 +50,7 @@ class Options:
         so "clamp" is the server's default (`--max-tokens-policy`); no max_tokens at all means the room too.
         """
         if num_prompt_tokens >= max_model_len:
-            raise bad_request(
-                f"this model's maximum context length is {max_model_len} tokens, and the prompt alone has "
-                f"{num_prompt_tokens}; shorten the {prompt_param}",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
+            raise context_length_exceeded(max_model_len, str(num_prompt_tokens), prompt_param)
         room = max_model_len - num_prompt_tokens
         max_tokens = self.max_tokens if self.max_tokens is not None else room
         if max_tokens > room and max_tokens_policy == "refuse":
@@ -78,6 +73,16 @@ class Options:
             )
         except InvalidRequestError as exc:
             raise bad_request(str(exc)) from exc
+
+
+def context_length_exceeded(max_model_len: int, num_prompt_tokens: str, prompt_param: str) -> APIError:
+    """The 400 for a prompt that alone fills the context; `num_prompt_tokens` as the message words it."""
+    return bad_request(
+        f"this model's maximum context length is {max_model_len} tokens, and the prompt alone has "
+        f"{num_prompt_tokens}; shorten the {prompt_param}",
+        param=prompt_param,
+        code="context_length_exceeded",
+    )
 
 
 def parse_options(body: dict[str, Any]) -> Options:
