@@ -50,7 +50,14 @@ FIELDS = (
 JUNK_TEXT = ("\ud800", "a\udfff", "", "\x00", "<|im_start|>", "<tool_call>", "{", "x" * 3000)
 HUGE_NUMBERS = (10**30, -(10**30), 2**63, 2**31, -1, 0, 10**300, 1e308, -0.0)
 
-texts = st.text(max_size=12) | st.sampled_from(JUNK_TEXT)
+# Text fields the routes read, where a lone surrogate once reached the tokenizer, log or tree.
+TEXT_FIELDS = ("content", "prompt", "input", "cache_salt", "session_id", "instructions", "system", "model")
+
+texts = (
+    st.text(max_size=12)
+    | st.text(st.sampled_from("ab\ud800\udfff\U0001f600"), min_size=1, max_size=6)
+    | st.sampled_from(JUNK_TEXT)
+)
 scalars = (
     st.none()
     | st.booleans()
@@ -71,9 +78,15 @@ def mutated(draw: st.DrawFn) -> tuple[str, bytes]:
     """A route's valid body with one field, or its first message or that message's content, made junk."""
     route = draw(st.sampled_from(sorted(ROUTES)))
     body = json.loads(json.dumps(ROUTES[route]))
-    where = draw(st.sampled_from(("field", "message", "content")))
+    where = draw(st.sampled_from(("field", "message", "content", "text")))
     value = draw(json_values)
-    if where == "field" or not isinstance(body.get("messages"), list):
+    if where == "text":
+        key, text = draw(st.sampled_from(TEXT_FIELDS)), draw(texts)
+        if key == "content" and isinstance(body.get("messages"), list):
+            body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body[key] = text
+    elif where == "field" or not isinstance(body.get("messages"), list):
         body[draw(st.sampled_from(FIELDS))] = value
     elif where == "message":
         body["messages"] = [value]
@@ -111,7 +124,6 @@ def idle_stats(ctx: ServerContext, timeout_s: float = 60.0) -> tuple[dict[str, A
         time.sleep(0.05)
 
 
-@pytest.mark.slow
 def test_fuzzed_bodies_are_never_a_5xx_and_leave_only_pins_holding_pages(
     served: tuple[str, ServerContext],
 ) -> None:
