@@ -171,6 +171,18 @@ def test_too_many_cache_marks_are_refused_before_any_block_is_read(url: str) -> 
     assert elapsed_s < 5.0  # 30 s before the count came first, a copy of the conversation per mark
 
 
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 2, "stop": [str(i) for i in range(65)]}),
+        ("/v1/messages", {"messages": USER, "max_tokens": 2, "stop_sequences": [str(i) for i in range(65)]}),
+    ],
+)
+def test_more_than_64_stop_sequences_are_refused(url: str, route: str, body: dict[str, Any]) -> None:
+    # Each decoding step looks for every stop string: a million of them would stall the engine for all.
+    assert "at most 64 stop sequences, got 65" in error_of(post(url, route, body))["message"]
+
+
 class HealthPoller:
     """Polls /health from a thread, keeping the slowest answer's latency."""
 

@@ -143,7 +143,8 @@ def test_fuzzed_bodies_are_never_a_5xx_and_leave_only_pins_holding_pages(
             response = client.post(f"{url}{route}", content=raw)
             statuses[response.status_code] += 1
             assert response.status_code < 500, (route, raw[:300], response.text[:300])
-            assert "server_error" not in response.text, (route, raw[:300], response.text[:300])
+            if response.status_code == 200:  # a stream's error event: a 5xx after its headers went out
+                assert '"server_error"' not in response.text, (route, raw[:300], response.text[:300])
 
         post()
     num_cases = sum(statuses.values())

@@ -103,7 +103,7 @@ def check_text(body: dict[str, Any]) -> None:
     try:
         json.dumps(body, ensure_ascii=False).encode()
         return  # the common case, at the encoder's speed: only paired surrogate escapes (an emoji's)
-    except UnicodeEncodeError:
+    except (UnicodeEncodeError, RecursionError):  # the encoder recurses, from a frame deeper than the decoder
         pass
     # Iterative, as the decoder's nesting limit allows more levels than a recursive walk could take here;
     # children are pushed last first, so the first bad string in the body's order is the one named.

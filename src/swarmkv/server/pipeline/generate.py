@@ -27,6 +27,8 @@ from swarmkv.server.http.disconnect import ClientDisconnected, unless_disconnect
 from swarmkv.server.observability.latency import Latency
 
 T = TypeVar("T")
+# The body field each API's prompt is written in, which a prompt too long for the context names.
+_PROMPT_PARAMS: dict[Api, str] = {"chat": "messages", "messages": "messages", "responses": "input"}
 
 
 def request_session_id(
@@ -97,7 +99,8 @@ async def render_in_worker(
     ctx: ServerContext, req: ChatRequest, api: Api
 ) -> tuple[ChatRequest, RenderedPrompt]:
     """`render_for_model` on a worker thread, a prompt too long for the context refused before it tokenizes."""
-    return await in_worker(lambda: render_for_model(ctx, req, api, prompt_encoder(ctx, "messages")))
+    encode = prompt_encoder(ctx, _PROMPT_PARAMS[api])
+    return await in_worker(lambda: render_for_model(ctx, req, api, encode))
 
 
 async def start_chat(
