@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 
@@ -74,4 +75,61 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise bad_request("the request body's JSON is nested too deeply") from exc
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type_name(body)}")
+    if _may_hold_surrogates(raw):
+        check_text(body)
     return body
+
+
+# UTF-16 surrogates: alone they are no character (a `\\ud800` escape decodes to one), and no UTF-8 encodes them.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# What a surrogate is in a UTF-8 body: an escape of one (paired ones too), or its encoding, which the decoder
+# passes through.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_ENCODED_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+
+
+def _may_hold_surrogates(raw: bytes) -> bool:
+    """Whether `raw` may decode to a surrogate: a byte scan, much cheaper than a walk of the decoded body."""
+    if not json.detect_encoding(raw).startswith("utf-8"):
+        return True  # UTF-16 and UTF-32 bodies, which JSON allows
+    # The `in` tests find a byte pair at memchr's speed, the patterns then only run on bodies that have one.
+    escaped = b"\\u" in raw and _SURROGATE_ESCAPE.search(raw) is not None
+    return escaped or (b"\xed" in raw and _ENCODED_SURROGATE.search(raw) is not None)
+
+
+def check_text(body: dict[str, Any]) -> None:
+    """A 400 naming the first key or string of a decoded body that is not valid text (a lone surrogate), by its
+    JSON path (`messages[0].content`), so nothing past the parse (tokenizer, log, replies) ever meets one."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+        return  # the common case, at the encoder's speed: only paired surrogate escapes (an emoji's)
+    except (UnicodeEncodeError, RecursionError):  # the encoder recurses, from a frame deeper than the decoder
+        pass
+    # Iterative, as the decoder's nesting limit allows more levels than a recursive walk could take here;
+    # children are pushed last first, so the first bad string in the body's order is the one named.
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise _invalid_text(f"'{path}' is", path)
+            continue
+        children: list[tuple[Any, str]] = []
+        if isinstance(value, dict):
+            for key, child in value.items():
+                if _SURROGATE.search(key):  # named by its object, so the reply never holds the bad key
+                    raise _invalid_text(
+                        f"a key of '{path}' is" if path else "a top-level key is", path or None
+                    )
+                children.append((child, f"{path}.{key}" if path else key))
+        elif isinstance(value, list):
+            children = [(child, f"{path}[{i}]") for i, child in enumerate(value)]
+        stack.extend(child for child in reversed(children) if isinstance(child[0], str | dict | list))
+
+
+def _invalid_text(what: str, param: str | None) -> APIError:
+    return bad_request(
+        f"{what} not valid text: it holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape)",
+        param=param,
+        code="invalid_text",
+    )

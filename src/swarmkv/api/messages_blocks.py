@@ -42,6 +42,9 @@ class MessagesBuilder:
     def __init__(self) -> None:
         self.messages: list[Message] = []
         self.pending: Message | None = None  # the message the current blocks go into
+        # The pending message's texts ("content", "reasoning_content"), joined when it is taken: joining
+        # block by block would copy a turn's text once per block.
+        self.parts: dict[str, list[str]] = {}
         self.marks: list[tuple[list[Message], float]] = []
 
     def done(self) -> list[Message]:
@@ -53,7 +56,7 @@ class MessagesBuilder:
         """Snapshot the conversation so far if `block` carries cache_control."""
         ttl_s = _ttl_s(where, block)
         if ttl_s is not None:
-            pending = [copy.deepcopy(self.pending)] if self.pending is not None else []
+            pending = [copy.deepcopy(self._joined())] if self.pending is not None else []
             self.marks.append((copy.deepcopy(self.messages) + pending, ttl_s))
 
     def system(self, system: Any) -> None:
@@ -143,20 +146,31 @@ class MessagesBuilder:
             self._flush()
             self.pending = {"role": role, "content": ""}
 
+    def _joined(self) -> Message:
+        """The pending message with its texts joined with newlines, as chat completions joins text parts."""
+        assert self.pending is not None
+        return {**self.pending, **{key: "\n".join(texts) for key, texts in self.parts.items()}}
+
     def _flush(self) -> None:
         if self.pending is not None:
-            pending = self.pending
+            pending = self._joined()
             if pending["content"] or pending.get("tool_calls") or pending.get("reasoning_content"):
                 self.messages.append(pending)
             self.pending = None
+            self.parts = {}
+
+    def _add_text(self, key: str, text: str) -> None:
+        """Add a block's text to the pending message's `key`; leading empty texts add nothing (no newline)."""
+        texts = self.parts.setdefault(key, [])
+        if texts or text:
+            texts.append(text)
 
     def _text(self, where: str, block: dict[str, Any]) -> None:
         assert self.pending is not None
         text = block.get("text")
         if not isinstance(text, str):
             raise bad_request(f"{where}.text must be a string", param=where)
-        # Blocks of one turn join with newlines, as chat completions joins text parts.
-        self.pending["content"] = f"{self.pending['content']}\n{text}" if self.pending["content"] else text
+        self._add_text("content", text)
 
     def _thinking(self, where: str, block: dict[str, Any]) -> None:
         assert self.pending is not None
@@ -164,8 +178,7 @@ class MessagesBuilder:
         if not isinstance(thinking, str):
             raise bad_request(f"{where}.thinking: Input should be a valid string", param=where)
         # The signature is not checked: a block sent back is the turn's reasoning (messages_objects.py).
-        before = self.pending.get("reasoning_content")
-        self.pending["reasoning_content"] = f"{before}\n{thinking}" if before else thinking
+        self._add_text("reasoning_content", thinking)
 
     def _tool_use(self, where: str, block: dict[str, Any]) -> None:
         assert self.pending is not None

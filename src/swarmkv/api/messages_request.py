@@ -77,6 +77,7 @@ def parse_messages_request(body: dict[str, Any], needs_max_tokens: bool = True) 
             details={"error_code": THREAD_UNSUPPORTED, "unsupported": ["thread"]},
         )
     _refuse_unsupported(body)
+    _check_num_marks(body)  # before any block is read: each mark snapshots the conversation
     template_kwargs = _thinking(body.get("thinking"))
     metadata = get_field(body, "metadata", dict, "an object", {})
     user_id = _session_of(metadata.get("user_id"))
@@ -104,11 +105,6 @@ def parse_messages_request(body: dict[str, Any], needs_max_tokens: bool = True) 
     }
     chat_body = {key: value for key, value in chat_body.items() if value is not None}
     chat = parse_chat_request(chat_body)
-    if len(builder.marks) > MAX_BREAKPOINTS:
-        raise bad_request(
-            f"at most {MAX_BREAKPOINTS} blocks may have cache_control, got {len(builder.marks)}",
-            param="cache_control",
-        )
     # A mark on a tool (the tools come first, so nothing before it) pins the head every request with these
     # tools opens with (see `Breakpoint`).
     head = chat.messages[:1] if chat.messages[0]["role"] == "system" else []
@@ -117,6 +113,26 @@ def parse_messages_request(body: dict[str, Any], needs_max_tokens: bool = True) 
         for msgs, ttl_s in builder.marks
     ]
     return MessagesRequest(chat, breakpoints, user_id, chat_body, template_kwargs)
+
+
+def _check_num_marks(body: dict[str, Any]) -> None:
+    """A 400 when more than MAX_BREAKPOINTS blocks carry cache_control: a count of the raw body's blocks where
+    the builder looks for marks (tools, system blocks, message content blocks), nothing validated yet."""
+
+    def blocks(value: Any) -> list[Any]:
+        return value if isinstance(value, list) else []
+
+    messages = blocks(body.get("messages"))
+    contents = [m.get("content") for m in messages if isinstance(m, dict)]
+    every_block = [*blocks(body.get("tools")), *blocks(body.get("system"))]
+    every_block += [block for content in contents for block in blocks(content)]
+    num_marks = sum(
+        1 for block in every_block if isinstance(block, dict) and block.get("cache_control") is not None
+    )
+    if num_marks > MAX_BREAKPOINTS:
+        raise bad_request(
+            f"at most {MAX_BREAKPOINTS} blocks may have cache_control, got {num_marks}", param="cache_control"
+        )
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:

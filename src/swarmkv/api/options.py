@@ -9,11 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from swarmkv.api.errors import bad_request, get_field
+from swarmkv.api.errors import APIError, bad_request, get_field
 from swarmkv.api.session_id import check_session_id
 from swarmkv.choices import MaxTokensPolicy
 from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.errors import InvalidRequestError
+
+# Every decoding step looks for each stop string in the new text, so a body of a million one-character
+# stops would stall the engine for every request. OpenAI allows 4; 64 leaves room for any client's.
+MAX_STOP_SEQUENCES = 64
 
 
 @dataclass(frozen=True)
@@ -50,12 +54,7 @@ class Options:
         so "clamp" is the server's default (`--max-tokens-policy`); no max_tokens at all means the room too.
         """
         if num_prompt_tokens >= max_model_len:
-            raise bad_request(
-                f"this model's maximum context length is {max_model_len} tokens, and the prompt alone has "
-                f"{num_prompt_tokens}; shorten the {prompt_param}",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
+            raise context_length_exceeded(max_model_len, str(num_prompt_tokens), prompt_param)
         room = max_model_len - num_prompt_tokens
         max_tokens = self.max_tokens if self.max_tokens is not None else room
         if max_tokens > room and max_tokens_policy == "refuse":
@@ -80,6 +79,16 @@ class Options:
             raise bad_request(str(exc)) from exc
 
 
+def context_length_exceeded(max_model_len: int, num_prompt_tokens: str, prompt_param: str) -> APIError:
+    """The 400 for a prompt that alone fills the context; `num_prompt_tokens` as the message words it."""
+    return bad_request(
+        f"this model's maximum context length is {max_model_len} tokens, and the prompt alone has "
+        f"{num_prompt_tokens}; shorten the {prompt_param}",
+        param=prompt_param,
+        code="context_length_exceeded",
+    )
+
+
 def parse_options(body: dict[str, Any]) -> Options:
     """Validate the fields both generation endpoints share."""
     model = get_field(body, "model", str, "a string")
@@ -102,6 +111,8 @@ def parse_options(body: dict[str, Any]) -> Options:
     top_k = get_field(body, "top_k", int, "an integer")  # vLLM's extension; -1 and 0 mean no limit there
     stop_value = get_field(body, "stop", (str, list), "a string or an array of strings")
     stop = (stop_value,) if isinstance(stop_value, str) else tuple(stop_value or ())
+    if len(stop) > MAX_STOP_SEQUENCES:  # counted before any is read: a step checks each against the text
+        raise bad_request(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stop)}", param="stop")
     if any(not isinstance(s, str) or not s for s in stop):
         raise bad_request("'stop' must be a non-empty string or an array of non-empty strings", param="stop")
     cache_salt = get_field(body, "cache_salt", str, "a string")

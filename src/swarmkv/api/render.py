@@ -17,14 +17,36 @@ from typing import Any
 from swarmkv.api.chat_request import ChatRequest, Message
 from swarmkv.api.errors import bad_request
 from swarmkv.api.layout import Layout, find_tool_block, tools_first
+from swarmkv.api.options import context_length_exceeded
 from swarmkv.api.pin_request import PinRequest
 from swarmkv.api.reasoning import prompt_opens_thinking
 from swarmkv.breaks.causes import RenderedPrompt
 from swarmkv.errors import InvalidRequestError
 from swarmkv.tokenizer import Tokenizer
 
-# Text -> token ids without special tokens: the tokenizer's `encode`, or an equal one that caches (lint's).
+# Text -> token ids without special tokens: the tokenizer's `encode`, or an equal one that caches (lint's)
+# or refuses a text too long to tokenize (`bounded_encode`).
 Encode = Callable[[str], list[int]]
+# A text's characters per token can exceed the longest token's once a normalizer composes characters (NFC
+# makes one of a Hangul syllable's three jamo); this bounds that, so the length check never refuses a fit.
+_NORMALIZED_CHARS_PER_CHAR = 4
+
+
+def bounded_encode(
+    tokenizer: Tokenizer, max_model_len: int, prompt_param: str, text_prompt: bool = False
+) -> Encode:
+    """The tokenizer's `encode` (`encode_text_prompt` for a `text_prompt`), after a check that needs no tokens:
+    a text with more characters than `max_model_len` tokens could spell is a 400 at once, not after the
+    seconds tokenizing it takes (a minute for 21 MB)."""
+    max_chars = max_model_len * tokenizer.max_token_chars * _NORMALIZED_CHARS_PER_CHAR
+
+    def encode(text: str) -> list[int]:
+        if len(text) > max_chars:
+            num_tokens = f"more than {max_model_len} (its {len(text)} characters)"
+            raise context_length_exceeded(max_model_len, num_tokens, prompt_param)
+        return tokenizer.encode_text_prompt(text) if text_prompt else tokenizer.encode(text)
+
+    return encode
 
 
 def render_chat(
@@ -110,14 +132,19 @@ def _text_of(message: Message) -> str:
     return content or ""
 
 
-def render_completion(tokenizer: Tokenizer, prompt: str | list[int]) -> list[int]:
-    """A completions prompt's token ids: text encoded with the tokenizer's special tokens, ids as given."""
+def render_completion(
+    tokenizer: Tokenizer, prompt: str | list[int], encode_text_prompt: Encode | None = None
+) -> list[int]:
+    """A completions prompt's token ids: text encoded with the tokenizer's special tokens (by
+    `encode_text_prompt` when given, an equal one), ids as given."""
     if isinstance(prompt, str):
-        return tokenizer.encode_text_prompt(prompt)
+        return (encode_text_prompt or tokenizer.encode_text_prompt)(prompt)
     return prompt
 
 
-def render_pin(tokenizer: Tokenizer, req: PinRequest, layout: Layout = "template") -> list[int]:
+def render_pin(
+    tokenizer: Tokenizer, req: PinRequest, layout: Layout = "template", encode: Encode | None = None
+) -> list[int]:
     """The token ids to pin: the given ids, or the messages rendered as a chat prompt's head, laid out as the
     chats it is the head of (under tools-first, a pin of the tools alone is the system turn up to the tools)."""
     if req.prompt_token_ids is not None:
@@ -134,7 +161,7 @@ def render_pin(tokenizer: Tokenizer, req: PinRequest, layout: Layout = "template
             text = block.tools_head if block is not None else _shared_head(tokenizer, req.tools)
     except InvalidRequestError as exc:
         raise bad_request(str(exc), param="messages") from exc
-    return tokenizer.encode(text, add_special_tokens=False)
+    return encode(text) if encode is not None else tokenizer.encode(text, add_special_tokens=False)
 
 
 def _shared_head(tokenizer: Tokenizer, tools: list[dict[str, Any]] | None) -> str:

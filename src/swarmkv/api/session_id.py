@@ -37,6 +37,15 @@ def resolve_session_id(
     client default, so the more specific one wins. A client's own session header (`client_header_value`,
     Claude Code's X-Claude-Code-Session-Id) comes last: swarmkv's own header is set on purpose.
     """
-    header = check_session_id(header_value, "the X-Session-Id header")
-    client = check_session_id(client_header_value, "the X-Claude-Code-Session-Id header")
+    header = _header_session_id(header_value, "the X-Session-Id header")
+    client = _header_session_id(client_header_value, "the X-Claude-Code-Session-Id header")
     return next((value for value in (body_value, header, client) if value is not None), None)
+
+
+def _header_session_id(value: str | None, where: str) -> str | None:
+    """A session id from a header: checked as the body's are, and printable ASCII, since a header's other
+    bytes arrive as Latin-1 characters (mojibake of UTF-8, or control characters), never as meant."""
+    session_id = check_session_id(value, where)
+    if session_id is not None and not (session_id.isascii() and session_id.isprintable()):
+        raise bad_request(f"{where} must be printable ASCII", param="session_id")
+    return session_id

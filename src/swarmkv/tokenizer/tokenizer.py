@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,9 @@ END_OF_TURN_TOKENS = (
     "<end_of_turn>",
     "<|end|>",
 )
+
+# Texts past this many characters are encoded in a batch of one, which releases the GIL while it runs.
+_LONG_TEXT_CHARS = 100_000
 
 # The named special tokens transformers hands every chat template (its `special_tokens_map`).
 _TEMPLATE_TOKEN_NAMES = (
@@ -113,8 +117,18 @@ class Tokenizer:
         """The jinja source of the model's chat template, or None when the model ships none."""
         return self.template.source if self.template is not None else None
 
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token spells: its vocabulary entry's length, which for a byte-level entry
+        is its bytes, so a text of N characters has at least about N / max_token_chars tokens."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written in it (e.g. "<|im_start|>") become their single ids."""
+        if len(text) > _LONG_TEXT_CHARS:
+            # The backend's `encode` holds the GIL throughout (a minute for 21 MB), its `encode_batch` does not,
+            # so a long text tokenized on a worker thread leaves the event loop running.
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def encode_text_prompt(self, text: str) -> list[int]:

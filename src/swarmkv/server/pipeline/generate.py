@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from starlette.requests import Request
 
@@ -14,7 +16,7 @@ from swarmkv.api.layout import Api, resolve_layout
 from swarmkv.api.options import Options
 from swarmkv.api.outputs import StepOutput
 from swarmkv.api.reasoning import ReasoningSplitter, reasoning_splitter
-from swarmkv.api.render import render_request
+from swarmkv.api.render import Encode, bounded_encode, render_request
 from swarmkv.api.session_id import SESSION_HEADER, resolve_session_id
 from swarmkv.breaks.causes import Break, RenderedPrompt
 from swarmkv.core.sampling_params import SamplingParams
@@ -23,6 +25,10 @@ from swarmkv.server.context import ServerContext
 from swarmkv.server.engine_loop.request_stream import RequestStream
 from swarmkv.server.http.disconnect import ClientDisconnected, unless_disconnected
 from swarmkv.server.observability.latency import Latency
+
+T = TypeVar("T")
+# The body field each API's prompt is written in, which a prompt too long for the context names.
+_PROMPT_PARAMS: dict[Api, str] = {"chat": "messages", "messages": "messages", "responses": "input"}
 
 
 def request_session_id(
@@ -70,10 +76,30 @@ class StartedChat:
     reasoning: ReasoningSplitter | None
 
 
-def render_for_model(ctx: ServerContext, req: ChatRequest, api: Api) -> tuple[ChatRequest, RenderedPrompt]:
+def render_for_model(
+    ctx: ServerContext, req: ChatRequest, api: Api, encode: Encode | None = None
+) -> tuple[ChatRequest, RenderedPrompt]:
     """The request as this model's template takes it, and its prompt, laid out as `--prompt-layout` says
     for `api` (`api.render.render_request`)."""
-    return render_request(ctx.tokenizer, req, resolve_layout(ctx.prompt_layout, api))
+    return render_request(ctx.tokenizer, req, resolve_layout(ctx.prompt_layout, api), encode)
+
+
+def prompt_encoder(ctx: ServerContext, prompt_param: str, text_prompt: bool = False) -> Encode:
+    """The tokenizer's encode for prompts, refusing one too long for the context before it tokenizes."""
+    return bounded_encode(ctx.tokenizer, ctx.max_model_len, prompt_param, text_prompt)
+
+
+async def in_worker(work: Callable[[], T]) -> T:
+    """`work()` (rendering, tokenizing) on a worker thread, so a huge prompt never stalls the event loop."""
+    return await asyncio.to_thread(work)
+
+
+async def render_in_worker(
+    ctx: ServerContext, req: ChatRequest, api: Api
+) -> tuple[ChatRequest, RenderedPrompt]:
+    """`render_for_model` on a worker thread, a prompt too long for the context refused before it tokenizes."""
+    encode = prompt_encoder(ctx, _PROMPT_PARAMS[api])
+    return await in_worker(lambda: render_for_model(ctx, req, api, encode))
 
 
 async def start_chat(
@@ -84,8 +110,8 @@ async def start_chat(
     id_prefix: str,
     api: Api = "chat",
 ) -> StartedChat:
-    """Render and submit a chat request."""
-    req, rendered = render_for_model(ctx, req, api)
+    """Render (on a worker thread) and submit a chat request."""
+    req, rendered = await render_in_worker(ctx, req, api)
     params = req.options.sampling_params(
         len(rendered.token_ids), ctx.max_model_len, "messages", req.forced_stop(), ctx.max_tokens_policy
     )

@@ -19,7 +19,13 @@ from swarmkv.server.engine_loop.request_stream import EngineUnavailableError, Re
 from swarmkv.server.http.disconnect import STATUS_CLIENT_GONE
 from swarmkv.server.http.event_stream import EventStream
 from swarmkv.server.observability.latency import Latency
-from swarmkv.server.pipeline.generate import collect_unless_disconnected, request_session_id, submit
+from swarmkv.server.pipeline.generate import (
+    collect_unless_disconnected,
+    in_worker,
+    prompt_encoder,
+    request_session_id,
+    submit,
+)
 
 
 async def completions(request: Request) -> Response:
@@ -31,7 +37,8 @@ async def completions(request: Request) -> Response:
     ctx.check_model(req.options.model)
     session_id = request_session_id(request, req.options.session_id)
     ctx.log_request(COMPLETIONS_ROUTE, session_id, body)
-    prompt_ids = render_completion(ctx.tokenizer, req.prompt)
+    encode = prompt_encoder(ctx, "prompt", text_prompt=True)
+    prompt_ids = await in_worker(lambda: render_completion(ctx.tokenizer, req.prompt, encode))
     params = req.options.sampling_params(
         len(prompt_ids), ctx.max_model_len, "prompt", max_tokens_policy=ctx.max_tokens_policy
     )

@@ -42,7 +42,9 @@ from swarmkv.server.pipeline.chat_stream import chat_deltas, parse_whole_reply
 from swarmkv.server.pipeline.generate import (
     StartedChat,
     collect_unless_disconnected,
-    render_for_model,
+    in_worker,
+    prompt_encoder,
+    render_in_worker,
     request_session_id,
     start_chat,
 )
@@ -88,7 +90,7 @@ async def count_tokens(request: Request) -> Response:
     ctx = request_context(request)
     req = parse_messages_request(await ctx.read_body(request), needs_max_tokens=False)
     ctx.check_model(req.chat.options.model)
-    _, rendered = render_for_model(ctx, req.chat, "messages")
+    _, rendered = await render_in_worker(ctx, req.chat, "messages")
     return JSONResponse({"input_tokens": len(rendered.token_ids)})
 
 
@@ -104,7 +106,12 @@ async def _pin_breakpoints(ctx: ServerContext, req: MessagesRequest) -> int:
 async def _pin(ctx: ServerContext, req: MessagesRequest, mark: Breakpoint) -> int:
     salt = ctx.tenant.cache_salt(req.chat.options.cache_salt)
     layout = resolve_layout(ctx.prompt_layout, "messages")
-    ids = render_pin(ctx.tokenizer, req.pin_request(mark, ctx.tokenizer, layout), layout)  # as the prompt is
+    encode = prompt_encoder(ctx, "messages")
+
+    def render() -> list[int]:  # as the prompt is
+        return render_pin(ctx.tokenizer, req.pin_request(mark, ctx.tokenizer, layout), layout, encode)
+
+    ids = await in_worker(render)
     # The id follows from the prefix and salt, so a repeated request refreshes its pin instead of adding one.
     digest = hashlib.sha256(f"{salt}\0{ids}".encode()).hexdigest()[:32]
     pin_id = engine_pin_id(ctx, f"pin-msg-{digest}")

@@ -24,6 +24,7 @@ from swarmkv.engine.engine import LLMEngine
 from swarmkv.errors import InvalidRequestError, PinLimitError
 from swarmkv.server.context import ServerContext, request_context
 from swarmkv.server.http.disconnect import STATUS_CLIENT_GONE, ClientDisconnected, unless_disconnected
+from swarmkv.server.pipeline.generate import in_worker, prompt_encoder
 
 
 def _not_found(pin_id: str) -> APIError:
@@ -61,7 +62,9 @@ async def create_pin(request: Request) -> Response:
     ctx = request_context(request)
     req = parse_pin_request(await ctx.read_body(request))
     ctx.check_model(req.model)
-    ids = render_pin(ctx.tokenizer, req, resolve_layout(ctx.prompt_layout, "chat"))  # as chat prompts are
+    layout = resolve_layout(ctx.prompt_layout, "chat")  # as chat prompts are
+    encode = prompt_encoder(ctx, "messages")
+    ids = await in_worker(lambda: render_pin(ctx.tokenizer, req, layout, encode))
     pin_id = f"pin-{uuid.uuid4().hex}"
     try:
         await check_pin_share(ctx, len(ids))

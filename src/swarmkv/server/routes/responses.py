@@ -47,7 +47,7 @@ from swarmkv.server.pipeline.chat_stream import chat_deltas, parse_whole_reply
 from swarmkv.server.pipeline.generate import (
     StartedChat,
     collect_unless_disconnected,
-    render_for_model,
+    render_in_worker,
     request_session_id,
     start_chat,
 )
@@ -110,7 +110,7 @@ async def count_input_tokens(request: Request) -> Response:
     """POST /v1/responses/input_tokens: the prompt's length as /v1/responses would render it, nothing generated."""
     ctx = request_context(request)
     req, _ = await _parse(ctx, request)
-    num_tokens = len(render_for_model(ctx, req.chat, "responses")[1].token_ids)
+    num_tokens = len((await render_in_worker(ctx, req.chat, "responses"))[1].token_ids)
     return JSONResponse({"object": "response.input_tokens", "input_tokens": num_tokens})
 
 
