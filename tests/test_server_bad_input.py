@@ -236,6 +236,7 @@ def test_health_answers_while_21mb_bodies_are_refused(url: str) -> None:
         ("/v1/cache/pin", {"messages": [{"role": "system", "content": huge_text}]}),
     ]
     # Rendering and tokenizing run on a worker thread, and a text too long for the context is refused before
-    # it is tokenized. What is left on the event loop is the JSON decoding (server/http/body.py) and, under
-    # --log-requests, the log's write (about 0.2 s each for 21 MB here): the 100 ms target needs those off it.
-    assert max_health_latency_s(url, bodies) < 3.0
+    # it is tokenized; decoding the body and writing the request log run on worker threads too. What is left
+    # is the GIL: decoding (and, under --log-requests, encoding) one 21 MB string is one C call that holds
+    # it, 0.1-0.2 s on this machine. The 100 ms needs those in another process; this bounds the rest.
+    assert max_health_latency_s(url, bodies) < 0.5

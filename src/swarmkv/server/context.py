@@ -6,6 +6,7 @@ A route takes its request's copy, `request_context(request)`, which also carries
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,12 +63,13 @@ class ServerContext:
         """The request's body as a JSON object, under the size cap, or a 400."""
         return await read_json_body(request, self.max_request_bytes)
 
-    def log_request(
+    async def log_request(
         self, route: str, session_id: str | None, body: dict[str, Any], api: str | None = None
     ) -> None:
-        """Append the request's body to the request log, when there is one."""
+        """Append the request's body to the request log, when there is one; encoding and writing a large
+        body takes a while, so it runs on a worker thread, never on the event loop."""
         if self.request_log is not None:
-            self.request_log.write(route, session_id, body, api)
+            await asyncio.to_thread(self.request_log.write, route, session_id, body, api)
 
     @property
     def listed_model_names(self) -> tuple[str, ...]:

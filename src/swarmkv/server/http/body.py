@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from starlette.requests import Request
 
 from swarmkv.api.errors import bad_request, parse_json_body
+
+LARGE_BODY_BYTES = 1 << 20
 
 
 async def read_json_body(request: Request, max_request_bytes: int) -> dict[str, Any]:
@@ -24,6 +27,8 @@ async def read_json_body(request: Request, max_request_bytes: int) -> dict[str, 
         chunks.append(chunk)
     raw = b"".join(chunks)
     request.state.raw_body = raw  # for the request log, should the request be refused
+    if len(raw) > LARGE_BODY_BYTES:  # decoding megabytes takes a while: off the event loop
+        return await asyncio.to_thread(parse_json_body, raw)
     return parse_json_body(raw)
 
 

@@ -35,7 +35,7 @@ async def chat_completions(request: Request) -> Response:
     req = parse_chat_request(payload)
     ctx.check_model(req.options.model)
     session_id = request_session_id(request, req.options.session_id, req.options.prompt_cache_key)
-    ctx.log_request(CHAT_ROUTE, session_id, payload)
+    await ctx.log_request(CHAT_ROUTE, session_id, payload)
     started = await start_chat(ctx, req, session_id, arrival_s, "chatcmpl")
     req, stream, found, reasoning = started.req, started.stream, started.found, started.reasoning
     env = Envelope(stream.request_id, int(time.time()), ctx.model_name)

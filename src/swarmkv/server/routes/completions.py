@@ -36,7 +36,7 @@ async def completions(request: Request) -> Response:
     req = parse_completion_request(body)
     ctx.check_model(req.options.model)
     session_id = request_session_id(request, req.options.session_id)
-    ctx.log_request(COMPLETIONS_ROUTE, session_id, body)
+    await ctx.log_request(COMPLETIONS_ROUTE, session_id, body)
     encode = prompt_encoder(ctx, "prompt", text_prompt=True)
     prompt_ids = await in_worker(lambda: render_completion(ctx.tokenizer, req.prompt, encode))
     params = req.options.sampling_params(

@@ -61,7 +61,7 @@ async def messages(request: Request) -> Response:
     req = parse_messages_request(payload)
     ctx.check_model(req.chat.options.model)
     session_id = request_session_id(request, req.user_id, client_header=CLAUDE_CODE_SESSION_HEADER)
-    ctx.log_request(
+    await ctx.log_request(
         CHAT_ROUTE, session_id, req.chat_body, "messages"
     )  # logged as the chat request it runs as
     num_pinned = await _pin_breakpoints(ctx, req)

@@ -67,7 +67,7 @@ async def create_response(request: Request) -> Response:
     # A chain is one session, named by its first response (unless the X-Session-Id header or the
     # prompt_cache_key names one), so its KV is kept between turns.
     session_id = previous.session_id if previous else named or (response_id if req.store else None)
-    ctx.log_request(
+    await ctx.log_request(
         CHAT_ROUTE, session_id, req.chat_body, "responses"
     )  # logged as the chat request it runs as
     started = await start_chat(ctx, req.chat, session_id, arrival_s, "resp", "responses")
