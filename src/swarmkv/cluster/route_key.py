@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from swarmkv.api.chat_request import parse_chat_request
 from swarmkv.api.completion_request import parse_completion_request
-from swarmkv.api.errors import APIError
+from swarmkv.api.errors import APIError, parse_json_body
 from swarmkv.api.layout import resolve_layout
 from swarmkv.api.messages_request import parse_messages_request
 from swarmkv.api.paths import CHAT_ROUTE, COMPLETIONS_ROUTE, MESSAGES_ROUTE, RESPONSES_ROUTE
@@ -91,9 +91,7 @@ class RouteKeyer:
         if method != "POST":
             return Routed(self._session_only(header_session))
         try:
-            payload = json.loads(body) if body else {}
-            if not isinstance(payload, dict):
-                return Routed(EMPTY_KEY)
+            payload = parse_json_body(body) if body else {}  # invalid text is a 400 there, never tokenized
             return self._route_post(path, header_session, payload, tenant)
         except (APIError, ValueError, TypeError, KeyError):  # malformed: the replica answers the 400
             return Routed(EMPTY_KEY)
