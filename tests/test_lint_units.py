@@ -149,3 +149,22 @@ def test_a_messages_request_renders_in_the_layout_the_server_gave_it(qwen: Token
     assert as_chat.text.index("# Tools") > as_chat.text.index("You are in")
     assert as_messages.text.index("# Tools") < as_messages.text.index("You are in")
     assert Renderer(qwen, prompt_layout="template").render(messages).prompt.text == as_chat.text
+
+
+def test_tenants_in_a_log_share_no_salt_or_session(smol: Tokenizer, tmp_path: Path) -> None:
+    # Under --api-keys the server logs each request's tenant, and scopes its salt and session by it.
+    body = {"messages": [{"role": "user", "content": "hi"}], "session_id": "agent-1"}
+    lines = [
+        {"route": "/v1/chat/completions", "session_id": "agent-1", "body": body, "tenant": t} for t in "ab"
+    ]
+    lines.append({"route": "/v1/chat/completions", "session_id": "agent-1", "body": body})
+    path = tmp_path / "log.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    requests = read_log(path)[0]
+    assert [r.tenant for r in requests] == ["a", "b", None]
+    assert requests[0].to_json()["tenant"] == "a" and "tenant" not in requests[2].to_json()
+    renderer = Renderer(smol)
+    rendered = [renderer.render(r) for r in requests]
+    assert len({r.cache_salt for r in rendered}) == 3  # "a", "b" and no salt
+    assert len({r.session_id for r in rendered}) == 3
+    assert rendered[0].prompt.token_ids == rendered[1].prompt.token_ids

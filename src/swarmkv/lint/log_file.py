@@ -39,6 +39,7 @@ class LoggedRequest:
     time: float | None = None
     bare: bool = False  # the line was the body alone
     api: Api = "chat"  # the API it came in on: a Messages or Responses request is logged as its chat body
+    tenant: str | None = None  # the key's tenant (`--api-keys`): tenants share no cache, sessions or salts
 
     @property
     def is_chat(self) -> bool:
@@ -54,7 +55,11 @@ class LoggedRequest:
         if self.bare:
             return self.body
         record = {"time": self.time, "session_id": self.session_id, "route": self.route, "body": self.body}
-        return record if self.api == "chat" else {**record, "api": self.api}
+        if self.api != "chat":
+            record["api"] = self.api
+        if self.tenant is not None:
+            record["tenant"] = self.tenant
+        return record
 
 
 @dataclass(frozen=True)
@@ -146,7 +151,11 @@ def _parse_line(raw: str, index: int, line: int) -> LoggedRequest | RefusedReque
     api = record.get("api", "chat")
     if api not in API_NAMES:
         raise ValueError(f"'api' must be one of {', '.join(API_NAMES)}, got {api!r}")
-    return LoggedRequest(index, line, route, body, session_id, None if when is None else float(when), api=api)
+    tenant = record.get("tenant")
+    if tenant is not None and not isinstance(tenant, str):
+        raise ValueError("'tenant' must be a string or null")
+    when_s = None if when is None else float(when)
+    return LoggedRequest(index, line, route, body, session_id, when_s, api=api, tenant=tenant)
 
 
 def _refused(record: dict[str, Any], line: int) -> RefusedRequest:

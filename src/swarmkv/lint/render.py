@@ -84,9 +84,11 @@ class Renderer:
             raise RenderError(str(exc)) from exc
         session = request.session_id if request.session_id is not None else options.session_id
         user = request.body.get("user")
-        return RenderedRequest(
-            request, prompt, options.cache_salt, session, user if isinstance(user, str) else None
-        )
+        salt = options.cache_salt
+        if request.tenant is not None:  # as the server scopes them: tenants share no KV and no session
+            salt = request.tenant if salt is None else f"{request.tenant}\0{salt}"
+            session = None if session is None else f"{request.tenant}\0{session}"
+        return RenderedRequest(request, prompt, salt, session, user if isinstance(user, str) else None)
 
     def layout_of(self, request: LoggedRequest) -> Layout:
         """The layout the server gave this request: its `--prompt-layout` on the API it came in on."""

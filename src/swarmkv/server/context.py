@@ -69,7 +69,8 @@ class ServerContext:
         """Append the request's body to the request log, when there is one; encoding and writing a large
         body takes a while, so it runs on a worker thread, never on the event loop."""
         if self.request_log is not None:
-            await asyncio.to_thread(self.request_log.write, route, session_id, body, api)
+            tenant = self.request_tenant.name if self.request_tenant is not None else None
+            await asyncio.to_thread(self.request_log.write, route, session_id, body, api, tenant)
 
     @property
     def listed_model_names(self) -> tuple[str, ...]:

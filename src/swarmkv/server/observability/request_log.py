@@ -3,7 +3,7 @@
 A line is `{"time": unix seconds, "session_id": str | null, "route": "/v1/chat/completions" |
 "/v1/completions", "body": the request's JSON object as received}`, plus `"api": "messages" | "responses"`
 for a request that came in on those APIs, logged as the chat body it runs as (the server lays out its
-prompt by that API: `--prompt-layout auto`), for each request whose body and
+prompt by that API: `--prompt-layout auto`), and `"tenant"` under `--api-keys` (tenants share no cache), for each request whose body and
 session id are well-formed (it reached the tokenizer). A request the server refused (a 4xx) adds a line
 `{"time", "session_id": null, "route": the path it was sent to, "status": the HTTP status, "error": the
 message, "body": its JSON as received, its text when it is not JSON, or null}`; a request refused after
@@ -50,11 +50,23 @@ class RequestLog:
             )
         self._lock = threading.Lock()
 
-    def write(self, route: str, session_id: str | None, body: dict[str, Any], api: str | None = None) -> None:
+    def write(
+        self,
+        route: str,
+        session_id: str | None,
+        body: dict[str, Any],
+        api: str | None = None,
+        tenant: str | None = None,
+    ) -> None:
         """Append one request as one whole line; `api` names the API it came in on when its body was
-        translated (a Messages or Responses request, logged as the chat request it runs as)."""
-        record = {"time": time.time(), "session_id": session_id, "route": route, "body": body}
-        self._append(record if api is None else {**record, "api": api})
+        translated (a Messages or Responses request, logged as the chat request it runs as), `tenant` the
+        key's tenant under `--api-keys`."""
+        record: dict[str, Any] = {"time": time.time(), "session_id": session_id, "route": route, "body": body}
+        if api is not None:
+            record["api"] = api
+        if tenant is not None:
+            record["tenant"] = tenant
+        self._append(record)
 
     def write_refused(self, route: str, status: int, error: str, body: Any) -> None:
         """Append a refused request: where it went, the status and error it got, and its body."""
