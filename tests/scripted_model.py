@@ -230,6 +230,7 @@ def _save_qwen3_5(folder: Path, tokenizer: Tokenizer, max_positions: int) -> Non
         bos_token_id=None,
         eos_token_id=_id(tokenizer, END_OF_TURN),
         pad_token_id=_id(tokenizer, "<|endoftext|>"),
+        layer_types=["linear_attention", "full_attention"],  # one of each is the hybrid; more only cost time
     )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     embed, lm_head = _script_tables(tokenizer)

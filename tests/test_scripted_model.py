@@ -211,7 +211,7 @@ def test_swarmkv_serve_loads_it_like_any_model(scripted_model_dir: Path) -> None
         server.wait(timeout=30)
 
 
-@pytest.mark.parametrize(("vocabulary", "arch"), [("qwen3", "llama"), ("bytes", "qwen3_5")])
+@pytest.mark.parametrize(("vocabulary", "arch"), [("qwen3", "llama"), ("qwen3", "qwen3_5")])
 def test_the_script_holds_on_the_qwen3_vocabulary_and_in_a_hybrid(
     tmp_path: Path, vocabulary: Vocabulary, arch: ScriptedArch
 ) -> None:
@@ -229,5 +229,5 @@ def test_the_script_holds_on_the_qwen3_vocabulary_and_in_a_hybrid(
             assert (out.text, out.finish_reason) == (reply, "stop"), (name, attempt)
     question = "Which files are in this folder?"
     num_tokens = len(llm.tokenizer.encode(question))
-    assert num_tokens < len(question) / 3 if vocabulary == "qwen3" else num_tokens == len(question)
+    assert num_tokens < len(question) / 3  # Qwen3's merges, where the bytes vocabulary has one token a byte
     llm.engine.check_integrity()
