@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -42,3 +43,13 @@ from scripted_model import make_scripted_checkpoint  # noqa: E402
 def scripted_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The scripted checkpoint's folder, built once per session (per xdist worker)."""
     return make_scripted_checkpoint(tmp_path_factory.mktemp("scripted") / "scripted")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Run a module's tiny tensors on one thread: a second one only adds synchronisation, and on a shared
+    CPU its spinning slows every step several-fold (`pytestmark = pytest.mark.usefixtures(...)`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,14 +52,8 @@ def diverging(head: list[int], full: list[int], num_tokens: int, seed: int) -> l
     return head + tail
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Run this module's tiny tensors on one thread: a second one only adds synchronisation, and on a
-    shared CPU its spinning slows every step several-fold."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny tensors run fastest on one thread on a shared CPU (conftest.py).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @dataclass(frozen=True)

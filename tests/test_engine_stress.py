@@ -4,12 +4,10 @@ generates alone, while the pool preempts, evicts, claims partial pages and abort
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cache
 
 import pytest
-import torch
 
 from engine_helpers import TINY_VOCAB, tiny_llm
 from swarmkv import SamplingParams
@@ -24,13 +22,8 @@ SALT = "tenant-b"
 SEEDS = range(40)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """The tiny model's matmuls run hundreds of times slower when two BLAS threads contend for busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# The tiny model's matmuls run hundreds of times slower when two BLAS threads contend for busy cores.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def greedy(max_tokens: int) -> SamplingParams:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -42,14 +41,8 @@ GREEDY_TOKENS = 8
 VOCAB = 1024
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Run this module's tiny tensors on one thread: a second one only adds synchronisation, and on a
-    shared CPU its spinning slows every step several-fold."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny tensors run fastest on one thread on a shared CPU (conftest.py).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def random_ids(num_tokens: int, seed: int = 0) -> list[int]:

@@ -9,12 +9,10 @@ system turn the tools are rendered in.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from swarmkv import LLM, SamplingParams
 from swarmkv.api.layout import find_tool_block
@@ -70,12 +68,8 @@ def _tool_mark(body: dict[str, Any]) -> tuple[MessagesRequest, Any]:
     return req, mark
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny tensors run fastest on one thread on a shared CPU (conftest.py).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

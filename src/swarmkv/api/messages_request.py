@@ -173,7 +173,7 @@ def _thinking(thinking: Any) -> dict[str, Any]:
 def _session_of(user_id: Any) -> str | None:
     """metadata.user_id as a session id: the `session_id` of Claude Code's JSON user_id, else the id itself;
     one too long for a session id is replaced by its digest."""
-    session_id = _json_session_id(user_id)
+    session_id = json_session_id(user_id)
     if session_id is not None:
         user_id = session_id
     if isinstance(user_id, str) and len(user_id) > MAX_SESSION_ID_CHARS:
@@ -182,7 +182,7 @@ def _session_of(user_id: Any) -> str | None:
     return check_session_id(user_id, "'metadata.user_id'")
 
 
-def _json_session_id(user_id: Any) -> str | None:
+def json_session_id(user_id: Any) -> str | None:
     """The non-empty `session_id` string of a user_id that is a JSON object (Claude Code's), else None."""
     if not isinstance(user_id, str) or not user_id.startswith("{"):
         return None

@@ -4,10 +4,11 @@ the server read it, Claude Code's whole `metadata.user_id` JSON (about 150 chara
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections import Counter
 from collections.abc import Iterable
+
+from swarmkv.api.messages_request import json_session_id
 
 MAX_NAME_CHARS = 12
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
@@ -40,14 +41,7 @@ def short_names(sessions: Iterable[str]) -> dict[str, str]:
 
 def _inner_session(value: str) -> str:
     """The `session_id` of a JSON object (Claude Code's `user_id`), else `value`."""
-    if not value.startswith("{"):
-        return value
-    try:
-        parsed = json.loads(value)
-    except ValueError:
-        return value
-    inner = parsed.get("session_id") if isinstance(parsed, dict) else None
-    return inner if isinstance(inner, str) and inner else value
+    return json_session_id(value) or value
 
 
 def _digest(value: str) -> str:
