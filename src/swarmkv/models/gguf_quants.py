@@ -196,7 +196,7 @@ def _codes_from_blocks(kind: GGMLQuantizationType, blocks: np.ndarray) -> np.nda
     return low | (hi << 4)
 
 
-def _pack_codes(q: np.ndarray, bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pack_codes(q: np.ndarray, bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Codes [N, K] -> the layout's `low` and `high` planes."""
     if bits == 8:
         return torch.from_numpy(np.ascontiguousarray(q)), None
@@ -216,7 +216,7 @@ def parse_blocks(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int,
     rows, cols = shape
     block, size = GGML_QUANT_SIZES[kind]
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // block, size)
-    low, high = _pack_codes(_codes_from_blocks(kind, blocks).reshape(rows, cols), spec.bits)
+    low, high = pack_codes(_codes_from_blocks(kind, blocks).reshape(rows, cols), spec.bits)
     mins: GroupConstants | None = None
     if spec.super_group is None:
         scales = GroupConstants(torch.from_numpy(_f16(blocks, 0).copy()))
@@ -227,7 +227,9 @@ def parse_blocks(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int,
         scales = GroupConstants(torch.from_numpy(sub.copy()), torch.from_numpy(_f16(blocks, 208).copy()))
     else:
         sc, mn = _scale_min_k4(blocks[..., 4:16])
-        scales = GroupConstants(torch.from_numpy(sc.reshape(rows, -1)), torch.from_numpy(_f16(blocks, 0).copy()))
+        scales = GroupConstants(
+            torch.from_numpy(sc.reshape(rows, -1)), torch.from_numpy(_f16(blocks, 0).copy())
+        )
         neg_dmin = torch.from_numpy(-_f16(blocks, 2))  # w = d sc q - dmin m = d sc q + (-dmin) m, exactly
         mins = GroupConstants(torch.from_numpy(mn.reshape(rows, -1)), neg_dmin)
     return GroupedQuant(spec.bits, spec.group_size, spec.offset, low, high, scales, mins)
@@ -329,7 +331,11 @@ def _k_quant(kind: GGMLQuantizationType, x: np.ndarray) -> np.ndarray:
 def quantize(weight: torch.Tensor | np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
     """A float weight [..., K] -> GGUF blocks of `kind` [..., K / block * type_size] (uint8), as a GGUF file
     stores them. Round to nearest with plain min/max scales: valid blocks for tests, not llama.cpp's quality."""
-    x = weight.detach().float().numpy() if isinstance(weight, torch.Tensor) else np.asarray(weight, np.float32)
+    x = (
+        weight.detach().float().numpy()
+        if isinstance(weight, torch.Tensor)
+        else np.asarray(weight, np.float32)
+    )
     block, size = GGML_QUANT_SIZES[kind]
     if x.shape[-1] % block:
         raise ValueError(f"{kind.name} needs rows that are a multiple of {block}, got {x.shape[-1]}")
