@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 from gguf.quants import quantize as gguf_quantize
 
@@ -68,6 +70,27 @@ def test_ours_equals_gguf_bit_for_bit(kind: GGMLQuantizationType, shape: tuple[i
     assert ours.dtype == torch.float32 and torch.equal(ours, reference)
     relative = ((reference - weight).norm() / weight.norm()).item()
     assert relative < MAX_RELATIVE_ERROR[kind]
+
+
+def test_blocks_as_a_gguf_file_holds_them(tmp_path: Path) -> None:
+    """Every type written by gguf's writer and parsed from `GGUFReader`'s tensor data, as the loader reads it."""
+    path, shape = tmp_path / "quants.gguf", (8, 512)
+    weights = {kind: torch.randn(shape) for kind in KINDS}
+    writer = GGUFWriter(path, "llama")
+    for kind, weight in weights.items():
+        writer.add_tensor(f"{kind.name}.weight", quantize(weight, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensors = GGUFReader(path).tensors
+    assert [t.tensor_type for t in tensors] == KINDS
+    for tensor in tensors:
+        file_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        assert file_shape == shape
+        held = parse_blocks(tensor.data, tensor.tensor_type, shape)
+        assert torch.equal(held.dequantize(), gguf_dequantized(tensor.data, tensor.tensor_type, shape))
+        assert held.nbytes() == held_bytes(tensor.tensor_type, *shape)
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)

@@ -80,6 +80,14 @@ class GroupedQuant:
     scales: GroupConstants
     mins: GroupConstants | None = None
 
+    def __post_init__(self) -> None:
+        rows, cols = self.shape
+        assert self.bits in (4, 5, 6, 8) and cols % self.group_size == 0
+        assert (self.high is None) == (self.bits in (4, 8))
+        assert self.high is None or self.high.shape == (rows, cols * (self.bits - 4) // 8)
+        for constants in (self.scales, self.mins):
+            assert constants is None or constants.values.shape == (rows, cols // self.group_size)
+
     @property
     def shape(self) -> tuple[int, int]:
         """The dequantised weight's [N, K]."""
@@ -94,11 +102,9 @@ class GroupedQuant:
         q = torch.stack([self.low & 0xF, self.low >> 4], dim=-1).reshape(rows, cols).to(torch.int16)
         if self.high is not None:
             width = self.bits - 4
-            per_byte = 8 // width
             shifts = torch.arange(0, 8, width, dtype=torch.uint8)
             hi = (self.high[..., None] >> shifts) & ((1 << width) - 1)
             q = q | (hi.reshape(rows, cols).to(torch.int16) << 4)
-            assert per_byte * self.high.shape[1] == cols
         return q
 
     def dequantize(self) -> torch.Tensor:
@@ -145,7 +151,7 @@ def file_bits_per_weight(kind: GGMLQuantizationType) -> float:
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
-    """The float16 at byte `start` of every block, as float16 [..., ]."""
+    """The float16 at byte `start` of every block [R, B]."""
     return np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0]
 
 
@@ -163,10 +169,9 @@ def _nibbles_32(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(*qs.shape[:-2], -1)
 
 
-def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
-    """Q5_0/Q5_1's 32-bit qh [..., 4] -> bit j of element j [..., 32]."""
-    bits = np.unpackbits(qh, axis=-1, bitorder="little")
-    return bits[..., :count]
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's little-endian 32-bit qh [..., 4] -> element j's fifth bit, bit j of qh [..., 32]."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")
 
 
 def _codes_from_blocks(kind: GGMLQuantizationType, blocks: np.ndarray) -> np.ndarray:
@@ -178,7 +183,7 @@ def _codes_from_blocks(kind: GGMLQuantizationType, blocks: np.ndarray) -> np.nda
     if kind in (Q.Q5_0, Q.Q5_1):
         start = 2 if kind == Q.Q5_0 else 4
         low = _nibbles_32(blocks[..., start + 4 :])
-        return low | (_high_bits(blocks[..., start : start + 4], 32) << 4)
+        return low | (_high_bits(blocks[..., start : start + 4]) << 4)
     if kind in (Q.Q4_K, Q.Q5_K):
         qs = blocks[..., -128:].reshape(*blocks.shape[:-1], 4, 1, 32)
         low = ((qs >> np.array([0, 4], dtype=np.uint8)[:, None]) & 0xF).reshape(*blocks.shape[:-1], 256)
