@@ -192,3 +192,13 @@ def test_k_quant_group_scales_are_exact_in_float32_only(kind: GGMLQuantizationTy
     product = held.scales.per_group()
     assert torch.equal(product.double(), exact)
     assert not torch.equal(product.half().float(), product)
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if SPECS[k].super_group is None], ids=lambda k: k.name)
+def test_rows_of_whole_32_blocks(kind: GGMLQuantizationType) -> None:
+    """Q4_0 .. Q8_0 rows need only be a multiple of 32 (an embedding of width 96, say)."""
+    weight = torch.randn(3, 96)
+    raw = quantize(weight, kind)
+    held = parse_blocks(raw, kind, (3, 96))
+    assert torch.equal(held.dequantize(), gguf_dequantized(raw, kind, (3, 96)))
+    assert held.nbytes() == held_bytes(kind, 3, 96) == 3 * 96 * BITS[kind][1] / 8
