@@ -12,6 +12,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 from gguf.quants import quantize as gguf_quantize
 
+from swarmkv.models.gguf_quantize import quantize
 from swarmkv.models.gguf_quants import (
     SPECS,
     GroupConstants,
@@ -21,7 +22,6 @@ from swarmkv.models.gguf_quants import (
     held_bytes,
     pack_codes,
     parse_blocks,
-    quantize,
 )
 
 Q = GGMLQuantizationType
