@@ -177,10 +177,10 @@ def test_the_default_model_with_the_qwen3_template() -> None:
     llm = LLM(kv_cache_memory="256MiB")
     tokenizer, template = bench.bench_tokenizer(llm.tokenizer, None)
     assert template.endswith("tokenizer_files") and tokenizer.template is not llm.tokenizer.template
-    four = cases.make_cases(4, seed=0, requests_per_agent=4)
-    result = bench.run(llm, tokenizer, four, ["named"], 24)
-    assert result.moved == 4
+    two = cases.make_cases(2, seed=0, requests_per_agent=2)
+    result = bench.run(llm, tokenizer, two, ["named"], 12)
+    assert result.moved == 2
     for layout in bench.LAYOUTS:
         for outcome in result.outcomes["named", layout]:
             assert outcome.called and outcome.right_tool  # the forced opening parses as a call of that tool
-    assert "tool_choice=named" in bench.report(result, "smol", template, 24)
+    assert "tool_choice=named" in bench.report(result, "smol", template, 12)
