@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -260,7 +260,6 @@ class Server:
     port: int
     process: subprocess.Popen[str]
     log: Path
-    lines: list[str] = field(default_factory=list)
 
 
 @contextmanager

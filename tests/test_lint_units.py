@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -168,3 +169,24 @@ def test_tenants_in_a_log_share_no_salt_or_session(smol: Tokenizer, tmp_path: Pa
     assert len({r.cache_salt for r in rendered}) == 3  # "a", "b" and no salt
     assert len({r.session_id for r in rendered}) == 3
     assert rendered[0].prompt.token_ids == rendered[1].prompt.token_ids
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"api": "grpc"}, "'api' must be one of chat, messages, responses"),
+        ({"tenant": 7}, "'tenant' must be"),
+    ],
+)
+def test_a_log_line_with_a_bad_api_or_tenant_is_reported(
+    tmp_path: Path, extra: dict[str, Any], message: str
+) -> None:
+    line = {
+        "route": "/v1/chat/completions",
+        "body": {"messages": [{"role": "user", "content": "hi"}]},
+        **extra,
+    }
+    path = tmp_path / "log.jsonl"
+    path.write_text(json.dumps(line) + "\n", encoding="utf-8")
+    requests, problems = read_log(path)
+    assert requests == [] and len(problems) == 1 and message in problems[0].message

@@ -27,7 +27,7 @@ from swarmkv.cluster.route_key import EMPTY_KEY, Routed, RouteKeyer
 from swarmkv.server.http.browsers import BrowserChecks
 from swarmkv.server.http.errors import error_response
 from swarmkv.server.http.gate import refusal
-from swarmkv.server.tenants import ANONYMOUS, TenantKeys
+from swarmkv.server.tenants import ANONYMOUS, TENANT_SCOPE_KEY, TenantKeys
 
 _RESPONSE_ID = re.compile(rb'"id":\s*"(resp_[^"]+)"')
 
@@ -58,7 +58,7 @@ class Ingress:
             return await self._health()
         body = await request.body()
         headers = tuple((k.lower(), v) for k, v in request.headers.items() if k.lower() != "host")
-        tenant = self._tenants.authenticate(request.headers.raw) or ANONYMOUS  # a 401 was answered above
+        tenant = request.scope.get(TENANT_SCOPE_KEY, ANONYMOUS)  # the key's, found by `refusal` above
         routed = self._keyer.route(method, path, dict(headers), body, tenant)
         target = routed.target
         if target is None and not routed.key.tokens and routed.key.session is None:
