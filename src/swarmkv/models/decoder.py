@@ -116,7 +116,8 @@ class DecoderForCausalLM(nn.Module):
     """Token ids in, last-layer hidden states out; logits only for the rows asked for."""
 
     def __init__(self, config: ModelConfig, weights: WeightFormat = "float") -> None:
-        """`weights`: the format of every projection in the layers (embeddings and LM head stay float)."""
+        """`weights`: the format of every projection in the layers; embeddings and LM head stay float, except in
+        the "gguf" format, where they too hold the file's blocks."""
         super().__init__()
         config.require_runnable()
         self.config = config
@@ -124,7 +125,16 @@ class DecoderForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.rotary_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: nn.Module
+        self.lm_head: nn.Module
+        if weights == "gguf":
+            from swarmkv.models.gguf_linear import GGUFEmbedding, GGUFLinear
+
+            self.embed_tokens = GGUFEmbedding(config.vocab_size, config.hidden_size)
+            self.lm_head = GGUFLinear(config.hidden_size, config.vocab_size, bias=False)
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         kinds = config.layer_types or ("full_attention",) * config.num_layers
         linear = [kind == LINEAR_ATTENTION for kind in kinds]
         # Each layer's index among its own kind: attention layers index KV slabs, linear ones state slabs.
@@ -136,11 +146,14 @@ class DecoderForCausalLM(nn.Module):
             for ordinal, is_linear in zip(ordinals, linear, strict=True)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def tie_weights(self) -> None:
         """Point the LM head at the embedding matrix when the checkpoint ties them."""
-        if self.config.tie_word_embeddings:
+        if not self.config.tie_word_embeddings:
+            return
+        if self.weights == "gguf":
+            self.lm_head.share_blocks(self.embed_tokens)  # type: ignore[operator]
+        else:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(

@@ -67,6 +67,17 @@ class GroupConstants:
         outer = 0 if self.outer is None else self.outer.nbytes
         return self.values.nbytes + outer
 
+    def take_rows(self, index: torch.Tensor) -> GroupConstants:
+        """The constants of rows `index`."""
+        return GroupConstants(self.values[index], None if self.outer is None else self.outer[index])
+
+    @staticmethod
+    def cat_rows(parts: list[GroupConstants]) -> GroupConstants:
+        """Row blocks stacked; all of one kind."""
+        outers = [p.outer for p in parts]
+        outer = None if outers[0] is None else torch.cat([o for o in outers if o is not None])
+        return GroupConstants(torch.cat([p.values for p in parts]), outer)
+
 
 @dataclass(frozen=True)
 class GroupedQuant:
@@ -120,6 +131,51 @@ class GroupedQuant:
         high = 0 if self.high is None else self.high.nbytes
         mins = 0 if self.mins is None else self.mins.nbytes()
         return self.low.nbytes + high + self.scales.nbytes() + mins
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held (for counting bytes and registering buffers)."""
+        held = [self.low, self.high, self.scales.values, self.scales.outer]
+        if self.mins is not None:
+            held += [self.mins.values, self.mins.outer]
+        return [t for t in held if t is not None]
+
+    def kind(self) -> tuple[object, ...]:
+        """What a kernel call depends on besides the data: equal kinds can be stacked into one weight."""
+        two_level = self.scales.outer is not None
+        return (
+            self.bits,
+            self.group_size,
+            self.offset,
+            self.mins is not None,
+            two_level,
+            self.scales.values.dtype,
+        )
+
+    def take_rows(self, index: torch.Tensor) -> GroupedQuant:
+        """Rows `index` of the weight (a row permutation or slice keeps every row's own constants)."""
+        mins = None if self.mins is None else self.mins.take_rows(index)
+        high = None if self.high is None else self.high[index]
+        return GroupedQuant(
+            self.bits, self.group_size, self.offset, self.low[index], high, self.scales.take_rows(index), mins
+        )
+
+    @staticmethod
+    def cat_rows(parts: list[GroupedQuant]) -> GroupedQuant:
+        """Row blocks of one kind stacked into one weight (a fused projection's shards)."""
+        first = parts[0]
+        assert all(p.kind() == first.kind() and p.shape[1] == first.shape[1] for p in parts)
+        highs = [p.high for p in parts]
+        high = None if highs[0] is None else torch.cat([h for h in highs if h is not None])
+        mins = [p.mins for p in parts]
+        return GroupedQuant(
+            first.bits,
+            first.group_size,
+            first.offset,
+            torch.cat([p.low for p in parts]),
+            high,
+            GroupConstants.cat_rows([p.scales for p in parts]),
+            None if mins[0] is None else GroupConstants.cat_rows([m for m in mins if m is not None]),
+        )
 
 
 def held_bytes(kind: GGMLQuantizationType, rows: int, cols: int) -> int:

@@ -1,10 +1,15 @@
-"""Read GGUF tensors as Hugging Face-named tensors, undoing llama.cpp's Q/K row permutation: float, or Q4_0 and
-Q4_1 projection weights kept as int4 groups of 32 (their blocks are exactly such groups)."""
+"""Read GGUF tensors as Hugging Face-named tensors, undoing llama.cpp's Q/K row permutation. Three ways to keep
+them: every quantized tensor at its file's bits as a `GroupedQuant` ("gguf", the CPU default), Q4_0 and Q4_1
+projection weights as int4 groups of 32 ("int4"), or everything dequantised to float. A quantized type the
+grouped layout does not hold is converted to Q8_0 in it, its error measured and reported."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -15,22 +20,87 @@ from swarmkv.config import ModelConfig
 from swarmkv.errors import ModelLoadError
 from swarmkv.kernels.reference import pack_int4
 from swarmkv.models.gguf_file import GGUFFile
+from swarmkv.models.gguf_quants import SPECS, GroupedQuant, parse_blocks
 from swarmkv.models.quantized import INT4_GROUP_SIZE, QuantizedWeight, WeightFormat
+
+log = logging.getLogger(__name__)
+Keep = Literal["float", "int4", "gguf"]
+CONVERT_TO = GGMLQuantizationType.Q8_0  # what a type the layout does not hold becomes
 
 _Q4 = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}  # bytes per block of 32
 _FLOAT = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 _PROJECTION = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
 
 
-def auto_weight_format(file: GGUFFile) -> WeightFormat:
-    """The format that keeps a file's projection weights at their precision: int4 when all are Q4_0/Q4_1
-    (exact), float when all are float, int8 otherwise (Q8_0 and K-quants, requantized per channel)."""
+def auto_weight_format(file: GGUFFile, device_type: str = "cpu") -> WeightFormat:
+    """The format that keeps a file's weights at their precision. On the CPU: "gguf", every tensor at its own
+    bits (float when the file holds none quantized). On a GPU, until its kernels read the grouped layout: int4
+    when all projections are Q4_0/Q4_1, float when all are float, int8 otherwise (requantized per channel)."""
     kinds = {t.tensor_type for t in file.reader.tensors if _PROJECTION.match(t.name)}
+    if device_type == "cpu":
+        every = {t.tensor_type for t in file.reader.tensors}
+        return "float" if every <= _FLOAT else "gguf"
     if kinds and kinds <= set(_Q4):
         return "int4"
     if kinds <= _FLOAT:
         return "float"
     return "int8"
+
+
+@dataclass
+class TypeReport:
+    """One GGUF type's tensors in a loaded model: how many, their bytes in the file and as held."""
+
+    tensors: int = 0
+    file_bytes: int = 0
+    held_bytes: int = 0
+    held_as: str = ""  # the type held: the file's own, CONVERT_TO's name, or the compute dtype
+    max_abs_error: float = 0.0  # converted types only: against the file's own dequantisation
+    max_relative_error: float = 0.0  # max abs error / max abs weight, over the type's tensors
+
+    def to_json(self) -> dict[str, Any]:
+        """As `stats()` shows it."""
+        return dict(self.__dict__)
+
+
+@dataclass
+class WeightReport:
+    """Per GGUF type, what the loader held (filled while the tensors stream in)."""
+
+    types: dict[str, TypeReport] = field(default_factory=dict)
+
+    def add(
+        self, kind: GGMLQuantizationType, file_bytes: int, held: torch.Tensor | GroupedQuant
+    ) -> TypeReport:
+        """Count one tensor of `kind` as held."""
+        entry = self.types.setdefault(kind.name, TypeReport())
+        entry.tensors += 1
+        entry.file_bytes += file_bytes
+        if isinstance(held, GroupedQuant):
+            entry.held_bytes += held.nbytes()
+            entry.held_as = kind.name if kind in SPECS else CONVERT_TO.name
+        else:
+            entry.held_bytes += held.numel() * held.element_size()
+            entry.held_as = str(held.dtype).removeprefix("torch.")
+        return entry
+
+    @property
+    def held_bytes(self) -> int:
+        """Every tensor's held bytes."""
+        return sum(t.held_bytes for t in self.types.values())
+
+    @property
+    def file_bytes(self) -> int:
+        """Every tensor's bytes in the file."""
+        return sum(t.file_bytes for t in self.types.values())
+
+    def to_json(self) -> dict[str, Any]:
+        """As `stats()` shows it."""
+        return {
+            "held_bytes": self.held_bytes,
+            "file_bytes": self.file_bytes,
+            "types": {name: t.to_json() for name, t in sorted(self.types.items())},
+        }
 
 
 def q4_blocks(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, int]) -> QuantizedWeight:
@@ -91,33 +161,41 @@ def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def gguf_tensors(
-    file: GGUFFile, config: ModelConfig, keep_int4: bool = False
-) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """Yield (HF name, tensor) for every tensor in the file: float32, except Q4_0/Q4_1 projection weights,
-    which stay int4 when `keep_int4`."""
+    file: GGUFFile,
+    config: ModelConfig,
+    keep: Keep = "float",
+    dtype: torch.dtype = torch.float32,
+    report: WeightReport | None = None,
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight | GroupedQuant]]:
+    """Yield (HF name, tensor) for every tensor in the file. `keep` "gguf": quantized 2-D tensors as their
+    blocks (`GroupedQuant`), float ones in `dtype`; "int4": Q4_0/Q4_1 projections as int4, the rest float32;
+    "float": everything float32. `report` counts what is held per type."""
     for tensor in file.reader.tensors:
         name = hf_name(tensor.name)
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        weight: torch.Tensor | QuantizedWeight
+        kind = GGMLQuantizationType(tensor.tensor_type)
+        weight: torch.Tensor | QuantizedWeight | GroupedQuant
         try:
-            if keep_int4 and tensor.tensor_type in _Q4 and _PROJECTION.match(tensor.name):
-                weight = q4_blocks(tensor.data, tensor.tensor_type, (shape[0], shape[1]))
+            if keep == "int4" and kind in _Q4 and _PROJECTION.match(tensor.name):
+                weight = q4_blocks(tensor.data, kind, (shape[0], shape[1]))
+            elif keep == "gguf" and kind not in _FLOAT and len(shape) == 2:
+                weight = _grouped(tensor.data, kind, (shape[0], shape[1]), tensor.name, report)
             else:
-                data = dequantize(tensor.data, tensor.tensor_type)
-                if data.size != int(np.prod(shape)):
-                    raise ModelLoadError(
-                        f"tensor {tensor.name!r} in {file.path} holds {data.size} values, expected {shape}"
-                    )
-                weight = torch.tensor(data.reshape(shape), dtype=torch.float32)
+                weight = _dequantized(tensor.data, kind, shape, tensor.name, file)
+            if keep == "gguf" and isinstance(weight, torch.Tensor):
+                weight = weight.to(dtype)  # held at the compute dtype
         except ModelLoadError:
             raise
         except NotImplementedError as exc:
             raise ModelLoadError(
-                f"tensor {tensor.name!r} in {file.path} has type {tensor.tensor_type.name}, "
+                f"tensor {tensor.name!r} in {file.path} has type {kind.name}, "
                 "which swarmkv can neither keep nor dequantize"
             ) from exc
         except Exception as exc:  # a truncated file surfaces here as a short buffer
             raise ModelLoadError(f"cannot read tensor {tensor.name!r} from {file.path}: {exc}") from exc
+        if keep == "gguf" and report is not None:
+            assert not isinstance(weight, QuantizedWeight)
+            report.add(kind, int(tensor.n_bytes), weight)
         # Only the "llama" GGUF layout interleaves rotary halves; Qwen files keep the HF (neox) order.
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = _unpermute(weight, config.num_heads)
@@ -126,9 +204,57 @@ def gguf_tensors(
         yield name, weight
 
 
-def _unpermute(weight: torch.Tensor | QuantizedWeight, num_heads: int) -> torch.Tensor | QuantizedWeight:
+def _dequantized(
+    data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, ...], name: str, file: GGUFFile
+) -> torch.Tensor:
+    values = dequantize(data, kind)
+    if values.size != int(np.prod(shape)):
+        raise ModelLoadError(f"tensor {name!r} in {file.path} holds {values.size} values, expected {shape}")
+    return torch.tensor(values.reshape(shape), dtype=torch.float32)
+
+
+def _grouped(
+    data: np.ndarray,
+    kind: GGMLQuantizationType,
+    shape: tuple[int, int],
+    name: str,
+    report: WeightReport | None,
+) -> GroupedQuant | torch.Tensor:
+    """A quantized 2-D tensor in the grouped layout: its own blocks when the layout holds its type, else
+    converted to Q8_0 (or float32 when its rows are not whole groups of 32), the error logged and reported."""
+    if kind in SPECS:
+        return parse_blocks(data, kind, shape)
+    from swarmkv.models.gguf_quantize import quantize
+
+    exact = torch.from_numpy(np.ascontiguousarray(dequantize(data, kind).reshape(shape), dtype=np.float32))
+    if shape[1] % 32:
+        return exact
+    converted = parse_blocks(quantize(exact, CONVERT_TO), CONVERT_TO, shape)
+    error = (converted.dequantize() - exact).abs().max().item()
+    relative = error / max(exact.abs().max().item(), 1e-30)
+    log.warning(
+        "%s: %s is not held by the grouped layout; converted to %s, max abs error %.3g (%.3g relative)",
+        name,
+        kind.name,
+        CONVERT_TO.name,
+        error,
+        relative,
+    )
+    if report is not None:
+        entry = report.types.setdefault(kind.name, TypeReport())
+        entry.max_abs_error = max(entry.max_abs_error, error)
+        entry.max_relative_error = max(entry.max_relative_error, relative)
+    return converted
+
+
+def _unpermute(
+    weight: torch.Tensor | QuantizedWeight | GroupedQuant, num_heads: int
+) -> torch.Tensor | QuantizedWeight | GroupedQuant:
     if isinstance(weight, torch.Tensor):
         return unpermute_rotary_rows(weight, num_heads)
+    if isinstance(weight, GroupedQuant):  # rows move whole, with their own codes and constants
+        order = unpermute_rotary_rows(torch.arange(weight.shape[0]), num_heads)
+        return weight.take_rows(order)
     # The permutation moves whole rows, and quantized rows carry their own group constants.
     mins = None if weight.mins is None else unpermute_rotary_rows(weight.mins, num_heads)
     return QuantizedWeight(

@@ -49,7 +49,8 @@ class GatedDeltaNet(nn.Module):
         self.in_proj = make_linear(hidden_size, sum(self.split_sizes), False, weights)
         # beta's and the decay's logits stay float whatever the weight format: a few rows that set every
         # token's write strength and forgetting rate.
-        self.in_proj_ba = make_linear(hidden_size, 2 * heads, False, "float")
+        # Float unless the weights are a GGUF file's own (a file may quantize it like any projection).
+        self.in_proj_ba = make_linear(hidden_size, 2 * heads, False, "gguf" if weights == "gguf" else "float")
         self.conv1d = ConvWeight(shape.conv_dim, shape.conv_kernel)
         self.dt_bias = nn.Parameter(torch.ones(heads))
         self.A_log = nn.Parameter(torch.zeros(heads))  # the per-head decay rate is exp(A_log)

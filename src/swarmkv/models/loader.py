@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from swarmkv.choices import WeightsOption
 from swarmkv.config import ModelConfig, resolve_dtype
-from swarmkv.errors import ModelLoadError
+from swarmkv.errors import ConfigError, ModelLoadError
 from swarmkv.models.decoder import DecoderForCausalLM
 from swarmkv.models.default import default_model_path
 from swarmkv.models.quantized import WeightFormat, finalize_quantized
@@ -23,6 +23,7 @@ from swarmkv.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from swarmkv.models.gguf_file import GGUFFile
+    from swarmkv.models.gguf_weights import WeightReport
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     weights: WeightFormat = "float"  # the format of the layers' projections
+    weight_report: WeightReport | None = None  # a GGUF file's tensors per type, as held ("gguf" format)
 
 
 def resolve_model_path(path: str | Path | None) -> Path:
@@ -70,8 +72,8 @@ def load_model(
     weights: WeightsOption = "auto",
 ) -> LoadedModel:
     """Load a Hugging Face directory or a GGUF file (the default model when `path` is None), its projections
-    in `weights`: auto keeps a GGUF's Q4_0/Q4_1 as int4 and requantizes other quants to int8; safetensors
-    stay float unless int8 or int4 is asked for."""
+    in `weights`: auto keeps a GGUF's every tensor at its own bits on the CPU (on a GPU: Q4_0/Q4_1 as int4,
+    other quants requantized to int8); safetensors stay float unless int8 or int4 is asked for."""
     resolved = checkpoint_file_or_dir(path)
     device = torch.device(device)
     compute_dtype = resolve_dtype(dtype, device)
@@ -98,20 +100,28 @@ def instantiate_model(
 def _load_gguf(
     file: GGUFFile, dtype: torch.dtype, device: torch.device, weights: WeightsOption
 ) -> LoadedModel:
-    from swarmkv.models.gguf_weights import auto_weight_format, gguf_tensors
+    from swarmkv.models.gguf_weights import Keep, WeightReport, auto_weight_format, gguf_tensors
 
     names = {t.name for t in file.reader.tensors}
     config = ModelConfig.from_gguf_metadata(file.metadata, num_output_tensors=int("output.weight" in names))
     config.require_runnable()
-    fmt = auto_weight_format(file) if weights == "auto" else weights
+    fmt: WeightFormat = auto_weight_format(file, device.type) if weights == "auto" else weights
+    if fmt == "gguf" and device.type != "cpu":
+        raise ConfigError(
+            "GGUF blocks at their own bits run on the CPU; on a GPU use --weights auto, int4 or int8"
+        )
     model = instantiate_model(config, dtype, device, fmt)
-    tensors = gguf_tensors(file, config, keep_int4=fmt == "int4")
+    report = WeightReport() if fmt == "gguf" else None
+    keep: Keep = "gguf" if fmt == "gguf" else "int4" if fmt == "int4" else "float"
+    tensors = gguf_tensors(file, config, keep=keep, dtype=dtype, report=report)
     load_weights(model, config, named_tensors_to(tensors, dtype))
     finalize_quantized(model)
     model.tie_weights()
+    if fmt == "gguf":
+        model.embed_tokens.finalize(dtype)  # type: ignore[operator]
     tokenizer = Tokenizer.from_gguf_metadata(file.metadata)
     name = str(file.metadata.get("general.name") or file.path.stem)
-    return LoadedModel(file.path, name, config, model.eval(), tokenizer, dtype, device, fmt)
+    return LoadedModel(file.path, name, config, model.eval(), tokenizer, dtype, device, fmt, report)
 
 
 def _safetensors_files(path: Path) -> list[Path]:

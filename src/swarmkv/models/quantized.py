@@ -21,7 +21,8 @@ from torch import nn
 from swarmkv.errors import ConfigError
 from swarmkv.kernels.reference import pack_int4, unpack_int4
 
-WeightFormat = Literal["float", "int8", "int4"]
+# "gguf": every tensor as a GGUF file holds it, at its own bits (models/gguf_linear.py).
+WeightFormat = Literal["float", "int8", "int4", "gguf"]
 INT4_GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1 block
 
 
@@ -178,14 +179,20 @@ class QuantizedLinear(nn.Module):
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, fmt: WeightFormat) -> nn.Module:
-    """A float nn.Linear, or a QuantizedLinear of `fmt`."""
+    """A float nn.Linear, a QuantizedLinear of `fmt`, or a GGUFLinear (filled with the file's blocks)."""
     if fmt == "float":
         return nn.Linear(in_features, out_features, bias=bias)
+    if fmt == "gguf":
+        from swarmkv.models.gguf_linear import GGUFLinear
+
+        return GGUFLinear(in_features, out_features, bias)
     return QuantizedLinear(in_features, out_features, fmt, bias)
 
 
 def finalize_quantized(model: nn.Module) -> None:
     """Fit every quantized layer of a loaded model to its device's kernel."""
+    from swarmkv.models.gguf_linear import GGUFLinear
+
     for module in model.modules():
-        if isinstance(module, QuantizedLinear):
+        if isinstance(module, QuantizedLinear | GGUFLinear):
             module.finalize()

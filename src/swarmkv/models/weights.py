@@ -11,10 +11,12 @@ from torch import nn
 
 from swarmkv.config import ModelConfig
 from swarmkv.errors import ModelLoadError
+from swarmkv.models.gguf_linear import GGUFEmbedding, GGUFLinear, gguf_modules
+from swarmkv.models.gguf_quants import GroupedQuant
 from swarmkv.models.quantized import QuantizedLinear, QuantizedWeight, quantize
 
-# A checkpoint tensor: float, or already quantized (GGUF Q4 blocks kept as int4).
-CheckpointTensor = torch.Tensor | QuantizedWeight
+# A checkpoint tensor: float, already quantized (GGUF Q4 blocks kept as int4), or a GGUF tensor's own blocks.
+CheckpointTensor = torch.Tensor | QuantizedWeight | GroupedQuant
 
 # Hugging Face names (minus the "model." prefix) that land in a slice of one of our fused parameters.
 _FUSED = {
@@ -97,9 +99,13 @@ def load_weights(
     """Copy named HF-layout tensors into `model` (quantizing those bound for quantized layers); fail on any
     missing, unexpected, duplicate or mis-shaped one."""
     params = dict(model.named_parameters(remove_duplicate=True))
-    quantized = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    quantized: dict[str, nn.Module] = {
+        f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)
+    }
+    quantized.update(gguf_modules(model))
     if config.tie_word_embeddings:
         params.pop("lm_head.weight", None)
+        quantized.pop("lm_head.weight", None)
     filled: dict[tuple[str, int | None], str] = {}
     for name, tensor in tensors:
         target = hf_target(name, config)
@@ -112,8 +118,11 @@ def load_weights(
             raise ModelLoadError(
                 f"tensor {name!r} fills {target.param!r} a second time (first: {filled[key]!r})"
             )
-        if target.param in quantized:
-            _load_quantized(quantized[target.param], target, name, tensor, config)
+        module = quantized.get(target.param)
+        if isinstance(module, QuantizedLinear):
+            _load_quantized(module, target, name, tensor, config)
+        elif module is not None:
+            _load_gguf(module, target, name, tensor, config)
         else:
             _load_float(params[target.param].data, target, name, tensor, config)
         filled[key] = name
@@ -139,6 +148,8 @@ def _check_shape(name: str, shape: tuple[int, ...], expected: tuple[int, ...], p
 def _load_float(
     dest: torch.Tensor, target: Target, name: str, tensor: CheckpointTensor, config: ModelConfig
 ) -> None:
+    if isinstance(tensor, GroupedQuant):
+        raise ModelLoadError(f"tensor {name!r} is quantized, but {target.param!r} holds only float values")
     assert not isinstance(tensor, QuantizedWeight), "quantized tensors are read only for quantized layers"
     start, rows = _rows(target, config, dest.shape[0])
     dest = dest.narrow(0, start, rows)
@@ -153,10 +164,29 @@ def _load_quantized(
 ) -> None:
     start, rows = _rows(target, config, module.out_features)
     _check_shape(name, tuple(tensor.shape), (rows, module.in_features), target.param)
+    if isinstance(tensor, GroupedQuant):
+        raise ModelLoadError(
+            f"tensor {name!r} holds GGUF blocks, but {target.param!r} was built for {module.format}"
+        )
     if not isinstance(tensor, QuantizedWeight):
         # Quantization is row-local, so a shard quantized alone equals its rows of the fused matrix.
         tensor = quantize(tensor, module.format, module.scales.dtype)
     module.load_rows(start, tensor)
+
+
+def _load_gguf(
+    module: nn.Module, target: Target, name: str, tensor: CheckpointTensor, config: ModelConfig
+) -> None:
+    """A GGUF tensor (blocks or float) becomes its rows of a GGUF-held layer, as the file holds it."""
+    assert isinstance(tensor, torch.Tensor | GroupedQuant), "GGUF layers take GGUF tensors"
+    assert isinstance(module, GGUFLinear | GGUFEmbedding)
+    if isinstance(module, GGUFLinear):
+        total, cols = module.out_features, module.in_features
+    else:
+        total, cols = module.num_embeddings, module.embedding_dim
+    start, rows = _rows(target, config, total)
+    _check_shape(name, tuple(tensor.shape), (rows, cols), target.param)
+    module.load_block(start, tensor)
 
 
 def _missing_checkpoint_names(param: str, filled: dict[tuple[str, int | None], str]) -> list[str]:
@@ -180,4 +210,4 @@ def named_tensors_to(
 ) -> Iterator[tuple[str, CheckpointTensor]]:
     """Cast a stream of named float tensors to the compute dtype (quantized ones pass as they are)."""
     for name, tensor in tensors:
-        yield name, tensor if isinstance(tensor, QuantizedWeight) else tensor.to(dtype)
+        yield name, tensor if isinstance(tensor, QuantizedWeight | GroupedQuant) else tensor.to(dtype)

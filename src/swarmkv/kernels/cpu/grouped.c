@@ -1,0 +1,298 @@
+/* Matmul and dequantisation over swarmkv's grouped quantized layout (models/gguf_quants.py), on the CPU.
+ *
+ * A weight [N, K] holds codes q (4, 5, 6 or 8 bits) in groups of `group` along K, a scale S and optionally a
+ * minimum M per group: W[n, k] = S[n, g] * (q[n, k] - offset) + M[n, g]. S and M are either float16 per group,
+ * or a small integer per group times a float16 per super-group (the K-quants). Every size is a parameter.
+ *
+ * Portable C: the compiler vectorises the per-group loops (built with -O3 -march=native by cpu_grouped.py).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_GROUP 256
+
+typedef struct {
+    int bits, group, offset;
+    const uint8_t *low;   /* [N, K/2] nibbles, or [N, K] int8 codes when bits == 8 */
+    const uint8_t *high;  /* [N, K*(bits-4)/8] or NULL */
+    const uint16_t *s_half; /* float16 per group [N, G], or per super-group [N, G/s_per] when s_sub is set */
+    const void *s_sub;    /* uint8 or int8 [N, G], or NULL */
+    int s_sub_signed, s_per;
+    const uint16_t *m_half; /* as s_half; NULL when the type has no minimums */
+    const uint8_t *m_sub;
+    int m_per;
+} layout_t;
+
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#elif defined(__aarch64__)
+static inline float half_to_float(uint16_t h) {
+    __fp16 f;
+    memcpy(&f, &h, sizeof f);
+    return (float)f;
+}
+#else
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#endif
+
+/* The group constant (scale or minimum) of row n, group g. */
+static inline float constant(const uint16_t *half, const void *sub, int sub_signed, int per, int64_t n,
+                             int64_t groups, int64_t g) {
+    if (sub == NULL) return half_to_float(half[n * groups + g]);
+    int64_t outer = groups / per;
+    float s = sub_signed ? (float)((const int8_t *)sub)[n * groups + g] : (float)((const uint8_t *)sub)[n * groups + g];
+    return half_to_float(half[n * outer + g / per]) * s;
+}
+
+/* The codes of row n, group g, minus the offset, as floats. */
+static inline void decode_group(const layout_t *w, int64_t K, int64_t n, int64_t g, float *out) {
+    const int gs = w->group;
+    const int64_t k0 = g * gs;
+    if (w->bits == 8) {
+        const int8_t *q = (const int8_t *)w->low + n * K + k0;
+        for (int j = 0; j < gs; j++) out[j] = (float)(q[j] - w->offset);
+        return;
+    }
+    uint8_t q[MAX_GROUP];
+    const uint8_t *lo = w->low + n * (K / 2) + k0 / 2;
+    for (int j = 0; j < gs / 2; j++) {
+        q[2 * j] = lo[j] & 0xF;
+        q[2 * j + 1] = lo[j] >> 4;
+    }
+    if (w->bits == 5) {
+        const uint8_t *hi = w->high + n * (K / 8) + k0 / 8;
+        for (int j = 0; j < gs; j++) q[j] |= ((hi[j >> 3] >> (j & 7)) & 1) << 4;
+    } else if (w->bits == 6) {
+        const uint8_t *hi = w->high + n * (K / 4) + k0 / 4;
+        for (int j = 0; j < gs; j++) q[j] |= ((hi[j >> 2] >> (2 * (j & 3))) & 3) << 4;
+    }
+    for (int j = 0; j < gs; j++) out[j] = (float)((int)q[j] - w->offset);
+}
+
+/* One row's constant (scale or minimum) reader: float16 per group, or an integer per group times a float16 per
+ * super-group of 2^shift groups. */
+typedef struct {
+    const uint16_t *half;
+    const uint8_t *sub;
+    int sub_signed, shift;
+} row_constants_t;
+
+static inline row_constants_t row_constants(const uint16_t *half, const void *sub, int sub_signed, int per,
+                                            int64_t n, int64_t groups) {
+    row_constants_t c;
+    c.sub = sub ? (const uint8_t *)sub + n * groups : NULL;
+    c.half = half + n * (sub ? groups / per : groups);
+    c.sub_signed = sub_signed;
+    c.shift = 0;
+    while ((1 << c.shift) < per) c.shift++;
+    return c;
+}
+
+static inline float row_constant(const row_constants_t *c, int64_t g) {
+    if (c->sub == NULL) return half_to_float(c->half[g]);
+    float s = c->sub_signed ? (float)(int8_t)c->sub[g] : (float)c->sub[g];
+    return half_to_float(c->half[g >> c->shift]) * s;
+}
+
+/* One output of y = x W^T: row n of W against x (8-bit codes: x itself; else x's even then odd elements, xe and
+ * xo), with xsum each group's sum of x. Per-lane accumulators across groups, one horizontal sum per row. GS is a
+ * compile-time group size so the lane loops vectorise. */
+#define ROW_DOT(NAME, GS)                                                                                      \
+    static float NAME(const layout_t *w, int64_t K, int64_t n, const float *xm, const float *xsum) {           \
+        const int64_t groups = K / GS;                                                                         \
+        const int bits = w->bits;                                                                              \
+        row_constants_t sc = row_constants(w->s_half, w->s_sub, w->s_sub_signed, w->s_per, n, groups);         \
+        row_constants_t mc;                                                                                    \
+        if (w->m_half) mc = row_constants(w->m_half, w->m_sub, 0, w->m_per, n, groups);                        \
+        float lanes[GS] = {0.0f};                                                                              \
+        float rest = 0.0f;                                                                                     \
+        const float *xe = xm, *xo = xm + K / 2;                                                                \
+        for (int64_t g = 0; g < groups; g++) {                                                                 \
+            const float s = row_constant(&sc, g);                                                              \
+            /* S (q - offset) + M against x: S q.x + (M - S offset) sum(x) */                                  \
+            float shift = -s * (float)w->offset;                                                               \
+            if (w->m_half) shift += row_constant(&mc, g);                                                      \
+            rest += shift * xsum[g];                                                                           \
+            if (bits == 8) {                                                                                   \
+                const int8_t *q = (const int8_t *)w->low + n * K + g * GS;                                     \
+                const float *x = xm + g * GS;                                                                  \
+                for (int j = 0; j < GS; j++) lanes[j] += s * ((float)q[j] * x[j]);                             \
+                continue;                                                                                      \
+            }                                                                                                  \
+            const uint8_t *lo = w->low + n * (K / 2) + g * (GS / 2);                                           \
+            const float *e = xe + g * (GS / 2), *o = xo + g * (GS / 2);                                        \
+            if (bits == 4) {                                                                                   \
+                for (int j = 0; j < GS / 2; j++) {                                                             \
+                    lanes[j] += s * ((float)(lo[j] & 0xF) * e[j]);                                             \
+                    lanes[GS / 2 + j] += s * ((float)(lo[j] >> 4) * o[j]);                                     \
+                }                                                                                              \
+            } else if (bits == 5) { /* element k's fifth bit: bit k % 8 of byte k / 8 */                       \
+                const uint8_t *hi = w->high + n * (K / 8) + g * (GS / 8);                                      \
+                for (int j = 0; j < GS / 2; j++) {                                                             \
+                    int h = hi[j >> 2] >> (2 * (j & 3));                                                       \
+                    lanes[j] += s * ((float)((lo[j] & 0xF) | ((h & 1) << 4)) * e[j]);                          \
+                    lanes[GS / 2 + j] += s * ((float)((lo[j] >> 4) | ((h & 2) << 3)) * o[j]);                  \
+                }                                                                                              \
+            } else { /* bits 4 and 5 of element k: bits 2 (k % 4) of byte k / 4 */                             \
+                const uint8_t *hi = w->high + n * (K / 4) + g * (GS / 4);                                      \
+                for (int j = 0; j < GS / 2; j++) {                                                             \
+                    int h = hi[j >> 1] >> (4 * (j & 1));                                                       \
+                    lanes[j] += s * ((float)((lo[j] & 0xF) | ((h & 3) << 4)) * e[j]);                          \
+                    lanes[GS / 2 + j] += s * ((float)((lo[j] >> 4) | ((h & 0xC) << 2)) * o[j]);                \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        float total = rest;                                                                                    \
+        for (int j = 0; j < GS; j++) total += lanes[j];                                                        \
+        return total;                                                                                          \
+    }
+
+ROW_DOT(row_dot_16, 16)
+ROW_DOT(row_dot_32, 32)
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_FAST_32 1
+static inline __m256 cvt_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline __m256 cvt_u8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
+
+/* Groups of 32 with 8-bit codes (Q8_0) or 4-bit ones (Q4_0, Q4_1, Q4_K), accumulators in registers (AVX2). */
+static float row_dot_32_fast(const layout_t *w, int64_t K, int64_t n, const float *xm, const float *xsum) {
+    const int64_t groups = K / 32;
+    row_constants_t sc = row_constants(w->s_half, w->s_sub, w->s_sub_signed, w->s_per, n, groups);
+    row_constants_t mc;
+    if (w->m_half) mc = row_constants(w->m_half, w->m_sub, 0, w->m_per, n, groups);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const __m128i nib = _mm_set1_epi8(0xF);
+    float rest = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        const float s = row_constant(&sc, g);
+        float shift = -s * (float)w->offset;
+        if (w->m_half) shift += row_constant(&mc, g);
+        rest += shift * xsum[g];
+        __m256 d0, d1, d2, d3;
+        if (w->bits == 8) {
+            const int8_t *q = (const int8_t *)w->low + n * K + g * 32;
+            const float *x = xm + g * 32;
+            d0 = _mm256_mul_ps(cvt_i8(q), _mm256_loadu_ps(x));
+            d1 = _mm256_mul_ps(cvt_i8(q + 8), _mm256_loadu_ps(x + 8));
+            d2 = _mm256_mul_ps(cvt_i8(q + 16), _mm256_loadu_ps(x + 16));
+            d3 = _mm256_mul_ps(cvt_i8(q + 24), _mm256_loadu_ps(x + 24));
+        } else {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(w->low + n * (K / 2) + g * 16));
+            const __m128i low = _mm_and_si128(b, nib), high = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+            const float *e = xm + g * 16, *o = xm + K / 2 + g * 16;
+            d0 = _mm256_mul_ps(cvt_u8(low), _mm256_loadu_ps(e));
+            d1 = _mm256_mul_ps(cvt_u8(_mm_srli_si128(low, 8)), _mm256_loadu_ps(e + 8));
+            d2 = _mm256_mul_ps(cvt_u8(high), _mm256_loadu_ps(o));
+            d3 = _mm256_mul_ps(cvt_u8(_mm_srli_si128(high, 8)), _mm256_loadu_ps(o + 8));
+        }
+        const __m256 sv = _mm256_set1_ps(s);
+        a0 = _mm256_fmadd_ps(sv, d0, a0);
+        a1 = _mm256_fmadd_ps(sv, d1, a1);
+        a2 = _mm256_fmadd_ps(sv, d2, a2);
+        a3 = _mm256_fmadd_ps(sv, d3, a3);
+    }
+    __m256 t = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return rest + _mm_cvtss_f32(h);
+}
+#else
+#define HAVE_FAST_32 0
+#endif
+
+/* Rows [n0, n1) of y = x W^T for the M rows of x. */
+static void rows_matmul(const layout_t *w, int64_t M, int64_t K, const float *xd, const float *xsum, float *y,
+                        int64_t ldy, int64_t n0, int64_t n1) {
+    const int64_t groups = K / w->group;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = xd + m * K, *xs = xsum + m * groups;
+            float v;
+#if HAVE_FAST_32
+            if (w->group == 32 && (w->bits == 8 || w->bits == 4))
+                v = row_dot_32_fast(w, K, n, xm, xs);
+            else
+#endif
+                v = w->group == 16 ? row_dot_16(w, K, n, xm, xs) : row_dot_32(w, K, n, xm, xs);
+            y[m * ldy + n] = v;
+        }
+}
+
+static void fill_layout(layout_t *w, int bits, int group, int offset, const uint8_t *low, const uint8_t *high,
+                        const uint16_t *s_half, const void *s_sub, int s_sub_signed, int s_per,
+                        const uint16_t *m_half, const uint8_t *m_sub, int m_per) {
+    w->bits = bits; w->group = group; w->offset = offset; w->low = low; w->high = high;
+    w->s_half = s_half; w->s_sub = s_sub; w->s_sub_signed = s_sub_signed; w->s_per = s_per;
+    w->m_half = m_half; w->m_sub = m_sub; w->m_per = m_per;
+}
+
+/* y[M, N] (row stride ldy) = x[M, K] W^T, float32. xd: x itself for 8-bit codes, else each row's even then odd
+ * elements; xsum [M, K/group]: each group's sum of x. */
+int swarmkv_grouped_matmul(int64_t M, int64_t N, int64_t K, const float *xd, const float *xsum, float *y,
+                           int64_t ldy, int bits, int group, int offset, const uint8_t *low, const uint8_t *high,
+                           const uint16_t *s_half, const void *s_sub, int s_sub_signed, int s_per,
+                           const uint16_t *m_half, const uint8_t *m_sub, int m_per, int threads) {
+    if ((group != 16 && group != 32) || K % group) return 1;
+    layout_t w;
+    fill_layout(&w, bits, group, offset, low, high, s_half, s_sub, s_sub_signed, s_per, m_half, m_sub, m_per);
+    const int64_t block = 16;
+    const int64_t blocks = (N + block - 1) / block;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t n0 = b * block, n1 = n0 + block < N ? n0 + block : N;
+        rows_matmul(&w, M, K, xd, xsum, y, ldy, n0, n1);
+    }
+    return 0;
+}
+
+/* out[R, K] float32 = the dequantised rows rows[0..R) of W (rows == NULL: rows 0..R). */
+int swarmkv_grouped_dequantize(int64_t R, int64_t K, const int64_t *rows, float *out, int bits, int group,
+                               int offset, const uint8_t *low, const uint8_t *high, const uint16_t *s_half,
+                               const void *s_sub, int s_sub_signed, int s_per, const uint16_t *m_half,
+                               const uint8_t *m_sub, int m_per, int threads) {
+    if (group > MAX_GROUP || K % group) return 1;
+    layout_t w;
+    fill_layout(&w, bits, group, offset, low, high, s_half, s_sub, s_sub_signed, s_per, m_half, m_sub, m_per);
+    const int64_t groups = K / group;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < R; r++) {
+        int64_t n = rows ? rows[r] : r;
+        float qf[MAX_GROUP];
+        for (int64_t g = 0; g < groups; g++) {
+            decode_group(&w, K, n, g, qf);
+            float s = constant(w.s_half, w.s_sub, w.s_sub_signed, w.s_per, n, groups, g);
+            float *o = out + r * K + g * group;
+            if (w.m_half) {
+                float mn = constant(w.m_half, w.m_sub, 0, w.m_per, n, groups, g);
+                for (int j = 0; j < group; j++) o[j] = s * qf[j] + mn;
+            } else {
+                for (int j = 0; j < group; j++) o[j] = s * qf[j];
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,151 @@
+"""The CPU kernel over the grouped quantized layout (`models/gguf_quants.GroupedQuant`): a matmul that reads
+each weight byte once (decode's GEMV and small batches) and an exact row dequantisation (embedding lookups,
+prefill tiles). It is portable C (`kernels/cpu/grouped.c`), built once per machine with the system's C compiler
+into a cache folder and called through ctypes; where no compiler is found, `available()` is False and callers
+use the torch path of `models/gguf_linear.py`. `SWARMKV_CPU_KERNELS=torch` forces that path."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarmkv.models.gguf_quants import GroupedQuant
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("cpu") / "grouped.c"
+# -ffp-contract=off keeps the dequantisation's s * q + m two roundings, as gguf's float32 numpy computes it;
+# `omp simd` lets the dot products vectorise anyway.
+FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+def _arch_flags() -> list[str]:
+    return ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else ["-mcpu=native"]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SWARMKV_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "swarmkv"
+    )
+    return Path(root) / "kernels"
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("SWARMKV_CPU_KERNELS", "").lower() == "torch":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        log.warning("no C compiler found: quantized GGUF weights run on the slower torch path")
+        return None
+    flags = [*FLAGS, *_arch_flags()]
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *flags, platform.processor()]).encode()).hexdigest()[
+        :16
+    ]
+    target = _cache_dir() / f"grouped-{key}.so"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            built = Path(scratch) / target.name
+            result = subprocess.run(
+                [compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True, check=False
+            )
+            if result.returncode != 0:
+                log.warning(
+                    "building the CPU quantized kernel failed, using torch: %s", result.stderr[-2000:]
+                )
+                return None
+            os.replace(built, target)  # atomic: concurrent builders agree on one file
+    library = ctypes.CDLL(str(target))
+    common: list[Any] = [_INT, _INT, _INT, _PTR, _PTR, _PTR, _PTR, _INT, _INT, _PTR, _PTR, _INT, _INT]
+    library.swarmkv_grouped_matmul.argtypes = [_I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, *common]
+    library.swarmkv_grouped_dequantize.argtypes = [_I64, _I64, _PTR, _PTR, *common]
+    library.swarmkv_grouped_matmul.restype = library.swarmkv_grouped_dequantize.restype = _INT
+    return library
+
+
+def available() -> bool:
+    """Whether the C kernel is built and loaded on this machine."""
+    return _library() is not None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _layout_args(w: GroupedQuant) -> list[object]:
+    def constants(c: object) -> tuple[int | None, int | None, int, int]:
+        if c is None:
+            return None, None, 0, 1
+        values, outer = c.values, c.outer  # type: ignore[attr-defined]
+        if outer is None:
+            return values.view(torch.int16).data_ptr(), None, 0, 1
+        per = values.shape[1] // outer.shape[1]
+        return outer.view(torch.int16).data_ptr(), values.data_ptr(), int(values.dtype == torch.int8), per
+
+    s_half, s_sub, s_signed, s_per = constants(w.scales)
+    m_half, m_sub, _, m_per = constants(w.mins)
+    return [
+        w.bits,
+        w.group_size,
+        w.offset,
+        _ptr(w.low),
+        _ptr(w.high),
+        s_half,
+        s_sub,
+        s_signed,
+        s_per,
+        m_half,
+        m_sub,
+        m_per,
+        torch.get_num_threads(),
+    ]
+
+
+def group_sums(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Each group's sum of x [M, K] -> [M, K / group_size] (what a layout's minimums multiply)."""
+    return x.reshape(x.shape[0], -1, group_size).sum(-1).contiguous()
+
+
+def matmul(x: torch.Tensor, w: GroupedQuant, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32 (contiguous) times W^T -> [M, N] float32; `out` may be a column slice of a wider
+    output (row stride its own)."""
+    library = _library()
+    assert library is not None and x.dtype == torch.float32 and x.is_contiguous()
+    rows, cols = w.shape
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty(m, rows, dtype=torch.float32)
+    assert out.shape == (m, rows) and out.stride(1) == 1
+    xsum = group_sums(x, w.group_size)
+    # Nibble codes pair elements 2j and 2j + 1 in byte j: the kernel reads x's even and odd halves.
+    xd = x if w.bits == 8 else torch.cat([x[:, 0::2], x[:, 1::2]], dim=1).contiguous()
+    status = library.swarmkv_grouped_matmul(
+        m, rows, cols, xd.data_ptr(), xsum.data_ptr(), out.data_ptr(), out.stride(0), *_layout_args(w)
+    )
+    assert status == 0, "the grouped matmul refused its layout"
+    return out
+
+
+def dequantize_rows(w: GroupedQuant, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 weight's rows `rows` (int64 indices; all rows when None), exact as `w.dequantize()`."""
+    library = _library()
+    assert library is not None
+    count, cols = (w.shape[0] if rows is None else rows.numel()), w.shape[1]
+    out = torch.empty(count, cols, dtype=torch.float32)
+    index = None if rows is None else rows.to(torch.int64).contiguous()
+    status = library.swarmkv_grouped_dequantize(count, cols, _ptr(index), out.data_ptr(), *_layout_args(w))
+    assert status == 0, "the grouped dequantisation refused its layout"
+    return out

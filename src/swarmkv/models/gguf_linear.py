@@ -1,0 +1,173 @@
+"""Layers that hold a GGUF file's tensors at the file's own bits (weight format "gguf"): a linear layer whose
+row blocks are each a `GroupedQuant` (or a float tensor), and an embedding that dequantises only the rows it
+looks up. A tied embedding's blocks serve the LM head as well, once in memory.
+
+On the CPU the matmul runs the C kernel of `kernels/cpu_grouped.py`: at small batches (decode) a GEMV that reads
+each weight byte once, at larger ones an exact dequantisation into a float tile and torch's matmul. Where the C
+kernel is unavailable both use the torch dequantisation of `GroupedQuant`, exact but slow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from swarmkv.kernels import cpu_grouped
+from swarmkv.models.gguf_quants import GroupedQuant
+
+# At up to this many rows of x the GEMV reads the codes once per row of x from cache; above it a dequantised
+# float tile and torch's matmul win (measured on 2 cores: bench/gguf_kernels.py).
+GEMV_MAX_ROWS = 8
+Block = GroupedQuant | torch.Tensor  # a float block is held at the compute dtype
+
+
+@dataclass(frozen=True)
+class RowBlock:
+    """Rows [start, start + rows) of a weight."""
+
+    start: int
+    weight: Block
+
+    @property
+    def rows(self) -> int:
+        """How many output rows the block fills."""
+        return int(self.weight.shape[0])
+
+
+def block_bytes(block: Block) -> int:
+    """Bytes a block holds."""
+    return block.nbytes() if isinstance(block, GroupedQuant) else block.numel() * block.element_size()
+
+
+def dequantize_block(block: Block, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 rows of a block (all when `rows` is None), exactly as gguf dequantises them."""
+    if isinstance(block, torch.Tensor):
+        return (block if rows is None else block[rows]).float()
+    if cpu_grouped.available():
+        return cpu_grouped.dequantize_rows(block, rows)
+    return (block if rows is None else block.take_rows(rows)).dequantize()
+
+
+class HeldBlocks(nn.Module):
+    """A layer whose weight is a list of row blocks, each registered as buffers (so bytes and moves see them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks: list[RowBlock] = []
+
+    def load_block(self, start: int, weight: Block) -> None:
+        """Hold `weight` as output rows [start, start + rows)."""
+        self.blocks.append(RowBlock(start, weight))
+        self._register()
+
+    def _register(self) -> None:
+        for name in [n for n, _ in self.named_buffers(recurse=False)]:
+            delattr(self, name)
+        for i, block in enumerate(self.blocks):
+            held = block.weight.tensors() if isinstance(block.weight, GroupedQuant) else [block.weight]
+            for j, tensor in enumerate(held):
+                self.register_buffer(f"block{i}_{j}", tensor, persistent=False)
+
+    def held_bytes(self) -> int:
+        """Bytes of the weight's blocks (a bias not included)."""
+        return sum(block_bytes(b.weight) for b in self.blocks)
+
+
+class GGUFLinear(HeldBlocks):
+    """y = x W^T (+ b) with W held as row blocks at the file's bits; filled by `load_block`, then `finalize()`d."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        """No blocks yet (the loader adds them); the bias, if any, is a float parameter."""
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def share_blocks(self, other: HeldBlocks) -> None:
+        """Hold the same blocks as `other` (an LM head tied to the embedding): no bytes of its own."""
+        self.blocks = list(other.blocks)
+        self._register()
+
+    def finalize(self) -> None:
+        """Check the blocks tile the output rows, and stack adjacent blocks of one kind into one (fewer calls).
+        A tied LM head has none yet: it shares the embedding's after loading."""
+        if not self.blocks:
+            return
+        blocks = sorted(self.blocks, key=lambda b: b.start)
+        merged: list[RowBlock] = []
+        for block in blocks:
+            last = merged[-1] if merged else None
+            if last is not None and _stackable(last.weight, block.weight):
+                stacked = _stack(last.weight, block.weight)
+                merged[-1] = RowBlock(last.start, stacked)
+            else:
+                merged.append(block)
+        covered = 0
+        for block in merged:
+            assert block.start == covered, "row blocks must tile the weight"
+            covered += block.rows
+        assert covered == self.out_features, f"row blocks cover {covered} of {self.out_features} rows"
+        self.blocks = merged
+        self._register()
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [out, in]."""
+        return torch.cat([dequantize_block(b.weight) for b in self.blocks])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features)
+        out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        gemv = flat.shape[0] <= GEMV_MAX_ROWS and x.device.type == "cpu" and cpu_grouped.available()
+        wide = flat.float().contiguous() if gemv or flat.dtype == torch.float32 else flat
+        for block in self.blocks:
+            dest = out[:, block.start : block.start + block.rows]
+            if gemv and isinstance(block.weight, GroupedQuant):
+                cpu_grouped.matmul(wide, block.weight, dest)
+            else:
+                dest.copy_(wide @ dequantize_block(block.weight).to(wide.dtype).t())
+        if self.bias is not None:
+            out += self.bias.float()
+        return out.to(x.dtype).reshape(*lead, self.out_features)
+
+
+class GGUFEmbedding(HeldBlocks):
+    """Token embedding held as the file's row blocks; a lookup dequantises only the rows it needs."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        """No blocks yet; `dtype` is the compute dtype of what a lookup returns."""
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.dtype = torch.float32
+
+    def finalize(self, dtype: torch.dtype) -> None:
+        """One block covering the vocabulary; lookups return `dtype`."""
+        assert len(self.blocks) == 1 and self.blocks[0].rows == self.num_embeddings
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = dequantize_block(self.blocks[0].weight, input_ids.reshape(-1))
+        return rows.to(self.dtype).reshape(*input_ids.shape, self.embedding_dim)
+
+
+def _stackable(a: Block, b: Block) -> bool:
+    if isinstance(a, GroupedQuant) and isinstance(b, GroupedQuant):
+        return a.kind() == b.kind()
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+
+
+def _stack(a: Block, b: Block) -> Block:
+    if isinstance(a, GroupedQuant) and isinstance(b, GroupedQuant):
+        return GroupedQuant.cat_rows([a, b])
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    return torch.cat([a, b])
+
+
+def gguf_modules(model: nn.Module) -> dict[str, GGUFLinear | GGUFEmbedding]:
+    """Every GGUF-held layer of a model by its weight's parameter name."""
+    return {
+        f"{name}.weight": module
+        for name, module in model.named_modules()
+        if isinstance(module, GGUFLinear | GGUFEmbedding)
+    }

@@ -1,0 +1,209 @@
+"""GGUF files held at their own bits (weight format "gguf"): every tensor's blocks kept exactly, embedding and
+LM head included; the CPU kernel against the dequantised weights; logits against the dequantised model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from swarmkv.errors import ConfigError
+from swarmkv.kernels import cpu_grouped
+from swarmkv.models import gguf_linear
+from swarmkv.models.gguf_linear import GGUFEmbedding, GGUFLinear, gguf_modules
+from swarmkv.models.gguf_quantize import quantize
+from swarmkv.models.gguf_quants import SPECS, held_bytes, parse_blocks
+from swarmkv.models.gguf_weights import unpermute_rotary_rows
+from swarmkv.models.loader import LoadedModel, load_model
+from test_models import swarmkv_logits
+from tiny_gguf import SHAPE, write_tiny_gguf
+
+Q = GGMLQuantizationType
+KINDS = list(SPECS)
+IDS = [5, 17, 300, 4000, 12, 9, 77, 1000, 2, 31, 640, 8]
+
+
+def model_bytes(loaded: LoadedModel) -> int:
+    """Bytes of every parameter and held block (the tie shares one copy; the rotary tables not counted)."""
+    tensors = [*loaded.model.parameters(), *loaded.model.buffers()]
+    rotary = {id(t) for t in loaded.model.rotary.buffers()}
+    return sum(t.numel() * t.element_size() for t in tensors if id(t) not in rotary)
+
+
+def file_dequantized(path: Path, name: str) -> torch.Tensor:
+    tensor = next(t for t in GGUFReader(path).tensors if t.name == name)
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    return torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).reshape(shape).copy())
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("gguf-held")
+    out = {kind.name: write_tiny_gguf(folder / f"{kind.name}.gguf", projections=kind) for kind in KINDS}
+    # A Q4_K_M-like mix on Qwen3, untied, its embedding Q4_K and its head Q6_K.
+    out["mix"] = write_tiny_gguf(
+        folder / "mix.gguf",
+        "qwen3",
+        projections=Q.Q4_K,
+        embedding=Q.Q4_K,
+        types={"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "output.weight": Q.Q6_K},
+        tied=False,
+    )
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_every_type_is_held_exactly_at_its_bytes(files: dict[str, Path], kind: GGMLQuantizationType) -> None:
+    loaded = load_model(files[kind.name], dtype="float32")
+    assert loaded.weights == "gguf"
+    model = loaded.model
+    # Projections: the fused rows dequantise bit for bit to gguf's dequantisation of each file tensor.
+    qkv = model.layers[1].self_attn.qkv_proj
+    assert isinstance(qkv, GGUFLinear) and len(qkv.blocks) == 1  # q, k and v stacked: one kernel call
+    expected = torch.cat(
+        [
+            unpermute_rotary_rows(file_dequantized(files[kind.name], "blk.1.attn_q.weight"), SHAPE["heads"]),
+            unpermute_rotary_rows(
+                file_dequantized(files[kind.name], "blk.1.attn_k.weight"), SHAPE["kv_heads"]
+            ),
+            file_dequantized(files[kind.name], "blk.1.attn_v.weight"),
+        ]
+    )
+    assert torch.equal(qkv.dequantize(), expected)
+    down = model.layers[0].mlp.down_proj
+    assert torch.equal(down.dequantize(), file_dequantized(files[kind.name], "blk.0.ffn_down.weight"))
+    # The embedding is the file's Q8_0 blocks, and the tied LM head reads the same tensors.
+    embedding = model.embed_tokens
+    assert isinstance(embedding, GGUFEmbedding) and isinstance(model.lm_head, GGUFLinear)
+    assert [b.weight for b in model.lm_head.blocks] == [b.weight for b in embedding.blocks]
+    ids = torch.tensor(IDS)
+    assert torch.equal(embedding(ids), file_dequantized(files[kind.name], "token_embd.weight")[ids])
+    # Bytes: the model holds exactly what the layout's formula says, and the report agrees.
+    report = loaded.weight_report
+    assert report is not None
+    formula = sum(
+        held_bytes(GGMLQuantizationType(t.tensor_type), *reversed([int(d) for d in t.shape.tolist()]))
+        if t.tensor_type in SPECS
+        else int(t.n_elements) * 4
+        for t in GGUFReader(files[kind.name]).tensors
+    )
+    assert model_bytes(loaded) == report.held_bytes == formula
+    assert report.types[kind.name].held_as == kind.name
+
+
+@pytest.mark.parametrize("name", [*[k.name for k in KINDS], "mix"])
+def test_logits_equal_the_dequantised_model(files: dict[str, Path], name: str) -> None:
+    held = load_model(files[name], dtype="float32")
+    reference = load_model(files[name], dtype="float32", weights="float")
+    assert held.weights == "gguf" and reference.weights == "float"
+    expected = swarmkv_logits(reference, IDS)
+    assert (swarmkv_logits(held, IDS) - expected).abs().max().item() <= 1e-4
+    # Decode-sized batches take the GEMV, prefill-sized ones a dequantised tile: both agree.
+    hidden = torch.randn(3, SHAPE["hidden"])
+    assert torch.allclose(
+        held.model.compute_logits(hidden), reference.model.compute_logits(hidden), atol=1e-4
+    )
+
+
+def test_a_q4_k_m_like_mix_keeps_each_shard_at_its_type(files: dict[str, Path]) -> None:
+    loaded = load_model(files["mix"], dtype="float32")
+    qkv = loaded.model.layers[0].self_attn.qkv_proj
+    assert [b.weight.bits for b in qkv.blocks] == [4, 6]  # q and k stacked as Q4_K, v as Q6_K
+    assert isinstance(loaded.model.lm_head, GGUFLinear) and loaded.model.lm_head.blocks[0].weight.bits == 6
+    report = loaded.weight_report
+    assert report is not None and set(report.types) == {"F32", "Q4_K", "Q6_K"}
+    assert model_bytes(loaded) == report.held_bytes
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(files["mix"]).tensors)
+    assert report.file_bytes == file_bytes and report.held_bytes <= 1.03 * file_bytes
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+def test_the_cpu_kernel_matches_the_dequantised_matmul(kind: GGMLQuantizationType, rows: int) -> None:
+    if not cpu_grouped.available():
+        pytest.skip("no C compiler on this machine: the torch path is tested below")
+    torch.manual_seed(rows)
+    weight = parse_blocks(quantize(torch.randn(40, 512) * 0.05, kind), kind, (40, 512))
+    x = torch.randn(rows, 512)
+    expected = x @ weight.dequantize().t()
+    wide = torch.full((rows, 50), float("nan"))
+    cpu_grouped.matmul(x, weight, wide[:, 5:45])  # a column slice of a wider output
+    assert torch.allclose(wide[:, 5:45], expected, atol=1e-5, rtol=1e-5)
+    assert wide[:, :5].isnan().all() and wide[:, 45:].isnan().all()
+    index = torch.tensor([39, 0, 7, 7])
+    assert torch.equal(cpu_grouped.dequantize_rows(weight, index), weight.dequantize()[index])
+
+
+def test_without_the_c_kernel_the_torch_path_gives_the_same(
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with_kernel = load_model(files["mix"], dtype="float32")
+    logits = swarmkv_logits(with_kernel, IDS)
+    monkeypatch.setattr(gguf_linear.cpu_grouped, "available", lambda: False)
+    torch_only = load_model(files["mix"], dtype="float32")
+    assert torch.allclose(swarmkv_logits(torch_only, IDS), logits, atol=1e-4)
+
+
+def test_a_type_the_layout_does_not_hold_is_converted_with_its_error_reported(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "q3.gguf", projections=Q.Q4_0)
+    # Rewrite one projection as Q3_K blocks: random bytes with a sane float16 super-scale.
+    from gguf import GGML_QUANT_SIZES, GGUFWriter
+
+    reader = GGUFReader(path)
+    block, size = GGML_QUANT_SIZES[Q.Q3_K]
+    rng = np.random.default_rng(0)
+    out = tmp_path / "converted.gguf"
+    writer = GGUFWriter(out, "llama")
+    for field in reader.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            writer.add_key_value(
+                field.name,
+                field.contents(),
+                field.types[0],
+                field.types[-1] if len(field.types) > 1 else None,
+            )
+    for tensor in reader.tensors:
+        shape = [int(d) for d in reversed(tensor.shape.tolist())]
+        if tensor.name == "blk.0.ffn_up.weight":
+            raw = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
+            raw[..., -2:] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+            writer.add_tensor(tensor.name, raw.reshape(shape[0], -1), raw_dtype=Q.Q3_K)
+        else:
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    loaded = load_model(out, dtype="float32")
+    report = loaded.weight_report
+    assert report is not None
+    entry = report.types["Q3_K"]
+    assert entry.held_as == "Q8_0" and entry.tensors == 1
+    exact = file_dequantized(out, "blk.0.ffn_up.weight")
+    held = loaded.model.layers[0].mlp.gate_up_proj.dequantize()[SHAPE["intermediate"] :]
+    measured = (held - exact).abs().max().item()
+    assert 0 < entry.max_abs_error == pytest.approx(measured)
+    assert entry.max_relative_error == pytest.approx(measured / exact.abs().max().item())
+    assert entry.max_relative_error < 0.01  # Q8_0: about half a step of 1/127 of a group's largest
+
+
+def test_the_embedded_model_is_held_at_its_file_bytes() -> None:
+    loaded = load_model(None, dtype="float32")
+    report = loaded.weight_report
+    assert loaded.weights == "gguf" and report is not None
+    assert report.types["Q8_0"].held_as == "Q8_0"  # the tied embedding and LM head: 30 MB, not 113 MB float
+    assert report.held_bytes == report.file_bytes == model_bytes(loaded)
+
+
+def test_gguf_blocks_on_a_gpu_are_refused_with_the_formats_that_run(files: dict[str, Path]) -> None:
+    with pytest.raises(ConfigError, match="int4"):
+        load_model(files["Q4_K"], device="meta", weights="gguf")
+
+
+def test_modules_are_found_by_their_weight_names(files: dict[str, Path]) -> None:
+    names = set(gguf_modules(load_model(files["Q4_0"], dtype="float32").model))
+    assert {"embed_tokens.weight", "lm_head.weight", "layers.0.self_attn.qkv_proj.weight"} <= names
