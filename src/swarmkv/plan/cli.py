@@ -53,8 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--weight-format",
         default="auto",
         choices=WEIGHT_FORMATS,
-        help="projection weights: auto (a GGUF's own: Q4 -> int4, other quants -> int8; an HF checkpoint's"
-        " dtype), int4 (groups of 32), int8 (per channel), or one float dtype",
+        help="projection weights: auto (a GGUF's own: every tensor at its file's bits, counted tensor by tensor;"
+        " an HF checkpoint's dtype), int4 (groups of 32), int8 (per channel), or one float dtype",
     )
     shape.add_argument(
         "--kv-dtype",
