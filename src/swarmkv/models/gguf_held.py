@@ -47,7 +47,7 @@ def held_kind(kind: GGMLQuantizationType, shape: Sequence[int]) -> HeldKind:
     return CONVERT_TO if cols % SPECS[CONVERT_TO].group_size == 0 else "float"
 
 
-def is_converted(kind: GGMLQuantizationType, shape: Sequence[int]) -> bool:
+def is_converted(kind: GGMLQuantizationType) -> bool:
     """Whether the loader converts this tensor (its type is neither float nor kept by the layout)."""
     return kind not in FLOAT_KINDS and kind not in SPECS
 

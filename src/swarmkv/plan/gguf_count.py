@@ -149,7 +149,7 @@ def count_tensor(
 ) -> TensorCount:
     """One tensor through the loader's rule."""
     as_kind = held_kind(kind, shape)
-    converted = is_converted(kind, shape)
+    converted = is_converted(kind)
     dtype_name = str(float_dtype).removeprefix("torch.")
     held_as = dtype_name if as_kind == "float" else as_kind.name
     return TensorCount(
