@@ -25,6 +25,10 @@ Where every number comes from:
   use_more_bits(i, n) (i < n/8, i >= 7n/8, or (i - n/8) % 3 == 2) with n = 33 (the MTP block counts); the
   ATTENTION_QKV -> Q5_K branch is never reached, the attn_v-like branch comes first. Every quantized tensor's
   ne0 (4096, 8192, 12288) divides by 256, so no fallback applies. Norms, ssm_conv1d, ssm_a, ssm_dt stay F32.
+- Cross-checks against published files: the model's tensors without the MTP head come to 5,618,141,184 bytes
+  (5.23 GiB); a Qwen3.5-9B Q4_K_M model card lists "Q4_K_M 5.6e9" (steampunque/Qwen3.5-9B-MP-GGUF) and a
+  review of one "8.95B (quantized Q4_K-M, 5.23 GB)"; another card counts "250 weight tensors" (the 2-D ones
+  here, 217 Q4_K + 33 Q6_K, without the MTP head's).
 """
 
 from __future__ import annotations
