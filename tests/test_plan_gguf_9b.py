@@ -67,12 +67,12 @@ def use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def q4_k_m(name: str, block: int | None) -> GGMLQuantizationType:
-    """The type llama_tensor_get_type gives a 2-D weight of this file under Q4_K_M."""
+def q4_k_m(name: str, block: int | None, blocks: int = BLOCKS) -> GGMLQuantizationType:
+    """The type llama_tensor_get_type gives a 2-D weight of this file (of `blocks` blocks) under Q4_K_M."""
     if name == "output.weight":
         return Q.Q6_K
     part = name.split(".")[-2] if block is not None else ""
-    if part in ("attn_v", "attn_qkv", "ffn_down") and block is not None and use_more_bits(block, BLOCKS):
+    if part in ("attn_v", "attn_qkv", "ffn_down") and block is not None and use_more_bits(block, blocks):
         return Q.Q6_K
     return Q.Q4_K
 
@@ -117,21 +117,22 @@ def block_tensors(b: int) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def qwen35_9b_q4_k_m() -> list[TensorSpec]:
-    """Every tensor of the file, in llama-quantize's output order: global tensors, then by block and name."""
+def qwen35_9b_q4_k_m(blocks: int = BLOCKS) -> list[TensorSpec]:
+    """Every tensor of the file, in llama-quantize's output order: global tensors, then by block and name.
+    `blocks` is 32 for a file converted with --no-mtp."""
     named: list[tuple[str, int | None, tuple[int, ...]]] = [
         ("output.weight", None, (HIDDEN, VOCAB)),
         ("output_norm.weight", None, (HIDDEN,)),
         ("token_embd.weight", None, (HIDDEN, VOCAB)),
     ]
-    for b in range(BLOCKS):
+    for b in range(blocks):
         named += sorted((f"blk.{b}.{n}", b, shape) for n, shape in block_tensors(b))
     tensors: list[TensorSpec] = []
     for name, block, shape in named:
         quantized = (
             len(shape) == 2 and name.endswith("weight") and "_norm." not in name and "ssm_conv1d" not in name
         )
-        tensors.append((name, q4_k_m(name, block) if quantized else Q.F32, shape))
+        tensors.append((name, q4_k_m(name, block, blocks) if quantized else Q.F32, shape))
     return tensors
 
 
@@ -207,6 +208,25 @@ def test_weights_held_exactly(nine_b: Path, capsys: pytest.CaptureFixture[str]) 
     assert main(["plan", "--model", str(nine_b)]) == 0
     with capsys.disabled():
         print("\n" + capsys.readouterr().out)
+
+
+def test_without_the_mtp_head_the_same_weights_are_held(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # convert_hf_to_gguf.py --no-mtp (and the converters before MTP export): 32 blocks. use_more_bits(i, 32)
+    # picks the same 16 layers as use_more_bits(i, 33) does among 0..31, so every held tensor has the same type.
+    tensors = qwen35_9b_q4_k_m(LAYERS)
+    assert tensors == [t for t in qwen35_9b_q4_k_m() if not t[0].startswith(f"blk.{LAYERS}.")]
+    metadata = {k: v for k, v in METADATA.items() if k != "qwen35.nextn_predict_layers"}
+    metadata |= {
+        "qwen35.block_count": LAYERS,
+        "qwen35.attention.recurrent_layers": [is_linear(b) for b in range(LAYERS)],
+    }
+    path = write_header_only_gguf(tmp_path / "no-mtp.gguf", "qwen35", metadata, tensors)
+    weights = plan_json(capsys, "--model", str(path))["gguf_weights"]
+    assert weights["held_bytes"] == held_here(tensors) == 5_720_876_032
+    assert weights["file_tensor_bytes"] == weights["held_file_bytes"] == 5_618_141_184
+    assert weights["skipped"]["tensors"] == 0
 
 
 def test_agents_that_fit_on_16_gib(nine_b: Path, capsys: pytest.CaptureFixture[str]) -> None:
