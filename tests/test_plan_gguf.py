@@ -216,7 +216,9 @@ def test_held_kind_rule(kind: GGMLQuantizationType, shape: tuple[int, ...], held
     assert (held if held == "float" else held.name) == held_as
     assert is_converted(kind) == (kind not in SPECS and kind not in (Q.F32, Q.F16, Q.BF16))
     rows, cols = math.prod(shape[1:]), shape[0]
-    expected = rows * cols * 2 if held_as == "float" else held_bytes(GGMLQuantizationType[held_as], rows, cols)
+    expected = (
+        rows * cols * 2 if held_as == "float" else held_bytes(GGMLQuantizationType[held_as], rows, cols)
+    )
     assert tensor_held_bytes(kind, shape, F16) == expected
 
 
