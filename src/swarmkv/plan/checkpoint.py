@@ -1,17 +1,22 @@
 """Read a model's files for the planner: its KV shape, its ModelConfig when swarmkv can build the model,
-what weight format "auto" means for it, and the weight files' size."""
+what weight format "auto" means for it, and the weight files' size (a GGUF's tensors one by one:
+plan/gguf_checkpoint.py)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarmkv.config import ModelConfig
 from swarmkv.errors import ModelLoadError, UnsupportedModelError
+from swarmkv.plan.reserve import ReserveDims
 from swarmkv.plan.shape import KVShape, shape_from_hf_dict
 from swarmkv.plan.weights import Precision, ResolvedFormat
+
+if TYPE_CHECKING:  # the gguf package loads only for GGUF files
+    from swarmkv.plan.gguf_count import GGUFWeightCount
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,8 @@ class Checkpoint:
     config: ModelConfig | None  # None when the weights cannot be counted: config_problem says why
     config_problem: str | None
     file_bytes: int | None  # the weight files' size; None when there are none
+    gguf_weights: GGUFWeightCount | None = None  # a GGUF's tensors as held, when planned at its own format
+    dims: ReserveDims | None = None  # the reserve's dimensions when there is no config (a GGUF's metadata)
 
 
 def _hf_auto_format(raw: dict[str, Any]) -> ResolvedFormat:
@@ -57,52 +64,13 @@ def _hf_checkpoint(
     return Checkpoint(shape, precision, config, problem, file_bytes)
 
 
-def _gguf_checkpoint(path: Path, kv_dtype: str, weight_format: str) -> Checkpoint:
-    from swarmkv.models.gguf_file import open_gguf  # the gguf package: only for GGUF files
-    from swarmkv.models.gguf_weights import auto_weight_format
+def _gguf_checkpoint(path: Path, kv_dtype: str, state_dtype: str | None, weight_format: str) -> Checkpoint:
+    from swarmkv.plan.gguf_checkpoint import read_gguf  # the gguf package: only for GGUF files
 
-    gguf_file = open_gguf(path)
-    meta, arch = gguf_file.metadata, gguf_file.architecture
-
-    def get(key: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
-        return value
-
-    heads = get("attention.head_count")
-    kv_heads = get("attention.head_count_kv", heads)
-    hybrid = any(k.startswith((f"{arch}.ssm.", f"{arch}.full_attention_interval")) for k in meta)
-    if hybrid or isinstance(heads, list) or isinstance(kv_heads, list):
-        raise UnsupportedModelError(
-            f"{path}: per-layer or recurrent ({arch}) GGUF layouts are not planned from GGUF; "
-            "pass the model's config.json instead"
-        )
-    key_dim = int(get("attention.key_length", int(get("embedding_length")) // int(heads)))
-    if int(get("attention.value_length", key_dim)) != key_dim:
-        raise UnsupportedModelError(
-            f"{path}: key and value head sizes differ; the planner assumes one head dim"
-        )
-    # swarmkv keeps Q4_0/Q4_1 projections as int4 and requantizes other quants to int8 (the loader's
-    # weights="auto"); float files load at the compute dtype, float16 here.
-    own = auto_weight_format(gguf_file)
-    precision = Precision.resolve(weight_format, "float16" if own == "float" else own)
-    layers = int(get("block_count"))
-    shape = KVShape(
-        num_layers=layers,
-        num_kv_layers=layers,
-        num_kv_heads=int(kv_heads),
-        head_dim=key_dim,
-        dtype=precision.kv_dtype(kv_dtype),
+    read = read_gguf(path, kv_dtype, state_dtype, weight_format)
+    return Checkpoint(
+        read.shape, read.precision, read.config, read.config_problem, read.file_bytes, read.weights, read.dims
     )
-    names = {t.name for t in gguf_file.reader.tensors}
-    config, problem = None, None
-    try:
-        config = ModelConfig.from_gguf_metadata(meta, num_output_tensors=int("output.weight" in names))
-    except (ModelLoadError, UnsupportedModelError) as exc:
-        problem = str(exc)
-    file_bytes = sum(int(t.n_bytes) for t in gguf_file.reader.tensors)
-    return Checkpoint(shape, precision, config, problem, file_bytes)
 
 
 def load_checkpoint(
@@ -118,4 +86,4 @@ def load_checkpoint(
         raise ModelLoadError(f"model not found: {path}")
     if path.suffix == ".json":
         return _hf_checkpoint(path, kv_dtype, state_dtype, weight_format)
-    return _gguf_checkpoint(path, kv_dtype, weight_format)
+    return _gguf_checkpoint(path, kv_dtype, state_dtype, weight_format)

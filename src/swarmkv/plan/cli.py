@@ -26,6 +26,10 @@ from swarmkv.plan.weights import WEIGHT_FORMATS, WeightsFigure, check_weights, c
 from swarmkv.units import parse_size
 
 DEFAULT_PREFIXES = "1000,2000,3000,4000"
+GGUF_UNCHECKED = (
+    "a GGUF's weights are counted tensor by tensor through the loader's own rule (models/gguf_held.py), not"
+    " from a model built on the meta device"
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,8 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--weight-format",
         default="auto",
         choices=WEIGHT_FORMATS,
-        help="projection weights: auto (a GGUF's own: Q4 -> int4, other quants -> int8; an HF checkpoint's"
-        " dtype), int4 (groups of 32), int8 (per channel), or one float dtype",
+        help="projection weights: auto (a GGUF's own: every tensor at its file's bits, counted tensor by tensor;"
+        " an HF checkpoint's dtype), int4 (groups of 32), int8 (per channel), or one float dtype",
     )
     shape.add_argument(
         "--kv-dtype",
@@ -163,10 +167,14 @@ def parse_prefixes(text: str) -> list[int]:
 
 
 def weights_figure(args: argparse.Namespace, checkpoint: Checkpoint) -> WeightsFigure:
-    """The weights' bytes for the budget: --weights, else counted from the config, else the files' size."""
+    """The weights' bytes for the budget: --weights, else a GGUF's tensors as held, else counted from the
+    config, else the files' size."""
     precision, files = checkpoint.precision, checkpoint.file_bytes
     if args.weights is not None:
         return WeightsFigure(parse_size(args.weights), "--weights", precision, None, files)
+    if checkpoint.gguf_weights is not None:
+        gguf = checkpoint.gguf_weights
+        return WeightsFigure(gguf.total_bytes, "gguf", precision, None, files, gguf)
     if checkpoint.config is not None:
         count = count_weights(checkpoint.config, precision)
         return WeightsFigure(count.total_bytes, "config", precision, count, files)
@@ -180,10 +188,11 @@ def weights_figure(args: argparse.Namespace, checkpoint: Checkpoint) -> WeightsF
 
 def reserve_for(args: argparse.Namespace, checkpoint: Checkpoint) -> RuntimeReserve | None:
     """The runtime reserve of the checkpoint's model, None when its dimensions are not known."""
-    if checkpoint.config is None:
+    dims = checkpoint.config if checkpoint.config is not None else checkpoint.dims
+    if dims is None:
         return None
     return runtime_reserve(
-        checkpoint.config,
+        dims,
         element_bytes(checkpoint.precision.dtype),
         args.max_num_batched_tokens,
         args.max_num_seqs,
@@ -209,10 +218,12 @@ def run(args: argparse.Namespace) -> int:
             parse_size(args.vram), weights.num_bytes, args.context, args.block_size, reserve_bytes
         )
         fits = [fit_agents(shape, budget, p) for p in prefixes]
-    measured, check = None, None
+    measured, check, unchecked = None, None, checkpoint.config_problem
     if args.measure:
         measured = measure_rows(shape, args.agents, prefixes, args.block_size, args.tail_tokens)
-        if checkpoint.config is not None:
+        if checkpoint.gguf_weights is not None:
+            unchecked = GGUF_UNCHECKED
+        elif checkpoint.config is not None:
             check = check_weights(checkpoint.config, checkpoint.precision)
     plan = Plan(
         shape,
@@ -226,6 +237,8 @@ def run(args: argparse.Namespace) -> int:
         check,
         checkpoint.config_problem,
         hybrid,
+        checkpoint.gguf_weights,
+        unchecked,
     )
     print(json.dumps(to_json(plan)) if args.json else report(plan))
     for problem in plan.problems:

@@ -7,6 +7,7 @@ from typing import Any
 from swarmkv.plan import report_hybrid
 from swarmkv.plan.layout import table
 from swarmkv.plan.report_fit import fit_lines, weights_check_lines
+from swarmkv.plan.report_gguf import gguf_lines
 from swarmkv.plan.result import Plan
 from swarmkv.plan.shape import element_bytes
 from swarmkv.units import format_gib
@@ -19,6 +20,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
     out["shape"] = {"layers": shape.num_kv_layers, "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim}
     out["shape"]["dtype"] = shape.dtype
     out["rows"] = [row.to_json() for row in plan.rows]
+    if plan.gguf_weights is not None:
+        out["gguf_weights"] = plan.gguf_weights.to_json()
     if shape.recurrent is not None:
         out["hybrid"] = report_hybrid.state_json(shape, shape.recurrent, num_agents)
     for row, hybrid in zip(out["rows"], plan.hybrid or (), strict=False):
@@ -98,6 +101,8 @@ def report(plan: Plan) -> str:
         out.append(
             f"Note: {shape.num_sliding_layers} sliding-window layers counted as full attention (exact up to the window)."
         )
+    if plan.gguf_weights is not None:
+        out += gguf_lines(plan.gguf_weights)
     headers = ["Prefix tokens", "KV per copy", f"{n} copies", "One shared copy", "Reclaimed"]
     out += ["", f"{n} agents, each opening with the same prefix:"]
     out += table(headers, [_row_cells(r.prefix_tokens, r.to_json()) for r in plan.rows])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from swarmkv.kv.state_index import MIN_SNAPSHOT_TOKENS
 from swarmkv.plan.layout import Item, breakdown, size, table
+from swarmkv.plan.report_gguf import gguf_weights_items
 from swarmkv.plan.reserve import ACTIVATION_FACTOR, LOGITS_BYTES_PER_ELEMENT
 from swarmkv.plan.result import Plan
 from swarmkv.plan.table import AgentFit, VramBudget
@@ -17,6 +18,8 @@ def weights_items(plan: Plan, weights: WeightsFigure) -> list[Item]:
     files = f"; the files hold {size(weights.file_bytes)}" if weights.file_bytes is not None else ""
     if weights.source == "--weights":
         return [("weights", weights.num_bytes, f"as given by --weights{files}")]
+    if weights.gguf is not None:
+        return gguf_weights_items(weights.gguf)
     if weights.count is None:
         return [("weights", weights.num_bytes, f"the weight files' size ({plan.config_problem})")]
     count, dtype = weights.count, weights.count.dtype
@@ -110,7 +113,7 @@ def weights_check_lines(plan: Plan) -> list[str]:
     """The formula's weights against the model built on the meta device, or why they were not checked."""
     check = plan.weights_check
     if check is None:
-        return [f"Weights not checked: {plan.config_problem}"]
+        return [f"Weights not checked: {plan.weights_unchecked or plan.config_problem}"]
     share = abs(check.difference_bytes) / check.formula_bytes if check.formula_bytes else 0.0
     verdict = "agrees" if check.agrees else "DISAGREES"
     return [

@@ -71,22 +71,49 @@ class RuntimeReserve:
         return {**asdict(self), **parts, "total_bytes": self.total_bytes}
 
 
+@dataclass(frozen=True)
+class ReserveDims:
+    """The model dimensions the reserve depends on, from a ModelConfig or from a GGUF file's metadata."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> ReserveDims:
+        """The dimensions of a ModelConfig."""
+        return cls(
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.intermediate_size,
+            config.vocab_size,
+            config.max_position_embeddings,
+        )
+
+
 def runtime_reserve(
-    config: ModelConfig,
+    model: ModelConfig | ReserveDims,
     element_bytes: int,
     max_num_batched_tokens: int,
     max_num_seqs: int,
     workspace_bytes: int,
 ) -> RuntimeReserve:
-    """The reserve of an engine running `config` with activations of `element_bytes` each."""
-    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    """The reserve of an engine running `model` with activations of `element_bytes` each."""
+    dims = model if isinstance(model, ReserveDims) else ReserveDims.from_config(model)
+    q_size, kv_size = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
     return RuntimeReserve(
         max_num_batched_tokens=max_num_batched_tokens,
-        activation_width=config.hidden_size + q_size + 2 * kv_size + 2 * config.intermediate_size,
+        activation_width=dims.hidden_size + q_size + 2 * kv_size + 2 * dims.intermediate_size,
         activation_element_bytes=element_bytes,
-        vocab_size=config.vocab_size,
+        vocab_size=dims.vocab_size,
         max_num_seqs=max_num_seqs,
-        rotary_positions=config.max_position_embeddings,
-        head_dim=config.head_dim,
+        rotary_positions=dims.max_position_embeddings,
+        head_dim=dims.head_dim,
         workspace_bytes=workspace_bytes,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from swarmkv.plan.hybrid import HybridRow
 from swarmkv.plan.measure import MeasuredRow
@@ -10,6 +11,9 @@ from swarmkv.plan.reserve import RuntimeReserve
 from swarmkv.plan.shape import KVShape
 from swarmkv.plan.table import AgentFit, PrefixRow, VramBudget
 from swarmkv.plan.weights import WeightsCheck, WeightsFigure
+
+if TYPE_CHECKING:  # the gguf package loads only for GGUF files
+    from swarmkv.plan.gguf_count import GGUFWeightCount
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,8 @@ class Plan:
     weights_check: WeightsCheck | None = None
     config_problem: str | None = None  # why the weights could not be counted from a config, if not
     hybrid: list[HybridRow] | None = None  # hybrids: prefix + tails per-slot against shared with snapshots
+    gguf_weights: GGUFWeightCount | None = None  # a GGUF's tensors as held, per type
+    weights_unchecked: str | None = None  # why --measure did not check the weights, when it did not
 
     def measured_disagreements(self) -> list[str]:
         """Measured pages and state slots that fall outside the tolerance of the formula's."""

@@ -4,13 +4,16 @@ against the same model built on the meta device."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal, cast, get_args
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import torch
 
 from swarmkv.config import DTYPES, ModelConfig
 from swarmkv.errors import UnsupportedModelError
 from swarmkv.models.quantized import INT4_GROUP_SIZE, WeightFormat, linear_weight_bytes
+
+if TYPE_CHECKING:  # the gguf package loads only for GGUF files
+    from swarmkv.plan.gguf_count import GGUFWeightCount
 
 ResolvedFormat = Literal["int4", "int8", "float16", "bfloat16", "float32"]
 WEIGHT_FORMATS: tuple[str, ...] = ("auto", *get_args(ResolvedFormat))
@@ -203,7 +206,7 @@ def check_weights(config: ModelConfig, precision: Precision) -> WeightsCheck:
     )
 
 
-WeightsSource = Literal["config", "files", "--weights"]
+WeightsSource = Literal["config", "gguf", "files", "--weights"]
 
 
 @dataclass(frozen=True)
@@ -215,16 +218,20 @@ class WeightsFigure:
     precision: Precision
     count: WeightCount | None  # the breakdown, when counted from the config
     file_bytes: int | None  # the weight files' size, when the model's files were read
+    gguf: GGUFWeightCount | None = None  # a GGUF's tensors as held, when counted from the file
 
     def to_json(self) -> dict[str, Any]:
         """The fields the `fit` object of `--json` carries."""
         out: dict[str, Any] = {
-            "weight_format": self.precision.weight_format,
+            # A GGUF counted from its tensors keeps every tensor at its file's own type.
+            "weight_format": "gguf" if self.gguf is not None else self.precision.weight_format,
             "weights_bytes": self.num_bytes,
             "weights_source": self.source,
         }
         if self.count is not None:
             out["weights"] = self.count.to_json()
+        if self.gguf is not None:
+            out["weights"] = self.gguf.to_json()
         if self.file_bytes is not None:
             out["weights_file_bytes"] = self.file_bytes
         return out
