@@ -15,11 +15,15 @@ from swarmkv.config import ModelConfig
 from swarmkv.errors import ModelLoadError
 from swarmkv.kernels.reference import pack_int4
 from swarmkv.models.gguf_file import GGUFFile
+from swarmkv.models.gguf_qwen35 import needs_float, qwen35_hf_name, qwen35_tensor
 from swarmkv.models.quantized import INT4_GROUP_SIZE, QuantizedWeight, WeightFormat
 
 _Q4 = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}  # bytes per block of 32
 _FLOAT = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
-_PROJECTION = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
+# qwen35's linear attention adds attn_qkv, attn_gate and ssm_out (its ssm_alpha and ssm_beta stay float).
+_PROJECTION = re.compile(
+    r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down|attn_qkv|attn_gate|ssm_out)\.weight$"
+)
 
 
 def auto_weight_format(file: GGUFFile) -> WeightFormat:
@@ -95,8 +99,12 @@ def gguf_tensors(
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Yield (HF name, tensor) for every tensor in the file: float32, except Q4_0/Q4_1 projection weights,
     which stay int4 when `keep_int4`."""
+    qwen35 = config.architecture == "qwen3_5"
     for tensor in file.reader.tensors:
-        name = hf_name(tensor.name)
+        mapped = qwen35_hf_name(tensor.name, config) if qwen35 else hf_name(tensor.name)
+        if mapped is None:
+            continue
+        name = mapped
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         weight: torch.Tensor | QuantizedWeight
         try:
@@ -118,6 +126,12 @@ def gguf_tensors(
             ) from exc
         except Exception as exc:  # a truncated file surfaces here as a short buffer
             raise ModelLoadError(f"cannot read tensor {tensor.name!r} from {file.path}: {exc}") from exc
+        if qwen35 and needs_float(name):
+            if not isinstance(weight, torch.Tensor):
+                raise ModelLoadError(
+                    f"tensor {tensor.name!r} in {file.path} is quantized; llama.cpp keeps it float"
+                )
+            weight = qwen35_tensor(name, weight)
         # Only the "llama" GGUF layout interleaves rotary halves; Qwen files keep the HF (neox) order.
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = _unpermute(weight, config.num_heads)
