@@ -1,5 +1,6 @@
-"""Read GGUF tensors as Hugging Face-named tensors, undoing llama.cpp's Q/K row permutation: float, or Q4_0 and
-Q4_1 projection weights kept as int4 groups of 32 (their blocks are exactly such groups)."""
+"""Read GGUF tensors as Hugging Face-named tensors, undoing llama.cpp's Q/K row permutation (and, for qwen35,
+the converter's arithmetic on small tensors: `gguf_qwen35`): float, or Q4_0 and Q4_1 projection weights kept
+as int4 groups of 32 (their blocks are exactly such groups)."""
 
 from __future__ import annotations
 
