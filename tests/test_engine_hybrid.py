@@ -284,6 +284,6 @@ def test_the_triton_backend_refuses_a_hybrid(loaded: LoadedModel) -> None:
         hybrid_llm(loaded, attention_backend="triton")
 
 
-def test_a_qwen35_gguf_is_refused_with_the_reason() -> None:
-    with pytest.raises(UnsupportedModelError, match="safetensors"):
-        ModelConfig.from_gguf_metadata({"general.architecture": "qwen35"})
+def test_a_qwen35moe_gguf_is_refused_with_the_reason() -> None:
+    with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
+        ModelConfig.from_gguf_metadata({"general.architecture": "qwen35moe"})

@@ -55,7 +55,8 @@ def test_weight_bytes_count_scales_and_minimums() -> None:
 
 def test_gguf_q4_1_blocks_are_kept_exactly() -> None:
     file = open_gguf(default_model_path())
-    assert auto_weight_format(file) == "int4"  # every projection of the embedded model is Q4_1
+    assert auto_weight_format(file) == "gguf"  # on the CPU every tensor stays as the file holds it
+    assert auto_weight_format(file, "cuda") == "int4"  # on a GPU: every projection of the embedded model is Q4_1
     tensor = next(t for t in file.reader.tensors if t.name == "blk.0.ffn_down.weight")
     rows, cols = (int(d) for d in reversed(tensor.shape.tolist()))
     kept = q4_blocks(tensor.data, tensor.tensor_type, (rows, cols))
@@ -98,7 +99,7 @@ def smol_int8() -> LoadedModel:
 @pytest.mark.parametrize("weights", ["int8", "auto"])
 def test_quantized_default_model_still_answers_paris(weights: str, smol_int8: LoadedModel) -> None:
     llm = LLM(loaded=smol_int8) if weights == "int8" else LLM(weights="auto", kv_cache_memory="64MiB")
-    assert llm.loaded.weights == ("int8" if weights == "int8" else "int4")
+    assert llm.loaded.weights == ("int8" if weights == "int8" else "gguf")
     question = [{"role": "user", "content": "What is the capital of France?"}]
     out = llm.generate([question], SamplingParams(temperature=0.0, max_tokens=12))
     assert "Paris" in out[0].text

@@ -28,10 +28,13 @@ HF_UNSUPPORTED: dict[str, str] = {
     "Qwen3_5MoeForConditionalGeneration": "Qwen3.5 MoE needs mixture-of-experts layers, which swarmkv does not run",
     "Qwen3NextForCausalLM": "Qwen3-Next needs mixture-of-experts layers, which swarmkv does not run",
 }
-GGUF_ARCHITECTURES: dict[str, Architecture] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES: dict[str, Architecture] = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen35": "qwen3_5",
+}
 GGUF_UNSUPPORTED: dict[str, str] = {
-    "qwen35": "Qwen3.5 from GGUF is not supported yet (its linear-attention tensors are re-laid out by the "
-    "converter); load the Hugging Face safetensors checkpoint",
     "qwen35moe": "Qwen3.5 MoE needs mixture-of-experts layers, which swarmkv does not run",
     "qwen3next": "Qwen3-Next needs mixture-of-experts layers, which swarmkv does not run",
 }
@@ -67,6 +70,10 @@ class LinearAttentionShape:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    # Value heads in llama.cpp's tiled order (value head j reads key head j % num_key_heads) rather than
+    # Hugging Face's grouped one (j // (num_value_heads // num_key_heads)): its GGUF converter reorders them,
+    # out_proj's input columns included, which a row-quantized weight cannot undo, so the model follows.
+    value_heads_tiled: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -250,6 +257,8 @@ class ModelConfig:
                 f"unsupported GGUF architecture {name!r}; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}"
             )
         arch = GGUF_ARCHITECTURES[name]
+        if arch == "qwen3_5":
+            return _qwen35_gguf(meta, tied=num_output_tensors == 0)
 
         def get(key: str, default: Any = None) -> Any:
             value = meta.get(f"{name}.{key}", default)
@@ -338,6 +347,60 @@ def _qwen3_5(raw: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
             rope.get("partial_rotary_factor") or text.get("partial_rotary_factor", 0.25)
         ),
         attn_output_gate=bool(text.get("attn_output_gate", True)),
+    )
+
+
+def _qwen35_gguf(meta: dict[str, Any], tied: bool) -> ModelConfig:
+    """llama.cpp's `qwen35` metadata (written by its converter from the HF config `_qwen3_5` reads)."""
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"qwen35.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata lacks qwen35.{key}")
+        return value
+
+    # Multi-token-prediction layers (a speculative draft head) come after the decoder's own layers.
+    layers = int(get("block_count")) - int(meta.get("qwen35.nextn_predict_layers") or 0)
+    recurrent = meta.get("qwen35.attention.recurrent_layers")
+    if isinstance(recurrent, list):
+        layer_types = [LINEAR_ATTENTION if r else FULL_ATTENTION for r in recurrent[:layers]]
+    else:
+        interval = int(get("full_attention_interval", 4))
+        layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)]
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    kv_heads = get("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):
+        raise UnsupportedModelError("per-layer KV head counts are not supported")
+    head_dim = int(get("attention.key_length", hidden // heads))
+    value_heads = int(get("ssm.time_step_rank"))
+    vocab = meta.get("qwen35.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    return ModelConfig(
+        architecture="qwen3_5",
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(kv_heads),
+        head_dim=head_dim,
+        intermediate_size=int(get("feed_forward_length")),
+        vocab_size=int(vocab),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", 32768)),
+        tie_word_embeddings=tied,
+        qk_norm=True,
+        layer_types=tuple(layer_types),
+        linear=LinearAttentionShape(
+            num_key_heads=int(get("ssm.group_count")),
+            num_value_heads=value_heads,
+            key_head_dim=int(get("ssm.state_size")),
+            value_head_dim=int(get("ssm.inner_size")) // value_heads,
+            conv_kernel=int(get("ssm.conv_kernel", 4)),
+            value_heads_tiled=True,
+        ),
+        # Text positions give all of Qwen3.5's rotary sections the same position: plain partial rotary.
+        partial_rotary_factor=int(get("rope.dimension_count", head_dim // 4)) / head_dim,
+        attn_output_gate=True,  # llama.cpp's qwen35 graph always splits attn_q into the query and its gate
     )
 
 

@@ -1,7 +1,8 @@
-"""Read GGUF tensors as Hugging Face-named tensors, undoing llama.cpp's Q/K row permutation. Three ways to keep
-them: every quantized tensor at its file's bits as a `GroupedQuant` ("gguf", the CPU default), Q4_0 and Q4_1
-projection weights as int4 groups of 32 ("int4"), or everything dequantised to float. A quantized type the
-grouped layout does not hold is converted to Q8_0 in it, its error measured and reported."""
+"""Read GGUF tensors as Hugging Face-named tensors, undoing llama.cpp's Q/K row permutation (and, for qwen35,
+the converter's arithmetic on small tensors: `gguf_qwen35`). Three ways to keep them: every quantized tensor
+at its file's bits as a `GroupedQuant` ("gguf", the CPU default), Q4_0 and Q4_1 projection weights as int4
+groups of 32 ("int4"), or everything dequantised to float. A quantized type the grouped layout does not hold
+is converted to Q8_0 in it, its error measured and reported."""
 
 from __future__ import annotations
 
@@ -20,16 +21,20 @@ from swarmkv.config import ModelConfig
 from swarmkv.errors import ModelLoadError
 from swarmkv.kernels.reference import pack_int4
 from swarmkv.models.gguf_file import GGUFFile
+from swarmkv.models.gguf_held import CONVERT_TO, held_kind, rows_cols
 from swarmkv.models.gguf_quants import SPECS, GroupedQuant, parse_blocks
+from swarmkv.models.gguf_qwen35 import needs_float, qwen35_hf_name, qwen35_tensor
 from swarmkv.models.quantized import INT4_GROUP_SIZE, QuantizedWeight, WeightFormat
 
 log = logging.getLogger(__name__)
 Keep = Literal["float", "int4", "gguf"]
-CONVERT_TO = GGMLQuantizationType.Q8_0  # what a type the layout does not hold becomes
 
 _Q4 = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}  # bytes per block of 32
 _FLOAT = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
-_PROJECTION = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
+# qwen35's linear attention adds attn_qkv, attn_gate and ssm_out (its ssm_alpha and ssm_beta stay float).
+_PROJECTION = re.compile(
+    r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down|attn_qkv|attn_gate|ssm_out)\.weight$"
+)
 
 
 def auto_weight_format(file: GGUFFile, device_type: str = "cpu") -> WeightFormat:
@@ -170,18 +175,28 @@ def gguf_tensors(
     """Yield (HF name, tensor) for every tensor in the file. `keep` "gguf": quantized 2-D tensors as their
     blocks (`GroupedQuant`), float ones in `dtype`; "int4": Q4_0/Q4_1 projections as int4, the rest float32;
     "float": everything float32. `report` counts what is held per type."""
+    qwen35 = config.architecture == "qwen3_5"
     for tensor in file.reader.tensors:
-        name = hf_name(tensor.name)
+        mapped = qwen35_hf_name(tensor.name, config) if qwen35 else hf_name(tensor.name)
+        if mapped is None:
+            continue
+        name = mapped
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         kind = GGMLQuantizationType(tensor.tensor_type)
         weight: torch.Tensor | QuantizedWeight | GroupedQuant
         try:
             if keep == "int4" and kind in _Q4 and _PROJECTION.match(tensor.name):
                 weight = q4_blocks(tensor.data, kind, (shape[0], shape[1]))
-            elif keep == "gguf" and kind not in _FLOAT and len(shape) == 2:
-                weight = _grouped(tensor.data, kind, (shape[0], shape[1]), tensor.name, report)
+            elif keep == "gguf" and held_kind(kind, tensor.shape.tolist()) != "float":
+                weight = _grouped(tensor.data, kind, rows_cols(tensor.shape.tolist()), tensor.name, report)
             else:
                 weight = _dequantized(tensor.data, kind, shape, tensor.name, file)
+            if qwen35 and needs_float(name):
+                if not isinstance(weight, torch.Tensor) or kind not in _FLOAT:
+                    raise ModelLoadError(
+                        f"tensor {tensor.name!r} in {file.path} is quantized; llama.cpp keeps it float"
+                    )
+                weight = qwen35_tensor(name, weight)  # in float32, before any cast
             if keep == "gguf" and isinstance(weight, torch.Tensor):
                 weight = weight.to(dtype)  # held at the compute dtype
         except ModelLoadError:
@@ -219,16 +234,15 @@ def _grouped(
     shape: tuple[int, int],
     name: str,
     report: WeightReport | None,
-) -> GroupedQuant | torch.Tensor:
-    """A quantized 2-D tensor in the grouped layout: its own blocks when the layout holds its type, else
-    converted to Q8_0 (or float32 when its rows are not whole groups of 32), the error logged and reported."""
+) -> GroupedQuant:
+    """A quantized tensor in the grouped layout: its own blocks when the layout holds its type, else converted
+    to Q8_0 (`gguf_held.held_kind` sends tensors whose rows are not whole groups of 32 to float instead), the
+    error logged and reported."""
     if kind in SPECS:
         return parse_blocks(data, kind, shape)
     from swarmkv.models.gguf_quantize import quantize
 
     exact = torch.from_numpy(np.ascontiguousarray(dequantize(data, kind).reshape(shape), dtype=np.float32))
-    if shape[1] % 32:
-        return exact
     converted = parse_blocks(quantize(exact, CONVERT_TO), CONVERT_TO, shape)
     error = (converted.dequantize() - exact).abs().max().item()
     relative = error / max(exact.abs().max().item(), 1e-30)

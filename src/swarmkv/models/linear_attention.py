@@ -67,10 +67,17 @@ class GatedDeltaNet(nn.Module):
         # The decay in log space, at least float32: exp(A_log) spans orders of magnitude.
         wide = torch.promote_types(x.dtype, torch.float32)
         g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias.to(wide))
+        q = q.reshape(num_tokens, shape.num_key_heads, shape.key_head_dim)
+        k = k.reshape(num_tokens, shape.num_key_heads, shape.key_head_dim)
+        if shape.value_heads_tiled:
+            # Value head j reads key head j % num_key_heads: tiled out to one key head per value head, q and
+            # k meet the delta rule's grouped reading (groups of one).
+            tiles = shape.num_value_heads // shape.num_key_heads
+            q, k = q.repeat(1, tiles, 1), k.repeat(1, tiles, 1)
         core = backend.delta_rule(
             self.layer,
-            q.reshape(num_tokens, shape.num_key_heads, shape.key_head_dim),
-            k.reshape(num_tokens, shape.num_key_heads, shape.key_head_dim),
+            q,
+            k,
             v.reshape(num_tokens, shape.num_value_heads, shape.value_head_dim),
             g,
             b.sigmoid(),

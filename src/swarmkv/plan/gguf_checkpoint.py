@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +135,8 @@ def read_gguf(path: Path, kv_dtype: str, state_dtype: str | None, weight_format:
         problem = str(exc)
     embedding = tensors.get(EMBEDDING)
     vocab = int(embedding.shape[1]) if embedding is not None and len(embedding.shape) > 1 else 0
+    if config is not None and not config.vocab_size and vocab:
+        config = replace(config, vocab_size=vocab)  # a file without its tokenizer: the embedding's rows
     dims = ReserveDims(
         hidden_size=hidden,
         num_heads=heads,
