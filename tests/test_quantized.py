@@ -56,7 +56,9 @@ def test_weight_bytes_count_scales_and_minimums() -> None:
 def test_gguf_q4_1_blocks_are_kept_exactly() -> None:
     file = open_gguf(default_model_path())
     assert auto_weight_format(file) == "gguf"  # on the CPU every tensor stays as the file holds it
-    assert auto_weight_format(file, "cuda") == "int4"  # on a GPU: every projection of the embedded model is Q4_1
+    assert (
+        auto_weight_format(file, "cuda") == "int4"
+    )  # on a GPU: every projection of the embedded model is Q4_1
     tensor = next(t for t in file.reader.tensors if t.name == "blk.0.ffn_down.weight")
     rows, cols = (int(d) for d in reversed(tensor.shape.tolist()))
     kept = q4_blocks(tensor.data, tensor.tensor_type, (rows, cols))
