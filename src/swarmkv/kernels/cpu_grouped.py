@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from swarmkv.models.gguf_quants import GroupedQuant
+from swarmkv.models.gguf_quants import GroupConstants, GroupedQuant
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu") / "grouped.c"
@@ -70,7 +70,7 @@ def _library() -> ctypes.CDLL | None:
             os.replace(built, target)  # atomic: concurrent builders agree on one file
     library = ctypes.CDLL(str(target))
     common: list[Any] = [_INT, _INT, _INT, _PTR, _PTR, _PTR, _PTR, _INT, _INT, _PTR, _PTR, _INT, _INT]
-    library.swarmkv_grouped_matmul.argtypes = [_I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, *common]
+    library.swarmkv_grouped_matmul.argtypes = [_I64, _I64, _I64, _PTR, _PTR, _I64, *common]
     library.swarmkv_grouped_dequantize.argtypes = [_I64, _I64, _PTR, _PTR, *common]
     library.swarmkv_grouped_matmul.restype = library.swarmkv_grouped_dequantize.restype = _INT
     return library
@@ -85,38 +85,32 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _layout_args(w: GroupedQuant) -> list[object]:
-    def constants(c: object) -> tuple[int | None, int | None, int, int]:
+def _layout_args(w: GroupedQuant) -> tuple[object, ...]:
+    """The kernel's description of a layout (pointers into `w`'s tensors), cached on the object."""
+    cached = _ARGS.get(id(w))
+    if cached is not None and cached[0] is w:
+        return cached[1]
+
+    def constants(c: GroupConstants | None) -> tuple[int | None, int | None, int, int]:
         if c is None:
             return None, None, 0, 1
-        values, outer = c.values, c.outer  # type: ignore[attr-defined]
-        if outer is None:
-            return values.view(torch.int16).data_ptr(), None, 0, 1
-        per = values.shape[1] // outer.shape[1]
-        return outer.view(torch.int16).data_ptr(), values.data_ptr(), int(values.dtype == torch.int8), per
+        if c.outer is None:
+            return c.values.view(torch.int16).data_ptr(), None, 0, 1
+        per = c.values.shape[1] // c.outer.shape[1]
+        assert per & (per - 1) == 0, "the kernel takes a power-of-two groups per super-group"
+        return c.outer.view(torch.int16).data_ptr(), c.values.data_ptr(), int(c.values.dtype == torch.int8), per
 
     s_half, s_sub, s_signed, s_per = constants(w.scales)
     m_half, m_sub, _, m_per = constants(w.mins)
-    return [
-        w.bits,
-        w.group_size,
-        w.offset,
-        _ptr(w.low),
-        _ptr(w.high),
-        s_half,
-        s_sub,
-        s_signed,
-        s_per,
-        m_half,
-        m_sub,
-        m_per,
-        torch.get_num_threads(),
-    ]
+    args = (w.bits, w.group_size, w.offset, _ptr(w.low), _ptr(w.high), s_half, s_sub, s_signed, s_per, m_half)
+    args += (m_sub, m_per)
+    if len(_ARGS) > 4096:
+        _ARGS.clear()
+    _ARGS[id(w)] = (w, args)
+    return args
 
 
-def group_sums(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Each group's sum of x [M, K] -> [M, K / group_size] (what a layout's minimums multiply)."""
-    return x.reshape(x.shape[0], -1, group_size).sum(-1).contiguous()
+_ARGS: dict[int, tuple[GroupedQuant, tuple[object, ...]]] = {}
 
 
 def matmul(x: torch.Tensor, w: GroupedQuant, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,11 +123,8 @@ def matmul(x: torch.Tensor, w: GroupedQuant, out: torch.Tensor | None = None) ->
     if out is None:
         out = torch.empty(m, rows, dtype=torch.float32)
     assert out.shape == (m, rows) and out.stride(1) == 1
-    xsum = group_sums(x, w.group_size)
-    # Nibble codes pair elements 2j and 2j + 1 in byte j: the kernel reads x's even and odd halves.
-    xd = x if w.bits == 8 else torch.cat([x[:, 0::2], x[:, 1::2]], dim=1).contiguous()
     status = library.swarmkv_grouped_matmul(
-        m, rows, cols, xd.data_ptr(), xsum.data_ptr(), out.data_ptr(), out.stride(0), *_layout_args(w)
+        m, rows, cols, x.data_ptr(), out.data_ptr(), out.stride(0), *_layout_args(w), torch.get_num_threads()
     )
     assert status == 0, "the grouped matmul refused its layout"
     return out
@@ -146,6 +137,8 @@ def dequantize_rows(w: GroupedQuant, rows: torch.Tensor | None = None) -> torch.
     count, cols = (w.shape[0] if rows is None else rows.numel()), w.shape[1]
     out = torch.empty(count, cols, dtype=torch.float32)
     index = None if rows is None else rows.to(torch.int64).contiguous()
-    status = library.swarmkv_grouped_dequantize(count, cols, _ptr(index), out.data_ptr(), *_layout_args(w))
+    status = library.swarmkv_grouped_dequantize(
+        count, cols, _ptr(index), out.data_ptr(), *_layout_args(w), torch.get_num_threads()
+    )
     assert status == 0, "the grouped dequantisation refused its layout"
     return out

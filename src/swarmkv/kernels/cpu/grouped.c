@@ -7,6 +7,7 @@
  * Portable C: the compiler vectorises the per-group loops (built with -O3 -march=native by cpu_grouped.py).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_GROUP 256
@@ -177,49 +178,96 @@ static inline __m256 cvt_i8(const int8_t *p) {
 }
 static inline __m256 cvt_u8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
 
-/* Groups of 32 with 8-bit codes (Q8_0) or 4-bit ones (Q4_0, Q4_1, Q4_K), accumulators in registers (AVX2). */
-static float row_dot_32_fast(const layout_t *w, int64_t K, int64_t n, const float *xm, const float *xsum) {
-    const int64_t groups = K / 32;
-    row_constants_t sc = row_constants(w->s_half, w->s_sub, w->s_sub_signed, w->s_per, n, groups);
-    row_constants_t mc;
-    if (w->m_half) mc = row_constants(w->m_half, w->m_sub, 0, w->m_per, n, groups);
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    const __m128i nib = _mm_set1_epi8(0xF);
-    float rest = 0.0f;
-    for (int64_t g = 0; g < groups; g++) {
-        const float s = row_constant(&sc, g);
-        float shift = -s * (float)w->offset;
-        if (w->m_half) shift += row_constant(&mc, g);
-        rest += shift * xsum[g];
-        __m256 d0, d1, d2, d3;
-        if (w->bits == 8) {
-            const int8_t *q = (const int8_t *)w->low + n * K + g * 32;
-            const float *x = xm + g * 32;
-            d0 = _mm256_mul_ps(cvt_i8(q), _mm256_loadu_ps(x));
-            d1 = _mm256_mul_ps(cvt_i8(q + 8), _mm256_loadu_ps(x + 8));
-            d2 = _mm256_mul_ps(cvt_i8(q + 16), _mm256_loadu_ps(x + 16));
-            d3 = _mm256_mul_ps(cvt_i8(q + 24), _mm256_loadu_ps(x + 24));
-        } else {
-            const __m128i b = _mm_loadu_si128((const __m128i *)(w->low + n * (K / 2) + g * 16));
-            const __m128i low = _mm_and_si128(b, nib), high = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
-            const float *e = xm + g * 16, *o = xm + K / 2 + g * 16;
-            d0 = _mm256_mul_ps(cvt_u8(low), _mm256_loadu_ps(e));
-            d1 = _mm256_mul_ps(cvt_u8(_mm_srli_si128(low, 8)), _mm256_loadu_ps(e + 8));
-            d2 = _mm256_mul_ps(cvt_u8(high), _mm256_loadu_ps(o));
-            d3 = _mm256_mul_ps(cvt_u8(_mm_srli_si128(high, 8)), _mm256_loadu_ps(o + 8));
-        }
-        const __m256 sv = _mm256_set1_ps(s);
-        a0 = _mm256_fmadd_ps(sv, d0, a0);
-        a1 = _mm256_fmadd_ps(sv, d1, a1);
-        a2 = _mm256_fmadd_ps(sv, d2, a2);
-        a3 = _mm256_fmadd_ps(sv, d3, a3);
-    }
-    __m256 t = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return rest + _mm_cvtss_f32(h);
+#define FAST_ROWS 8 /* rows of x one pass over a weight row serves */
+
+/* 8 codes as int32 lanes: nibbles from 8 bytes (low or high halves), plus the bits above them from `hi`
+ * (a group's high plane as one 32-bit word) shifted right by `shifts` lane by lane. */
+static inline __m256i code_lanes(__m128i nibbles8, int bits, __m256i hi, __m256i shifts) {
+    __m256i c = _mm256_cvtepu8_epi32(nibbles8);
+    if (bits == 5) c = _mm256_or_si256(c, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(hi, shifts), _mm256_set1_epi32(1)), 4));
+    if (bits == 6) c = _mm256_or_si256(c, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(hi, shifts), _mm256_set1_epi32(3)), 4));
+    return c;
 }
+
+/* Groups of GS (32: 4-, 5- and 8-bit codes; 16: 4-, 5- and 6-bit) with AVX2: each group's codes are decoded and
+ * scaled once, then multiplied into up to FAST_ROWS rows of x, the accumulators in registers. */
+#define ROWS_DOT_FAST(NAME, GS)                                                                                \
+    static inline __attribute__((always_inline)) void NAME(const layout_t *w, int64_t K, int64_t n, int64_t M,  \
+                                                           const float *xd, const float *xsum, float *out) {    \
+        const int64_t groups = K / GS;                                                                         \
+        const int bits = w->bits;                                                                              \
+        enum { V = GS / 8 }; /* 8-lane vectors per group */                                                    \
+        row_constants_t sc = row_constants(w->s_half, w->s_sub, w->s_sub_signed, w->s_per, n, groups);         \
+        row_constants_t mc;                                                                                    \
+        if (w->m_half) mc = row_constants(w->m_half, w->m_sub, 0, w->m_per, n, groups);                        \
+        __m256 acc[FAST_ROWS];                                                                                 \
+        float rest[FAST_ROWS];                                                                                 \
+        for (int64_t m = 0; m < M; m++) {                                                                      \
+            acc[m] = _mm256_setzero_ps();                                                                      \
+            rest[m] = 0.0f;                                                                                    \
+        }                                                                                                      \
+        const __m128i nib = _mm_set1_epi8(0xF);                                                                \
+        /* 5 bits: element k's bit k of the group's word; 6 bits: bits 2k, 2k + 1 (groups of 16). Lanes of the  \
+         * even vector hold elements 0, 2, 4, ...; of the odd one 1, 3, 5, ... */                              \
+        const int step = bits == 6 ? 4 : 2;                                                                    \
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                                        \
+        const __m256i even = _mm256_mullo_epi32(lane, _mm256_set1_epi32(step));                                \
+        const __m256i odd = _mm256_add_epi32(even, _mm256_set1_epi32(step / 2));                               \
+        const __m256i later = _mm256_set1_epi32(8 * step); /* the second 8 even (odd) elements of a 32 group */ \
+        for (int64_t g = 0; g < groups; g++) {                                                                 \
+            const float s = row_constant(&sc, g);                                                              \
+            float shift = -s * (float)w->offset;                                                               \
+            if (w->m_half) shift += row_constant(&mc, g);                                                      \
+            const __m256 sv = _mm256_set1_ps(s);                                                               \
+            __m256 q[V];                                                                                       \
+            int64_t off[V];                                                                                    \
+            if (bits == 8) {                                                                                   \
+                const int8_t *c = (const int8_t *)w->low + n * K + g * GS;                                     \
+                for (int v = 0; v < V; v++) {                                                                  \
+                    q[v] = _mm256_mul_ps(sv, cvt_i8(c + 8 * v));                                               \
+                    off[v] = g * GS + 8 * v;                                                                   \
+                }                                                                                              \
+            } else {                                                                                           \
+                const uint8_t *lo = w->low + n * (K / 2) + g * (GS / 2);                                       \
+                __m128i b = GS == 32 ? _mm_loadu_si128((const __m128i *)lo) : _mm_loadl_epi64((const __m128i *)lo); \
+                const __m128i low = _mm_and_si128(b, nib), high = _mm_and_si128(_mm_srli_epi16(b, 4), nib);    \
+                uint32_t word = 0;                                                                             \
+                if (bits == 5) memcpy(&word, w->high + n * (K / 8) + g * (GS / 8), GS / 8);                    \
+                if (bits == 6) memcpy(&word, w->high + n * (K / 4) + g * (GS / 4), GS / 4);                    \
+                const __m256i hi = _mm256_set1_epi32((int)word);                                               \
+                /* even elements: x's first half; odd: its second half */                                      \
+                q[0] = _mm256_cvtepi32_ps(code_lanes(low, bits, hi, even));                                    \
+                off[0] = g * (GS / 2);                                                                         \
+                if (GS == 32) {                                                                                \
+                    q[1] = _mm256_cvtepi32_ps(code_lanes(_mm_srli_si128(low, 8), bits, hi, _mm256_add_epi32(even, later))); \
+                    off[1] = g * 16 + 8;                                                                       \
+                }                                                                                              \
+                q[V / 2] = _mm256_cvtepi32_ps(code_lanes(high, bits, hi, odd));                                \
+                off[V / 2] = K / 2 + g * (GS / 2);                                                             \
+                if (GS == 32) {                                                                                \
+                    q[3] = _mm256_cvtepi32_ps(code_lanes(_mm_srli_si128(high, 8), bits, hi, _mm256_add_epi32(odd, later))); \
+                    off[3] = K / 2 + g * 16 + 8;                                                               \
+                }                                                                                              \
+                for (int v = 0; v < V; v++) q[v] = _mm256_mul_ps(sv, q[v]);                                    \
+            }                                                                                                  \
+            for (int64_t m = 0; m < M; m++) {                                                                  \
+                const float *x = xd + m * K;                                                                   \
+                __m256 a = acc[m];                                                                             \
+                for (int v = 0; v < V; v++) a = _mm256_fmadd_ps(q[v], _mm256_loadu_ps(x + off[v]), a);        \
+                acc[m] = a;                                                                                    \
+                rest[m] += shift * xsum[m * groups + g];                                                       \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int64_t m = 0; m < M; m++) {                                                                      \
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));          \
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));                                                            \
+            h = _mm_add_ss(h, _mm_movehdup_ps(h));                                                             \
+            out[m] = rest[m] + _mm_cvtss_f32(h);                                                               \
+        }                                                                                                      \
+    }
+
+ROWS_DOT_FAST(rows_dot_fast_32, 32)
+ROWS_DOT_FAST(rows_dot_fast_16, 16)
 #else
 #define HAVE_FAST_32 0
 #endif
@@ -228,18 +276,28 @@ static float row_dot_32_fast(const layout_t *w, int64_t K, int64_t n, const floa
 static void rows_matmul(const layout_t *w, int64_t M, int64_t K, const float *xd, const float *xsum, float *y,
                         int64_t ldy, int64_t n0, int64_t n1) {
     const int64_t groups = K / w->group;
-    for (int64_t n = n0; n < n1; n++)
+    for (int64_t n = n0; n < n1; n++) {
+#if HAVE_FAST_32
+        if ((w->group == 32 && w->bits != 6) || (w->group == 16 && w->bits != 8)) {
+            float out[FAST_ROWS];
+            for (int64_t m0 = 0; m0 < M; m0 += FAST_ROWS) {
+                const int64_t rows = M - m0 < FAST_ROWS ? M - m0 : FAST_ROWS;
+                const float *x = xd + m0 * K, *xs = xsum + m0 * groups;
+                /* a constant row count of 1 keeps the accumulator in a register */
+                if (w->group == 32)
+                    rows == 1 ? rows_dot_fast_32(w, K, n, 1, x, xs, out) : rows_dot_fast_32(w, K, n, rows, x, xs, out);
+                else
+                    rows == 1 ? rows_dot_fast_16(w, K, n, 1, x, xs, out) : rows_dot_fast_16(w, K, n, rows, x, xs, out);
+                for (int64_t m = 0; m < rows; m++) y[(m0 + m) * ldy + n] = out[m];
+            }
+            continue;
+        }
+#endif
         for (int64_t m = 0; m < M; m++) {
             const float *xm = xd + m * K, *xs = xsum + m * groups;
-            float v;
-#if HAVE_FAST_32
-            if (w->group == 32 && (w->bits == 8 || w->bits == 4))
-                v = row_dot_32_fast(w, K, n, xm, xs);
-            else
-#endif
-                v = w->group == 16 ? row_dot_16(w, K, n, xm, xs) : row_dot_32(w, K, n, xm, xs);
-            y[m * ldy + n] = v;
+            y[m * ldy + n] = w->group == 16 ? row_dot_16(w, K, n, xm, xs) : row_dot_32(w, K, n, xm, xs);
         }
+    }
 }
 
 static void fill_layout(layout_t *w, int bits, int group, int offset, const uint8_t *low, const uint8_t *high,
@@ -250,22 +308,46 @@ static void fill_layout(layout_t *w, int bits, int group, int offset, const uint
     w->m_half = m_half; w->m_sub = m_sub; w->m_per = m_per;
 }
 
-/* y[M, N] (row stride ldy) = x[M, K] W^T, float32. xd: x itself for 8-bit codes, else each row's even then odd
- * elements; xsum [M, K/group]: each group's sum of x. */
-int swarmkv_grouped_matmul(int64_t M, int64_t N, int64_t K, const float *xd, const float *xsum, float *y,
-                           int64_t ldy, int bits, int group, int offset, const uint8_t *low, const uint8_t *high,
-                           const uint16_t *s_half, const void *s_sub, int s_sub_signed, int s_per,
-                           const uint16_t *m_half, const uint8_t *m_sub, int m_per, int threads) {
+/* y[M, N] (row stride ldy) = x[M, K] W^T, float32. x's per-group sums (for offsets and minimums) and, for
+ * nibble codes, its even then odd elements are formed here once per call. */
+int swarmkv_grouped_matmul(int64_t M, int64_t N, int64_t K, const float *x, float *y, int64_t ldy, int bits,
+                           int group, int offset, const uint8_t *low, const uint8_t *high, const uint16_t *s_half,
+                           const void *s_sub, int s_sub_signed, int s_per, const uint16_t *m_half,
+                           const uint8_t *m_sub, int m_per, int threads) {
     if ((group != 16 && group != 32) || K % group) return 1;
     layout_t w;
     fill_layout(&w, bits, group, offset, low, high, s_half, s_sub, s_sub_signed, s_per, m_half, m_sub, m_per);
+    const int64_t groups = K / group;
+    float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
+    float *xd = bits == 8 ? NULL : malloc(sizeof(float) * (size_t)(M * K));
+    if (xsum == NULL || (bits != 8 && xd == NULL)) {
+        free(xsum);
+        free(xd);
+        return 2;
+    }
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * K;
+        for (int64_t g = 0; g < groups; g++) {
+            float t = 0.0f;
+            for (int j = 0; j < group; j++) t += xm[g * group + j];
+            xsum[m * groups + g] = t;
+        }
+        if (xd != NULL)
+            for (int64_t j = 0; j < K / 2; j++) {
+                xd[m * K + j] = xm[2 * j];
+                xd[m * K + K / 2 + j] = xm[2 * j + 1];
+            }
+    }
+    const float *xs = xd != NULL ? xd : x;
     const int64_t block = 16;
     const int64_t blocks = (N + block - 1) / block;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b = 0; b < blocks; b++) {
         int64_t n0 = b * block, n1 = n0 + block < N ? n0 + block : N;
-        rows_matmul(&w, M, K, xd, xsum, y, ldy, n0, n1);
+        rows_matmul(&w, M, K, xs, xsum, y, ldy, n0, n1);
     }
+    free(xsum);
+    free(xd);
     return 0;
 }
 
