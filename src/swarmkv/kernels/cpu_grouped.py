@@ -98,12 +98,17 @@ def _layout_args(w: GroupedQuant) -> tuple[object, ...]:
             return c.values.view(torch.int16).data_ptr(), None, 0, 1
         per = c.values.shape[1] // c.outer.shape[1]
         assert per & (per - 1) == 0, "the kernel takes a power-of-two groups per super-group"
-        return c.outer.view(torch.int16).data_ptr(), c.values.data_ptr(), int(c.values.dtype == torch.int8), per
+        return (
+            c.outer.view(torch.int16).data_ptr(),
+            c.values.data_ptr(),
+            int(c.values.dtype == torch.int8),
+            per,
+        )
 
     s_half, s_sub, s_signed, s_per = constants(w.scales)
     m_half, m_sub, _, m_per = constants(w.mins)
-    args = (w.bits, w.group_size, w.offset, _ptr(w.low), _ptr(w.high), s_half, s_sub, s_signed, s_per, m_half)
-    args += (m_sub, m_per)
+    args: tuple[object, ...] = (w.bits, w.group_size, w.offset, _ptr(w.low), _ptr(w.high), s_half, s_sub)
+    args += (s_signed, s_per, m_half, m_sub, m_per)
     if len(_ARGS) > 4096:
         _ARGS.clear()
     _ARGS[id(w)] = (w, args)
