@@ -9,7 +9,10 @@ Decode: one request's greedy tokens/s through the engine (swarmkv) and `generate
 excluded. Quality: each quantized format's top-1 agreement with float over a long text (this repository's
 README), position by position.
 
-    .venv/bin/python bench/forward.py [--lengths 512 2048] [--weights float int8 int4] [--repeats 3]
+    .venv/bin/python bench/forward.py [--lengths 512 2048] [--weights float int8 int4 gguf] [--repeats 3]
+
+"gguf" holds every tensor at the file's bits (the CPU default since issue 25); "int4" is the earlier path
+(Q4_1 projections in PyTorch's int4 kernel, embedding and LM head float32).
 """
 
 from __future__ import annotations
@@ -152,7 +155,10 @@ def main() -> None:
         "--lengths", type=int, nargs="+", default=[512, 2048], help="prompt lengths in tokens"
     )
     parser.add_argument(
-        "--weights", nargs="+", default=["float", "int8", "int4"], choices=["float", "int8", "int4"]
+        "--weights",
+        nargs="+",
+        default=["float", "int8", "int4", "gguf"],
+        choices=["float", "int8", "int4", "gguf"],
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per model and length")
     parser.add_argument("--decode-tokens", type=int, default=48, help="tokens timed per decode run")

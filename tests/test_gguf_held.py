@@ -3,6 +3,7 @@ LM head included; the CPU kernel against the dequantised weights; logits against
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import numpy as np
@@ -148,21 +149,36 @@ def test_a_q4_k_m_like_mix_keeps_each_shard_at_its_type(files: dict[str, Path]) 
     assert report.file_bytes == file_bytes and report.held_bytes <= 1.03 * file_bytes
 
 
+# This machine's build, and the AVX2 and plain-C ones other CPUs get (x86 only for AVX2).
+ARCH_FLAGS = {
+    "native": None,
+    "avx2": ("-mavx2", "-mfma", "-mf16c") if platform.machine() == "x86_64" else None,
+    "plain": ("-mno-avx", "-mno-f16c") if platform.machine() == "x86_64" else (),
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCH_FLAGS))
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
-@pytest.mark.parametrize("rows", [1, 3, 8, 9])
-def test_the_cpu_kernel_matches_the_dequantised_matmul(kind: GGMLQuantizationType, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
+def test_the_cpu_kernel_matches_the_dequantised_matmul(
+    kind: GGMLQuantizationType, rows: int, arch: str
+) -> None:
     if not cpu_grouped.available():
         pytest.skip("no C compiler on this machine: the torch path is tested below")
+    flags = ARCH_FLAGS[arch]
+    if arch != "native" and flags is None:
+        pytest.skip(f"{arch} is an x86 build")
+    library = None if flags is None else cpu_grouped.build(flags)
     torch.manual_seed(rows)
     weight = parse_blocks(quantize(torch.randn(40, 512) * 0.05, kind), kind, (40, 512))
     x = torch.randn(rows, 512)
     expected = x @ weight.dequantize().t()
     wide = torch.full((rows, 50), float("nan"))
-    cpu_grouped.matmul(x, weight, wide[:, 5:45])  # a column slice of a wider output
+    cpu_grouped.matmul(x, weight, wide[:, 5:45], library)  # a column slice of a wider output
     assert torch.allclose(wide[:, 5:45], expected, atol=1e-5, rtol=1e-5)
     assert wide[:, :5].isnan().all() and wide[:, 45:].isnan().all()
     index = torch.tensor([39, 0, 7, 7])
-    assert torch.equal(cpu_grouped.dequantize_rows(weight, index), weight.dequantize()[index])
+    assert torch.equal(cpu_grouped.dequantize_rows(weight, index, library), weight.dequantize()[index])
 
 
 def test_without_the_c_kernel_the_torch_path_gives_the_same(

@@ -41,15 +41,21 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-@cache
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("SWARMKV_CPU_KERNELS", "").lower() == "torch":
         return None
+    return build(tuple(_arch_flags()))
+
+
+@cache
+def build(arch: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The kernel built for `arch` (compiler flags: this machine's by default; the tests also build the AVX2
+    and plain-C variants), or None when it cannot be built."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         log.warning("no C compiler found: quantized GGUF weights run on the slower torch path")
         return None
-    flags = [*FLAGS, *_arch_flags()]
+    flags = [*FLAGS, *arch]
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join([compiler, *flags, platform.processor()]).encode()).hexdigest()[
         :16
@@ -118,10 +124,12 @@ def _layout_args(w: GroupedQuant) -> tuple[object, ...]:
 _ARGS: dict[int, tuple[GroupedQuant, tuple[object, ...]]] = {}
 
 
-def matmul(x: torch.Tensor, w: GroupedQuant, out: torch.Tensor | None = None) -> torch.Tensor:
+def matmul(
+    x: torch.Tensor, w: GroupedQuant, out: torch.Tensor | None = None, library: ctypes.CDLL | None = None
+) -> torch.Tensor:
     """x [M, K] float32 (contiguous) times W^T -> [M, N] float32; `out` may be a column slice of a wider
-    output (row stride its own)."""
-    library = _library()
+    output (row stride its own). `library`: a `build` of the kernel other than this machine's."""
+    library = library or _library()
     assert library is not None and x.dtype == torch.float32 and x.is_contiguous()
     rows, cols = w.shape
     m = x.shape[0]
@@ -135,9 +143,11 @@ def matmul(x: torch.Tensor, w: GroupedQuant, out: torch.Tensor | None = None) ->
     return out
 
 
-def dequantize_rows(w: GroupedQuant, rows: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_rows(
+    w: GroupedQuant, rows: torch.Tensor | None = None, library: ctypes.CDLL | None = None
+) -> torch.Tensor:
     """The float32 weight's rows `rows` (int64 indices; all rows when None), exact as `w.dequantize()`."""
-    library = _library()
+    library = library or _library()
     assert library is not None
     count, cols = (w.shape[0] if rows is None else rows.numel()), w.shape[1]
     out = torch.empty(count, cols, dtype=torch.float32)

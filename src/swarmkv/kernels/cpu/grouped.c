@@ -232,8 +232,8 @@ static inline __m256i code_lanes(__m128i nibbles8, int bits, __m256i hi, __m256i
                 __m128i b = GS == 32 ? _mm_loadu_si128((const __m128i *)lo) : _mm_loadl_epi64((const __m128i *)lo); \
                 const __m128i low = _mm_and_si128(b, nib), high = _mm_and_si128(_mm_srli_epi16(b, 4), nib);    \
                 uint32_t word = 0;                                                                             \
-                if (bits == 5) memcpy(&word, w->high + n * (K / 8) + g * (GS / 8), GS / 8);                    \
-                if (bits == 6) memcpy(&word, w->high + n * (K / 4) + g * (GS / 4), GS / 4);                    \
+                if (bits == 5) memcpy(&word, w->high + n * (K / 8) + g * (GS / 8), GS / 8);                  \
+                if (bits == 6 && GS == 16) memcpy(&word, w->high + n * (K / 4) + g * 4, 4);                  \
                 const __m256i hi = _mm256_set1_epi32((int)word);                                               \
                 /* even elements: x's first half; odd: its second half */                                      \
                 q[0] = _mm256_cvtepi32_ps(code_lanes(low, bits, hi, even));                                    \
@@ -268,6 +268,65 @@ static inline __m256i code_lanes(__m128i nibbles8, int bits, __m256i hi, __m256i
 
 ROWS_DOT_FAST(rows_dot_fast_32, 32)
 ROWS_DOT_FAST(rows_dot_fast_16, 16)
+
+#if defined(__AVX512F__)
+#define HAVE_512 1
+/* Groups of 32 with 4-, 5- or 8-bit codes on AVX-512: 16 lanes, two vectors a group. */
+static inline __attribute__((always_inline)) void rows_dot_512(const layout_t *w, int64_t K, int64_t n, int64_t M,
+                                                               const float *xd, const float *xsum, float *out) {
+    const int64_t groups = K / 32;
+    const int bits = w->bits;
+    row_constants_t sc = row_constants(w->s_half, w->s_sub, w->s_sub_signed, w->s_per, n, groups);
+    row_constants_t mc;
+    if (w->m_half) mc = row_constants(w->m_half, w->m_sub, 0, w->m_per, n, groups);
+    __m512 acc[FAST_ROWS];
+    float rest[FAST_ROWS];
+    for (int64_t m = 0; m < M; m++) {
+        acc[m] = _mm512_setzero_ps();
+        rest[m] = 0.0f;
+    }
+    const __m128i nib = _mm_set1_epi8(0xF);
+    const __m512i lane2 = _mm512_slli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 1);
+    const __m512i lane2_odd = _mm512_add_epi32(lane2, _mm512_set1_epi32(1));
+    const __m512i one = _mm512_set1_epi32(1);
+    for (int64_t g = 0; g < groups; g++) {
+        const float s = row_constant(&sc, g);
+        float shift = -s * (float)w->offset;
+        if (w->m_half) shift += row_constant(&mc, g);
+        const __m512 sv = _mm512_set1_ps(s);
+        __m512 q0, q1;
+        int64_t o0, o1;
+        if (bits == 8) {
+            const int8_t *c = (const int8_t *)w->low + n * K + g * 32;
+            q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+            q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
+            o0 = g * 32, o1 = o0 + 16;
+        } else {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(w->low + n * (K / 2) + g * 16));
+            __m512i c0 = _mm512_cvtepu8_epi32(_mm_and_si128(b, nib));
+            __m512i c1 = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), nib));
+            if (bits == 5) { /* element k's fifth bit: bit k of the group's word */
+                uint32_t word;
+                memcpy(&word, w->high + n * (K / 8) + g * 4, 4);
+                const __m512i hi = _mm512_set1_epi32((int)word);
+                c0 = _mm512_or_si512(c0, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(hi, lane2), one), 4));
+                c1 = _mm512_or_si512(c1, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(hi, lane2_odd), one), 4));
+            }
+            q0 = _mm512_cvtepi32_ps(c0), q1 = _mm512_cvtepi32_ps(c1);
+            o0 = g * 16, o1 = K / 2 + g * 16; /* even elements: x's first half; odd: its second */
+        }
+        q0 = _mm512_mul_ps(sv, q0), q1 = _mm512_mul_ps(sv, q1);
+        for (int64_t m = 0; m < M; m++) {
+            const float *x = xd + m * K;
+            acc[m] = _mm512_fmadd_ps(q1, _mm512_loadu_ps(x + o1), _mm512_fmadd_ps(q0, _mm512_loadu_ps(x + o0), acc[m]));
+            rest[m] += shift * xsum[m * groups + g];
+        }
+    }
+    for (int64_t m = 0; m < M; m++) out[m] = rest[m] + _mm512_reduce_add_ps(acc[m]);
+}
+#else
+#define HAVE_512 0
+#endif
 #else
 #define HAVE_FAST_32 0
 #endif
@@ -284,6 +343,11 @@ static void rows_matmul(const layout_t *w, int64_t M, int64_t K, const float *xd
                 const int64_t rows = M - m0 < FAST_ROWS ? M - m0 : FAST_ROWS;
                 const float *x = xd + m0 * K, *xs = xsum + m0 * groups;
                 /* a constant row count of 1 keeps the accumulator in a register */
+#if HAVE_512
+                if (w->group == 32)
+                    rows == 1 ? rows_dot_512(w, K, n, 1, x, xs, out) : rows_dot_512(w, K, n, rows, x, xs, out);
+                else
+#endif
                 if (w->group == 32)
                     rows == 1 ? rows_dot_fast_32(w, K, n, 1, x, xs, out) : rows_dot_fast_32(w, K, n, rows, x, xs, out);
                 else
