@@ -267,3 +267,20 @@ def test_the_planner_counts_the_bytes_the_loader_holds(files: dict[str, Path], n
         planned = count_gguf_weights(file.reader, file.metadata, dtype)
         assert planned.total_bytes == model_bytes(loaded)
         assert loaded.weight_report is not None and loaded.weight_report.held_bytes == planned.total_bytes
+
+
+def test_stats_show_the_weights_held_per_type(files: dict[str, Path]) -> None:
+    from swarmkv import LLM
+
+    llm = LLM(loaded=load_model(files["mix"], dtype="float32"), kv_cache_memory="16MiB")
+    weights = llm.stats()["weights"]
+    assert weights["held_bytes"] == model_bytes(llm.loaded)
+    assert set(weights["types"]) == {"F32", "Q4_K", "Q6_K"}
+    assert weights["types"]["Q6_K"]["held_as"] == "Q6_K"
+
+
+def test_gguf_weights_for_a_safetensors_checkpoint_are_refused(tmp_path: Path) -> None:
+    from tiny_models import make_tiny_checkpoint
+
+    with pytest.raises(ConfigError, match="safetensors"):
+        load_model(make_tiny_checkpoint(tmp_path), weights="gguf")

@@ -13,8 +13,8 @@ CASCADE_MODES: tuple[CascadeMode, ...] = ("auto", "on", "off")
 KVCacheDtype = Literal["auto", "float16", "bfloat16", "float32", "fp8_e4m3"]
 KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = ("auto", "float16", "bfloat16", "float32", "fp8_e4m3")
 
-WeightsOption = Literal["auto", "float", "int8", "int4"]
-WEIGHTS_OPTIONS: tuple[WeightsOption, ...] = ("auto", "float", "int8", "int4")
+WeightsOption = Literal["auto", "float", "int8", "int4", "gguf"]
+WEIGHTS_OPTIONS: tuple[WeightsOption, ...] = ("auto", "float", "int8", "int4", "gguf")
 
 # A max_tokens above what the context leaves after the prompt: clamped to that room, or a 400.
 MaxTokensPolicy = Literal["clamp", "refuse"]

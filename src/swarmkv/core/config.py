@@ -35,7 +35,9 @@ class ModelOptions:
     dtype: str = _opt("auto", "auto, float32, bfloat16 or float16")
     device: str = _opt("cpu", "torch device, e.g. cpu, cuda, cuda:1")
     weights: WeightsOption = _opt(
-        "auto", "projection weights: auto (a GGUF's Q4 stays int4, other quants int8), float, int8 or int4"
+        "auto",
+        "weights: auto (on the CPU a GGUF keeps every tensor at its own bits, gguf; on a GPU its Q4 stays int4, "
+        "other quants int8), float, int8, int4 or gguf",
     )
 
 

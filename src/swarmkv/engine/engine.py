@@ -355,5 +355,9 @@ class LLMEngine:
         return self.core.snapshot()
 
     def stats(self) -> dict[str, Any]:
-        """`snapshot()` as a flat dict (the public API)."""
-        return self.snapshot().to_dict()
+        """`snapshot()` as a flat dict (the public API), with a GGUF's weights per type as held."""
+        out = self.snapshot().to_dict()
+        report = self.loaded.weight_report
+        if report is not None:
+            out["weights"] = report.to_json()
+        return out

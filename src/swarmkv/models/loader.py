@@ -81,6 +81,8 @@ def load_model(
         from swarmkv.models.gguf_file import open_gguf  # the gguf package: only for GGUF files
 
         return _load_gguf(open_gguf(resolved), compute_dtype, device, weights)
+    if weights == "gguf":
+        raise ConfigError(f"--weights gguf keeps a GGUF file's own blocks; {resolved} is a safetensors checkpoint")
     return _load_hf_dir(resolved, compute_dtype, device, "float" if weights == "auto" else weights)
 
 
