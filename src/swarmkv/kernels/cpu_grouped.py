@@ -16,11 +16,49 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from swarmkv.models.gguf_quants import GroupConstants, GroupedQuant
+
+class GroupConstants(Protocol):
+    """A layout's per-group scales or minimums (`models.gguf_quants.GroupConstants`)."""
+
+    @property
+    def values(self) -> torch.Tensor: ...
+
+    @property
+    def outer(self) -> torch.Tensor | None: ...
+
+
+class GroupedQuant(Protocol):
+    """What the kernel reads of a weight in the grouped layout (`models.gguf_quants.GroupedQuant`; kernels/ sits
+    below models/, so it is described here, not imported)."""
+
+    @property
+    def bits(self) -> int: ...
+
+    @property
+    def group_size(self) -> int: ...
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def low(self) -> torch.Tensor: ...
+
+    @property
+    def high(self) -> torch.Tensor | None: ...
+
+    @property
+    def scales(self) -> GroupConstants: ...
+
+    @property
+    def mins(self) -> GroupConstants | None: ...
+
+    @property
+    def shape(self) -> tuple[int, int]: ...
+
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu") / "grouped.c"

@@ -82,7 +82,9 @@ def load_model(
 
         return _load_gguf(open_gguf(resolved), compute_dtype, device, weights)
     if weights == "gguf":
-        raise ConfigError(f"--weights gguf keeps a GGUF file's own blocks; {resolved} is a safetensors checkpoint")
+        raise ConfigError(
+            f"--weights gguf keeps a GGUF file's own blocks; {resolved} is a safetensors checkpoint"
+        )
     return _load_hf_dir(resolved, compute_dtype, device, "float" if weights == "auto" else weights)
 
 
