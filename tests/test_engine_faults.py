@@ -134,7 +134,8 @@ def test_salted_requests_leave_no_empty_roots() -> None:
 
 
 def swarm(mode: str, n: int = 4, prefix: int = 1100) -> tuple[list[list[int]], dict[str, Any]]:
-    llm = tiny_llm(block_size=16, cascade_attention=mode)
+    # All four prefilled in one step (no partial-prefill limit), so their decodes run in step together.
+    llm = tiny_llm(block_size=16, cascade_attention=mode, max_num_partial_prefills=0)
     prompts = [head(prefix) + head(8 + i, seed=i + 1) for i in range(n)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     return [o.token_ids for o in outs], llm.stats()

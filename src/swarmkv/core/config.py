@@ -90,6 +90,11 @@ class EngineConfig:
         "waiting requests looked up per step for the shortest prefill; later ones wait their turn",
         flag=False,
     )
+    max_num_partial_prefills: int | None = _opt(
+        None,
+        "requests prefilled in one step at most, shortest first (0: as many as the token budget holds; default "
+        "by device, no limit for now on both: bench/partial_prefills.py measures the trade)",
+    )
     cascade_min_saved_tokens: int | None = _opt(
         None,
         "cascade_attention=auto groups decodes when that spares this many prefix-token reads in a step"
@@ -145,6 +150,14 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_num_partial_prefills is not None and (
+            isinstance(self.max_num_partial_prefills, bool)
+            or not isinstance(self.max_num_partial_prefills, int)
+            or self.max_num_partial_prefills < 0
+        ):
+            raise ValueError(
+                f"max_num_partial_prefills must be 0 (no limit) or a positive integer, got {self.max_num_partial_prefills!r}"
+            )
         for name in ("cascade_min_saved_tokens", "swap_bytes_per_s", "prefill_s_per_token"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not value > 0):

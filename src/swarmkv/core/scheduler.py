@@ -78,12 +78,15 @@ class StepPlan:
 @dataclass(frozen=True)
 class SchedulerLimits:
     """Per-step caps: running requests and tokens computed (prefill chunks plus decodes); after how many
-    steps passed over a prefill goes first, and how many waiting requests a step looks at."""
+    steps passed over a prefill goes first, how many waiting requests a step looks at, and how many requests
+    a step prefills (None: as many as the token budget holds). Fewer prefills a step give the shortest its
+    first token sooner, where a step's cost grows with its tokens (a CPU)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
     starvation_steps: int = 16
     max_waiting_considered: int = 256
+    max_num_partial_prefills: int | None = None
 
 
 @dataclass
@@ -148,8 +151,9 @@ class Scheduler:
                 budget -= 1
         admitting = True
         prefills = self._prefills(scheduled)
+        limit, prefilling = self.limits.max_num_partial_prefills, 0
         for _, _, position, seq in prefills:
-            if budget == 0:
+            if budget == 0 or (limit is not None and prefilling >= limit):
                 break
             if seq.status is Status.RUNNING:
                 if id(seq) in scheduled:
@@ -163,6 +167,7 @@ class Scheduler:
                     scheduled.add(id(seq))
                     plan.chunks.append(self._chunk(seq, num_tokens, "prefill", snapshot=cut is not None))
                     budget -= num_tokens
+                    prefilling += 1
             elif (
                 admitting
                 and position >= 0  # not one preempted earlier in this loop
@@ -175,6 +180,7 @@ class Scheduler:
                 elif admitted:
                     scheduled.add(id(seq))
                     budget -= admitted
+                    prefilling += 1
         for *_, seq in prefills:
             seq.num_starved_steps = 0 if id(seq) in scheduled else seq.num_starved_steps + 1
         plan.freed, self._freed = self._freed, []
