@@ -155,13 +155,13 @@ def test_eight_instances_at_once_share_their_head(serve: Callable[..., Server], 
         time.sleep(0.2)
     runs = [instance.wait() for instance in instances]
     usages = [_check_run(run) for run in runs]
-    # In the order their first requests reached the server: every one after the first reads the head.
+    # In the order their first requests reached the proxies. One of them computes the head and the seven others
+    # read it; which one is the engine's admission order, which can differ from the proxies' clocks under load.
     order = sorted(range(8), key=lambda i: runs[i].generations[0].started)
     for rank, i in enumerate(order):
         _report(f"{harness.name} x8, instance {rank + 1}", usages[i])
-    for i in order[1:]:
-        read, total = usages[i][0]
-        assert read >= SHARED_TARGET[harness] * total, usages[i]
+    sharing = [i for i in order if usages[i][0][0] >= SHARED_TARGET[harness] * usages[i][0][1]]
+    assert len(sharing) >= 7, [usages[i][0] for i in order]
 
 
 def test_a_harness_runs_on_a_hybrid_model(serve: Callable[..., Server], tmp_path: Path) -> None:
