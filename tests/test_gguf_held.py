@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from swarmkv.errors import ConfigError
+from swarmkv.errors import ConfigError, ModelLoadError
 from swarmkv.kernels import cpu_grouped
 from swarmkv.models import gguf_linear
 from swarmkv.models.gguf_linear import GGUFEmbedding, GGUFLinear, gguf_modules
@@ -21,7 +21,7 @@ from swarmkv.models.gguf_quants import SPECS, held_bytes, parse_blocks
 from swarmkv.models.gguf_weights import unpermute_rotary_rows
 from swarmkv.models.loader import LoadedModel, load_model
 from test_models import swarmkv_logits
-from tiny_gguf import SHAPE, write_tiny_gguf
+from tiny_gguf import SHAPE, rewrite_gguf, write_tiny_gguf
 
 Q = GGMLQuantizationType
 KINDS = list(SPECS)
@@ -193,34 +193,14 @@ def test_without_the_c_kernel_the_torch_path_gives_the_same(
 
 def test_a_type_the_layout_does_not_hold_is_converted_with_its_error_reported(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "q3.gguf", projections=Q.Q4_0)
-    # Rewrite one projection as Q3_K blocks: random bytes with a sane float16 super-scale.
-    from gguf import GGML_QUANT_SIZES, GGUFWriter
-
-    reader = GGUFReader(path)
+    # One projection as Q3_K blocks: random bytes with a sane float16 super-scale.
     block, size = GGML_QUANT_SIZES[Q.Q3_K]
-    rng = np.random.default_rng(0)
-    out = tmp_path / "converted.gguf"
-    writer = GGUFWriter(out, "llama")
-    for field in reader.fields.values():
-        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
-            writer.add_key_value(
-                field.name,
-                field.contents(),
-                field.types[0],
-                field.types[-1] if len(field.types) > 1 else None,
-            )
-    for tensor in reader.tensors:
-        shape = [int(d) for d in reversed(tensor.shape.tolist())]
-        if tensor.name == "blk.0.ffn_up.weight":
-            raw = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
-            raw[..., -2:] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
-            writer.add_tensor(tensor.name, raw.reshape(shape[0], -1), raw_dtype=Q.Q3_K)
-        else:
-            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    rows, cols = SHAPE["intermediate"], SHAPE["hidden"]
+    raw = np.random.default_rng(0).integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    raw[..., -2:] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    out = rewrite_gguf(
+        path, tmp_path / "converted.gguf", {"blk.0.ffn_up.weight": (raw.reshape(rows, -1), Q.Q3_K)}
+    )
     loaded = load_model(out, dtype="float32")
     report = loaded.weight_report
     assert report is not None
@@ -284,3 +264,20 @@ def test_gguf_weights_for_a_safetensors_checkpoint_are_refused(tmp_path: Path) -
 
     with pytest.raises(ConfigError, match="safetensors"):
         load_model(make_tiny_checkpoint(tmp_path), weights="gguf")
+
+
+def test_a_quantized_tensor_bound_for_a_float_parameter_is_refused(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "norm.gguf", projections=Q.Q4_0)
+    norm = quantize(torch.ones(1, SHAPE["hidden"]), Q.Q8_0)  # a norm's weight as Q8_0 blocks
+    out = rewrite_gguf(path, tmp_path / "bad.gguf", {"blk.0.attn_norm.weight": (norm, Q.Q8_0)})
+    with pytest.raises(ModelLoadError, match=r"input_layernorm.*only float"):
+        load_model(out, dtype="float32")
+
+
+def test_a_kernel_that_cannot_be_built_leaves_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    monkeypatch.setenv("SWARMKV_CACHE_DIR", str(tmp_path))
+    assert cpu_grouped.build(("-DSWARMKV_TEST_BUILD_FAILS",)) is None
+    assert not list(tmp_path.rglob("*.so"))

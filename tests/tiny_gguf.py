@@ -202,3 +202,25 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def rewrite_gguf(
+    source: Path, out: Path, replace: dict[str, tuple[np.ndarray, GGMLQuantizationType]]
+) -> Path:
+    """Copy a GGUF file with some tensors replaced by raw blocks of another type: {name: (bytes, type)}."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(source)
+    writer = GGUFWriter(out, str(reader.fields["general.architecture"].contents()))
+    for field in reader.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            sub = field.types[-1] if len(field.types) > 1 else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub)
+    for tensor in reader.tensors:
+        raw, kind = replace.get(tensor.name, (tensor.data, tensor.tensor_type))
+        writer.add_tensor(tensor.name, raw, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -92,8 +92,9 @@ class EngineConfig:
     )
     max_num_partial_prefills: int | None = _opt(
         None,
-        "requests prefilled in one step at most, shortest first (0: as many as the token budget holds; default "
-        "by device, no limit for now on both: bench/partial_prefills.py measures the trade)",
+        "requests prefilled in one step at most, shortest first (default and 0: as many as the token budget "
+        "holds). bench/partial_prefills.py measures the trade on a burst; a limit also staggers a cold swarm's "
+        "admissions, which its head deduplication assumes are one step, so it is not the default yet",
     )
     cascade_min_saved_tokens: int | None = _opt(
         None,

@@ -67,8 +67,7 @@ class EngineCore:
             config.max_num_batched_tokens,
             config.starvation_steps,
             config.max_waiting_considered,
-            config.max_num_partial_prefills or None,  # 0 and None: the token budget alone (the engine
-            # resolves None by device before it gets here)
+            config.max_num_partial_prefills or None,  # 0 and None: the token budget alone
         )
         self.scheduler = Scheduler(self.kv, limits, self.counters, cost)
         self.pins = Pins(self.kv, page_bytes, config.max_pinned_bytes, state_bytes=state_bytes_per_sequence)

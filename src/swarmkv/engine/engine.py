@@ -8,7 +8,6 @@ go back (their earlier KV stays cached), the runner forgets their rows, and the 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -37,12 +36,6 @@ from swarmkv.models.loader import LoadedModel
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestDelta"]
 
-# Requests prefilled per step on the CPU by default: no limit yet. bench/partial_prefills.py (a burst of 8 prompts
-# of 256 tokens, the embedded model) measured mean time to first token against no limit: int4 weights 1.65x (limit
-# 1) / 1.75x (2) sooner, walls 0.98x / 1.09x; gguf weights 1.43x / 1.40x, walls 0.83x / 0.82x. A limit also
-# staggers a cold swarm's admissions, which its head deduplication and the tests of it assume are one step, so
-# the default waits until both agree. A GPU is not measured yet.
-CPU_PARTIAL_PREFILLS = 0
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +93,6 @@ class LLMEngine:
             config.swap_bytes_per_s or (12e9 if gpu else 4e9),
             config.prefill_s_per_token or (1e-4 if gpu else 3e-3),
         )
-        if config.max_num_partial_prefills is None:
-            partial = 0 if gpu else CPU_PARTIAL_PREFILLS
-            config = dataclasses.replace(config, max_num_partial_prefills=partial)
         self.core = EngineCore(
             config,
             num_pages,

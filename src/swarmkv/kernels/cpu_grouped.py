@@ -79,6 +79,7 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+@cache
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("SWARMKV_CPU_KERNELS", "").lower() == "torch":
         return None

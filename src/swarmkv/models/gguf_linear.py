@@ -17,8 +17,8 @@ from torch import nn
 from swarmkv.kernels import cpu_grouped
 from swarmkv.models.gguf_quants import GroupedQuant
 
-# At up to this many rows of x the GEMV reads the codes once per row of x from cache; above it a dequantised
-# float tile and torch's matmul win (measured on 2 cores: bench/gguf_kernels.py).
+# Rows of x the C GEMV serves in one pass over the weights (FAST_ROWS in kernels/cpu/grouped.c); larger batches
+# (prefill) dequantise a float tile once and use torch's matmul.
 GEMV_MAX_ROWS = 8
 Block = GroupedQuant | torch.Tensor  # a float block is held at the compute dtype
 
@@ -34,11 +34,6 @@ class RowBlock:
     def rows(self) -> int:
         """How many output rows the block fills."""
         return int(self.weight.shape[0])
-
-
-def block_bytes(block: Block) -> int:
-    """Bytes a block holds."""
-    return block.nbytes() if isinstance(block, GroupedQuant) else block.numel() * block.element_size()
 
 
 def dequantize_block(block: Block, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,10 +65,6 @@ class HeldBlocks(nn.Module):
             for j, tensor in enumerate(held):
                 self.register_buffer(f"block{i}_{j}", tensor, persistent=False)
 
-    def held_bytes(self) -> int:
-        """Bytes of the weight's blocks (a bias not included)."""
-        return sum(block_bytes(b.weight) for b in self.blocks)
-
 
 class GGUFLinear(HeldBlocks):
     """y = x W^T (+ b) with W held as row blocks at the file's bits; filled by `load_block`, then `finalize()`d."""
@@ -94,15 +85,13 @@ class GGUFLinear(HeldBlocks):
         A tied LM head has none yet: it shares the embedding's after loading."""
         if not self.blocks:
             return
-        blocks = sorted(self.blocks, key=lambda b: b.start)
-        merged: list[RowBlock] = []
-        for block in blocks:
-            last = merged[-1] if merged else None
-            if last is not None and _stackable(last.weight, block.weight):
-                stacked = _stack(last.weight, block.weight)
-                merged[-1] = RowBlock(last.start, stacked)
+        runs: list[list[RowBlock]] = []  # adjacent blocks of one kind, stacked once each
+        for block in sorted(self.blocks, key=lambda b: b.start):
+            if runs and _stackable(runs[-1][-1].weight, block.weight):
+                runs[-1].append(block)
             else:
-                merged.append(block)
+                runs.append([block])
+        merged = [RowBlock(run[0].start, _stack([b.weight for b in run])) for run in runs]
         covered = 0
         for block in merged:
             assert block.start == covered, "row blocks must tile the weight"
@@ -157,11 +146,12 @@ def _stackable(a: Block, b: Block) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
 
 
-def _stack(a: Block, b: Block) -> Block:
-    if isinstance(a, GroupedQuant) and isinstance(b, GroupedQuant):
-        return GroupedQuant.cat_rows([a, b])
-    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-    return torch.cat([a, b])
+def _stack(weights: list[Block]) -> Block:
+    if len(weights) == 1:
+        return weights[0]
+    if isinstance(weights[0], GroupedQuant):
+        return GroupedQuant.cat_rows([w for w in weights if isinstance(w, GroupedQuant)])
+    return torch.cat([w for w in weights if isinstance(w, torch.Tensor)])
 
 
 def gguf_modules(model: nn.Module) -> dict[str, GGUFLinear | GGUFEmbedding]:
