@@ -181,6 +181,47 @@ def test_the_cpu_kernel_matches_the_dequantised_matmul(
     assert torch.equal(cpu_grouped.dequantize_rows(weight, index, library), weight.dequantize()[index])
 
 
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 path sees it: each group of 32 rounded to a multiple of max |x| / 127."""
+    groups = x.view(x.shape[0], -1, 32)
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    return (torch.where(step > 0, torch.round(groups / step), 0) * step).view_as(x)
+
+
+INT8_KINDS = [k for k in KINDS if SPECS[k].group_size == 32 and SPECS[k].bits in (4, 5, 8)]
+
+
+@pytest.mark.parametrize("arch", list(ARCH_FLAGS))
+@pytest.mark.parametrize("kind", INT8_KINDS, ids=lambda k: k.name)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+@pytest.mark.parametrize(
+    "cols", [512, 96]
+)  # 96: an odd number of groups (the 512-bit path takes two at once)
+def test_the_int8_activation_kernel_is_exact_on_the_rounded_input(
+    kind: GGMLQuantizationType, rows: int, cols: int, arch: str
+) -> None:
+    if not cpu_grouped.available():
+        pytest.skip("no C compiler on this machine")
+    flags = ARCH_FLAGS[arch]
+    if arch != "native" and flags is None:
+        pytest.skip(f"{arch} is an x86 build")
+    if SPECS[kind].super_group and cols % SPECS[kind].super_group:
+        pytest.skip("K-quant rows come in super-groups of 256")
+    library = None if flags is None else cpu_grouped.build(flags)
+    torch.manual_seed(rows + cols)
+    weight = parse_blocks(quantize(torch.randn(40, cols) * 0.05, kind), kind, (40, cols))
+    if not cpu_grouped.reads_int8(weight, library):
+        assert arch == "plain" or platform.machine() != "x86_64", "every x86 build from AVX2 on has it"
+        return
+    x = torch.randn(rows, cols)
+    x[0, :32] = 0.0  # an all-zero group has scale 0
+    got = cpu_grouped.matmul_int8(x, weight, library)
+    # The integer dot products are exact; only the float scaling and sums differ in order.
+    expected = int8_activations(x) @ weight.dequantize().t()
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-4)
+    assert (got - x @ weight.dequantize().t()).abs().max() < 0.02 * expected.abs().max()
+
+
 def test_without_the_c_kernel_the_torch_path_gives_the_same(
     files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

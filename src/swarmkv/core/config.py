@@ -78,6 +78,16 @@ class EngineConfig:
         "auto", "attention kernels: auto (triton on CUDA/ROCm, torch elsewhere), torch or triton"
     )
     enforce_eager: bool = _opt(False, "never replay decode steps from CUDA graphs")
+    fused_cpu_decode: bool = _opt(
+        True,
+        "on the CPU, run each decode-only step of a dense model held at its GGUF bits as one C call "
+        "(kernels/cpu/decode.c) instead of through the torch modules",
+    )
+    cpu_int8_activations: bool = _opt(
+        True,
+        "in that C decode step, quantise each projection's input to int8 per group of 32 (as llama.cpp does) "
+        "and multiply on the CPU's integer dot products; off: float32 activations (slower, closer to float)",
+    )
     max_open_sessions: int = _opt(
         4096, "open sessions kept at most; past it the one idle longest is released", flag=False
     )

@@ -130,6 +130,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             states=self.states,
+            fused_cpu_decode=config.fused_cpu_decode,
+            cpu_int8_activations=config.cpu_int8_activations,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._generators: dict[str, torch.Generator] = {}

@@ -63,8 +63,8 @@ class KVCache:
             self.k[layer][slots] = _to_fp8(k, self.k_scales[layer])
             self.v[layer][slots] = _to_fp8(v, self.v_scales[layer])
             return
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        self.k[layer].index_copy_(0, slots, k.to(self.storage_dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.storage_dtype))
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy every layer's K and V of page `src` into page `dst`."""
@@ -80,6 +80,8 @@ class KVCache:
         if self.is_fp8:
             k = k.to(self.dtype) * self.k_scales[layer]
             v = v.to(self.dtype) * self.v_scales[layer]
+        else:  # pages narrower than the model (bfloat16 under float32) are read back at its width
+            k, v = k.to(self.dtype), v.to(self.dtype)
         return k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:])
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from swarmkv.choices import CascadeMode
 from swarmkv.core.scheduler import Chunk, StepPlan, sampling_rows
 from swarmkv.core.stats import EngineCounters
+from swarmkv.engine import cpu_decode
 from swarmkv.engine.backend import Backend
 from swarmkv.engine.cascade import AUTO_MIN_SAVED_TOKENS, plan_groups
 from swarmkv.engine.kv_cache import KVCache
@@ -14,12 +17,14 @@ from swarmkv.engine.page_table import PageTable
 from swarmkv.engine.paged_attention import PagedAttention, build_layout
 from swarmkv.engine.recurrent_step import RecurrentStep, build_state_layout
 from swarmkv.engine.state_cache import StateCache
+from swarmkv.kernels.cpu_decode import DecodeModel
 from swarmkv.models.attention import AttentionBackend
 from swarmkv.models.decoder import DecoderForCausalLM
 
 # The triton backend's decode already splits and merges, so a group costs only its prefix tiles: it pays
 # from a few pages saved. Not yet measured on a GPU; bench/gpu.py compares cascade on and off.
 TRITON_AUTO_MIN_SAVED_TOKENS = 256
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -38,10 +43,14 @@ class ModelRunner:
         max_num_seqs: int = 1,
         max_model_len: int | None = None,
         states: StateCache | None = None,
+        fused_cpu_decode: bool = False,
+        cpu_int8_activations: bool = True,
     ) -> None:
         """With the triton backend, `cuda_graphs` replays decode steps of up to `max_num_seqs` rows. A hybrid
         model's linear-attention layers run over `states` (torch backend only). `cascade_min_saved_tokens`:
-        the reads a shared-prefix group must spare under `cascade="auto"` (None: the backend's default)."""
+        the reads a shared-prefix group must spare under `cascade="auto"` (None: the backend's default).
+        `fused_cpu_decode`: run decode-only steps as one C call where the model allows (engine/cpu_decode.py),
+        its projections on int8 activations if `cpu_int8_activations`."""
         assert states is None or backend == "torch", "hybrid models run on the torch backend"
         self.model = model
         self.states = states
@@ -63,6 +72,13 @@ class ModelRunner:
             max_keys = max_model_len or page_table.host.shape[1] * self.page_size
             buckets = batch_buckets(max_num_seqs) if cuda_graphs else None
             self.triton = TritonRunner(model, kv_cache, page_table, buckets, max_keys)
+        self.cpu_decode: DecodeModel | None = None
+        if fused_cpu_decode and backend == "torch" and states is None:
+            reason = cpu_decode.why_not(model, kv_cache, self.device)
+            if reason is None:
+                self.cpu_decode = cpu_decode.describe(model, kv_cache, page_table, cpu_int8_activations)
+            else:
+                log.info("decode steps run through the torch modules: %s", reason)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
@@ -70,7 +86,9 @@ class ModelRunner:
         order of their rows of float32 logits [N, vocab]."""
         prefills = [c for c in plan.chunks if c.kind == "prefill"]
         decodes = [c for c in plan.chunks if c.kind == "decode"]
-        groups, decodes = self._group_decodes(decodes)
+        if self.cpu_decode is not None and decodes and not prefills:
+            return self._run_cpu_decode(self.cpu_decode, decodes)
+        groups, decodes = self._group_decodes(decodes, self.min_saved_tokens)
         sampling = [c for c in prefills + decodes if c.samples]
         if self.triton is not None:
             return sampling, self.triton.run(prefills, decodes, groups)
@@ -91,12 +109,33 @@ class ModelRunner:
             self.page_table.append(rid, pages)
         self.page_table.sync()
 
-    def _group_decodes(self, decodes: list[Chunk]) -> tuple[list[tuple[int, int]], list[Chunk]]:
+    def _run_cpu_decode(self, step: DecodeModel, decodes: list[Chunk]) -> tuple[list[Chunk], torch.Tensor]:
+        """A decode-only step in one C call. Its attention reads a group's shared pages once at no extra cost,
+        so any saving is worth a group (cascade off still turns grouping off)."""
+        groups, decodes = self._group_decodes(decodes, 1)
+        sizes = [size for size, _ in groups]
+        sizes += [1] * (len(decodes) - sum(sizes))
+        shared = [pages * self.page_size for _, pages in groups]
+        shared += [0] * (len(sizes) - len(shared))
+        logits = step.step(
+            torch.tensor([c.token_ids[0] for c in decodes], dtype=torch.int64),
+            torch.tensor([self.page_table.row(c.request_id) for c in decodes], dtype=torch.int64),
+            torch.tensor([c.start for c in decodes], dtype=torch.int64),
+            sizes,
+            shared,
+        )
+        rows = sampling_rows(decodes)
+        sampling = [c for c in decodes if c.samples]
+        return sampling, logits if len(rows) == len(decodes) else logits[torch.tensor(rows)]
+
+    def _group_decodes(
+        self, decodes: list[Chunk], min_saved_tokens: int
+    ) -> tuple[list[tuple[int, int]], list[Chunk]]:
         """Cascade groups as (number of decodes, shared pages), grouped decodes first, in group order."""
         rows = [self.page_table.row(c.request_id) for c in decodes]
         shareable = [c.start // self.page_size for c in decodes]
         groups = plan_groups(
-            self.page_table.host, rows, shareable, self.page_size, self.cascade, self.min_saved_tokens
+            self.page_table.host, rows, shareable, self.page_size, self.cascade, min_saved_tokens
         )
         order = [i for g in groups for i in g.members]
         rest = sorted(set(range(len(decodes))) - set(order))

@@ -1,7 +1,8 @@
 """The CPU kernel over the grouped quantized layout (`models/gguf_quants.GroupedQuant`): a matmul that reads
 each weight byte once (decode's GEMV and small batches) and an exact row dequantisation (embedding lookups,
 prefill tiles). It is portable C (`kernels/cpu/grouped.c`), built once per machine with the system's C compiler
-into a cache folder and called through ctypes; where no compiler is found, `available()` is False and callers
+into a cache folder and called through ctypes (one library with `kernels/cpu/decode.c`, the whole-step decode
+of `kernels/cpu_decode.py`, which includes this file's source); where no compiler is found, `available()` is False and callers
 use the torch path of `models/gguf_linear.py`. `SWARMKV_CPU_KERNELS=torch` forces that path."""
 
 from __future__ import annotations
@@ -61,10 +62,12 @@ class GroupedQuant(Protocol):
 
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("cpu") / "grouped.c"
+SOURCES = Path(__file__).with_name("cpu")
+SOURCE = SOURCES / "decode.c"  # includes grouped.c: one translation unit
 # -ffp-contract=off keeps the dequantisation's s * q + m two roundings, as gguf's float32 numpy computes it;
 # `omp simd` lets the dot products vectorise anyway.
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
+LIBS = ["-lm"]
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
@@ -95,7 +98,7 @@ def build(arch: tuple[str, ...]) -> ctypes.CDLL | None:
         log.warning("no C compiler found: quantized GGUF weights run on the slower torch path")
         return None
     flags = [*FLAGS, *arch]
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in sorted(SOURCES.glob("*.c")))
     key = hashlib.sha256(source + " ".join([compiler, *flags, platform.processor()]).encode()).hexdigest()[
         :16
     ]
@@ -105,7 +108,10 @@ def build(arch: tuple[str, ...]) -> ctypes.CDLL | None:
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             built = Path(scratch) / target.name
             result = subprocess.run(
-                [compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True, check=False
+                [compiler, *flags, str(SOURCE), "-o", str(built), *LIBS],
+                capture_output=True,
+                text=True,
+                check=False,
             )
             if result.returncode != 0:
                 log.warning(
@@ -116,9 +122,16 @@ def build(arch: tuple[str, ...]) -> ctypes.CDLL | None:
     library = ctypes.CDLL(str(target))
     common: list[Any] = [_INT, _INT, _INT, _PTR, _PTR, _PTR, _PTR, _INT, _INT, _PTR, _PTR, _INT, _INT]
     library.swarmkv_grouped_matmul.argtypes = [_I64, _I64, _I64, _PTR, _PTR, _I64, *common]
+    library.swarmkv_grouped_matmul_int8.argtypes = [_I64, _I64, _I64, _PTR, _PTR, _I64, *common]
+    library.swarmkv_grouped_matmul_int8.restype = library.swarmkv_has_int8_dot.restype = _INT
     library.swarmkv_grouped_dequantize.argtypes = [_I64, _I64, _PTR, _PTR, *common]
     library.swarmkv_grouped_matmul.restype = library.swarmkv_grouped_dequantize.restype = _INT
     return library
+
+
+def library() -> ctypes.CDLL | None:
+    """This machine's build of the kernels (None where it cannot be built, or `SWARMKV_CPU_KERNELS=torch`)."""
+    return _library()
 
 
 def available() -> bool:
@@ -130,7 +143,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _layout_args(w: GroupedQuant) -> tuple[object, ...]:
+def layout_args(w: GroupedQuant) -> tuple[object, ...]:
     """The kernel's description of a layout (pointers into `w`'s tensors), cached on the object."""
     cached = _ARGS.get(id(w))
     if cached is not None and cached[0] is w:
@@ -176,9 +189,34 @@ def matmul(
         out = torch.empty(m, rows, dtype=torch.float32)
     assert out.shape == (m, rows) and out.stride(1) == 1
     status = library.swarmkv_grouped_matmul(
-        m, rows, cols, x.data_ptr(), out.data_ptr(), out.stride(0), *_layout_args(w), torch.get_num_threads()
+        m, rows, cols, x.data_ptr(), out.data_ptr(), out.stride(0), *layout_args(w), torch.get_num_threads()
     )
     assert status == 0, "the grouped matmul refused its layout"
+    return out
+
+
+def has_int8_dot(library: ctypes.CDLL | None = None) -> bool:
+    """Whether the build has the integer dot products of int8 activations (x86 with AVX2; else float only)."""
+    library = library or _library()
+    return library is not None and bool(library.swarmkv_has_int8_dot())
+
+
+def reads_int8(w: GroupedQuant, library: ctypes.CDLL | None = None) -> bool:
+    """Whether `matmul_int8` (and the decode step's int8 activations) reads this layout with this build."""
+    return w.group_size == 32 and w.bits in (4, 5, 8) and has_int8_dot(library)
+
+
+def matmul_int8(x: torch.Tensor, w: GroupedQuant, library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [M, K] float32 quantised to int8 per group of 32 (scale max |x| / 127), times W^T -> [M, N] float32,
+    the dot products in integers; for layouts `reads_int8` accepts."""
+    library = library or _library()
+    assert library is not None and x.dtype == torch.float32 and x.is_contiguous() and reads_int8(w, library)
+    rows, cols = w.shape
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    status = library.swarmkv_grouped_matmul_int8(
+        x.shape[0], rows, cols, x.data_ptr(), out.data_ptr(), rows, *layout_args(w), torch.get_num_threads()
+    )
+    assert status == 0, "the int8 grouped matmul refused its layout"
     return out
 
 
@@ -192,7 +230,7 @@ def dequantize_rows(
     out = torch.empty(count, cols, dtype=torch.float32)
     index = None if rows is None else rows.to(torch.int64).contiguous()
     status = library.swarmkv_grouped_dequantize(
-        count, cols, _ptr(index), out.data_ptr(), *_layout_args(w), torch.get_num_threads()
+        count, cols, _ptr(index), out.data_ptr(), *layout_args(w), torch.get_num_threads()
     )
     assert status == 0, "the grouped dequantisation refused its layout"
     return out

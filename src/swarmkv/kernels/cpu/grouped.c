@@ -6,6 +6,7 @@
  *
  * Portable C: the compiler vectorises the per-group loops (built with -O3 -march=native by cpu_grouped.py).
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -364,6 +365,239 @@ static void rows_matmul(const layout_t *w, int64_t M, int64_t K, const float *xd
     }
 }
 
+/* ---- int8 activations (decode): x quantised per group of 32 to int8 with one float scale, as llama.cpp's
+ * Q8 activations; each group's dot product runs in integers on the CPU's u8 x s8 dot-product instructions
+ * (AVX-512 VNNI or AVX-VNNI; AVX2's maddubs otherwise) and is scaled once. 4- and 5-bit codes are unsigned and
+ * meet x directly; 8-bit codes are signed and move their sign onto x. */
+typedef struct {
+    const int8_t *natural; /* [M, K]: x / dx rounded, in element order (against 8-bit codes) */
+    const int8_t *paired;  /* [M, K]: the same, each group's even elements then its odd ones (against nibbles) */
+    const float *scale;    /* [M, K/32]: dx, the group's max |x| / 127 */
+    const float *sum;      /* [M, K/32]: dx * the group's sum of codes (for offsets and minimums) */
+} qx_t;
+
+/* Quantise M rows of x [M, K] (K a multiple of 32) into qx's buffers. */
+static void quantize_x(int64_t M, int64_t K, const float *x, int8_t *natural, int8_t *paired, float *scale,
+                       float *sum) {
+    const int64_t groups = K / 32;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *v = x + m * K + g * 32;
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            int total = 0;
+            int8_t *nat = natural + m * K + g * 32, *pair = paired + m * K + g * 32;
+            for (int j = 0; j < 32; j++) {
+                const int q = (int)nearbyintf(v[j] * inv);
+                nat[j] = (int8_t)q;
+                pair[(j & 1) * 16 + j / 2] = (int8_t)q;
+                total += q;
+            }
+            scale[m * groups + g] = d;
+            sum[m * groups + g] = d * (float)total;
+        }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_INT8_DOT 1
+/* Eight int32 sums of four u8 x s8 products each. */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)); /* |sums| < 2^15: no saturation */
+#endif
+}
+
+/* A group's 32 unsigned codes, even elements then odd (4 bits; with `high`, 5 bits: element k's fifth bit is bit
+ * k of the group's 32-bit word). */
+static inline __m256i nibble_codes(const uint8_t *lo, const uint8_t *high) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)lo);
+    __m256i c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0xF));
+    if (high != NULL) {
+        uint32_t word;
+        memcpy(&word, high, 4);
+        /* byte j of the even half is element 2j: bit 2(j % 4) of the word's byte j / 4; of the odd half, 2j + 1 */
+        const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 0, 0, 0, 0, 1, 1, 1, 1,
+                                              2, 2, 2, 2, 3, 3, 3, 3);
+        const __m256i bit = _mm256_setr_epi8(1, 4, 16, 64, 1, 4, 16, 64, 1, 4, 16, 64, 1, 4, 16, 64, 2, 8, 32,
+                                             -128, 2, 8, 32, -128, 2, 8, 32, -128, 2, 8, 32, -128);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)word), pick), bit), bit);
+        c = _mm256_or_si256(c, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+    }
+    return c;
+}
+
+/* Row n of W (groups of 32; 4, 5 or 8 bits) against up to FAST_ROWS rows of int8 x. */
+static inline __attribute__((always_inline)) void rows_dot_int8(const layout_t *w, int64_t K, int64_t n, int64_t M,
+                                                                const qx_t *qx, int64_t m0, float *out) {
+    const int64_t groups = K / 32;
+    const int bits = w->bits;
+    row_constants_t sc = row_constants(w->s_half, w->s_sub, w->s_sub_signed, w->s_per, n, groups);
+    row_constants_t mc;
+    if (w->m_half) mc = row_constants(w->m_half, w->m_sub, 0, w->m_per, n, groups);
+    const int shifted = w->m_half != NULL || w->offset != 0;
+    __m256 acc[FAST_ROWS];
+    float rest[FAST_ROWS];
+    for (int64_t m = 0; m < M; m++) {
+        acc[m] = _mm256_setzero_ps();
+        rest[m] = 0.0f;
+    }
+    const int8_t *x = (bits == 8 ? qx->natural : qx->paired) + m0 * K;
+    const float *dx = qx->scale + m0 * groups, *xs = qx->sum + m0 * groups;
+    for (int64_t g = 0; g < groups; g++) {
+        const float s = row_constant(&sc, g);
+        __m256i codes, sign = _mm256_setzero_si256();
+        if (bits == 8) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)((const int8_t *)w->low + n * K + g * 32));
+            codes = _mm256_sign_epi8(c, c);
+            sign = c;
+        } else {
+            codes = nibble_codes(w->low + n * (K / 2) + g * 16, bits == 5 ? w->high + n * (K / 8) + g * 4 : NULL);
+        }
+        for (int64_t m = 0; m < M; m++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(x + m * K + g * 32));
+            if (bits == 8) xv = _mm256_sign_epi8(xv, sign);
+            const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(codes, xv));
+            acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(s * dx[m * groups + g]), acc[m]);
+        }
+        if (shifted) {
+            float shift = -s * (float)w->offset;
+            if (w->m_half) shift += row_constant(&mc, g);
+            for (int64_t m = 0; m < M; m++) rest[m] += shift * xs[m * groups + g];
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        out[m] = rest[m] + _mm_cvtss_f32(h);
+    }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define HAVE_INT8_512 1
+#define MAX_GROUPS_512 512 /* K up to 16384 on this path; wider rows take the 256-bit one */
+
+/* Row n's group constants as floats: scale[g] and shift[g] = minimum - scale * offset. */
+static inline void row_group_constants(const layout_t *w, int64_t n, int64_t groups, float *scale, float *shift) {
+    int64_t g = 0;
+    if (w->s_sub == NULL && (w->m_half == NULL || w->m_sub == NULL)) {
+        const uint16_t *sh = w->s_half + n * groups, *mh = w->m_half ? w->m_half + n * groups : NULL;
+        const __m512 off = _mm512_set1_ps((float)-w->offset);
+        for (; g + 16 <= groups; g += 16) {
+            const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sh + g)));
+            __m512 shv = _mm512_mul_ps(sv, off);
+            if (mh) shv = _mm512_add_ps(shv, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mh + g))));
+            _mm512_storeu_ps(scale + g, sv);
+            _mm512_storeu_ps(shift + g, shv);
+        }
+    }
+    if (g < groups) {
+        row_constants_t sc = row_constants(w->s_half, w->s_sub, w->s_sub_signed, w->s_per, n, groups);
+        row_constants_t mc;
+        if (w->m_half) mc = row_constants(w->m_half, w->m_sub, 0, w->m_per, n, groups);
+        for (; g < groups; g++) {
+            scale[g] = row_constant(&sc, g);
+            shift[g] = -scale[g] * (float)w->offset + (w->m_half ? row_constant(&mc, g) : 0.0f);
+        }
+    }
+}
+
+/* Row n of W (groups of 32, 4 or 8 bits, K / 32 even and at most MAX_GROUPS_512) against up to FAST_ROWS rows
+ * of int8 x, two groups per 512-bit step: the codes of groups g, g + 1 are lanes [g even, g odd, g+1 even,
+ * g+1 odd] (4 bits; x's paired order) or [g, g+1] (8 bits), and each half of the sums takes its group's scale. */
+static inline __attribute__((always_inline)) void rows_dot_int8_512(const layout_t *w, int64_t K, int64_t n,
+                                                                    int64_t M, const qx_t *qx, int64_t m0,
+                                                                    float *out) {
+    const int64_t groups = K / 32;
+    const int bits = w->bits;
+    float scale[MAX_GROUPS_512], shift[MAX_GROUPS_512];
+    row_group_constants(w, n, groups, scale, shift);
+    const int shifted = w->m_half != NULL || w->offset != 0;
+    const int8_t *x = (bits == 8 ? qx->natural : qx->paired) + m0 * K;
+    const float *dx = qx->scale + m0 * groups, *xs = qx->sum + m0 * groups;
+    __m512 acc[FAST_ROWS];
+    for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i nibble_shift = _mm512_setr_epi64(0, 0, 0x0004000400040004LL, 0x0004000400040004LL, 0, 0,
+                                                   0x0004000400040004LL, 0x0004000400040004LL);
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    for (int64_t g = 0; g < groups; g += 2) {
+        __m512i codes;
+        __mmask64 negative = 0;
+        if (bits == 8) {
+            const __m512i c = _mm512_loadu_si512((const void *)((const int8_t *)w->low + n * K + g * 32));
+            codes = _mm512_abs_epi8(c);
+            negative = _mm512_movepi8_mask(c);
+        } else {
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(w->low + n * (K / 2) + g * 16));
+            /* 128-bit lanes [g, g, g+1, g+1], the second of each pair shifted down a nibble */
+            const __m512i twice = _mm512_shuffle_i64x2(_mm512_castsi256_si512(b), _mm512_castsi256_si512(b), 0x50);
+            codes = _mm512_and_si512(_mm512_srlv_epi16(twice, nibble_shift), m4);
+        }
+        const __m512 sv = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(scale + g)))));
+        for (int64_t m = 0; m < M; m++) {
+            __m512i xv = _mm512_loadu_si512((const void *)(x + m * K + g * 32));
+            if (bits == 8) xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xv));
+            const __m512 dv = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(dx + m * groups + g)))));
+            acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sv, dv), acc[m]);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        float rest = 0.0f;
+        if (shifted) {
+            float lanes[16] = {0.0f};
+            int64_t g = 0;
+            for (; g + 16 <= groups; g += 16)
+                for (int j = 0; j < 16; j++) lanes[j] += shift[g + j] * xs[m * groups + g + j];
+            for (; g < groups; g++) rest += shift[g] * xs[m * groups + g];
+            for (int j = 0; j < 16; j++) rest += lanes[j];
+        }
+        out[m] = rest + _mm512_reduce_add_ps(acc[m]);
+    }
+}
+#else
+#define HAVE_INT8_512 0
+#endif
+
+/* Whether rows_matmul_int8 reads this layout. */
+static inline int int8_dot_reads(const layout_t *w) {
+    return w->group == 32 && (w->bits == 4 || w->bits == 5 || w->bits == 8);
+}
+
+/* Rows [n0, n1) of y = x W^T from int8 x. */
+static void rows_matmul_int8(const layout_t *w, int64_t M, int64_t K, const qx_t *qx, float *y, int64_t ldy,
+                             int64_t n0, int64_t n1) {
+    float out[FAST_ROWS];
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m0 = 0; m0 < M; m0 += FAST_ROWS) {
+            const int64_t rows = M - m0 < FAST_ROWS ? M - m0 : FAST_ROWS;
+#if HAVE_INT8_512
+            if (w->bits == 4 && (K / 32) % 2 == 0 && K / 32 <= MAX_GROUPS_512) {
+                rows == 1 ? rows_dot_int8_512(w, K, n, 1, qx, m0, out) : rows_dot_int8_512(w, K, n, rows, qx, m0, out);
+            } else
+#endif
+            rows == 1 ? rows_dot_int8(w, K, n, 1, qx, m0, out) : rows_dot_int8(w, K, n, rows, qx, m0, out);
+            for (int64_t m = 0; m < rows; m++) y[(m0 + m) * ldy + n] = out[m];
+        }
+}
+#else
+#define HAVE_INT8_DOT 0
+static inline int int8_dot_reads(const layout_t *w) {
+    (void)w;
+    return 0;
+}
+static void rows_matmul_int8(const layout_t *w, int64_t M, int64_t K, const qx_t *qx, float *y, int64_t ldy,
+                             int64_t n0, int64_t n1) {
+    (void)w, (void)M, (void)K, (void)qx, (void)y, (void)ldy, (void)n0, (void)n1;
+}
+#endif
+
 static void fill_layout(layout_t *w, int bits, int group, int offset, const uint8_t *low, const uint8_t *high,
                         const uint16_t *s_half, const void *s_sub, int s_sub_signed, int s_per,
                         const uint16_t *m_half, const uint8_t *m_sub, int m_per) {
@@ -372,8 +606,41 @@ static void fill_layout(layout_t *w, int bits, int group, int offset, const uint
     w->m_half = m_half; w->m_sub = m_sub; w->m_per = m_per;
 }
 
-/* y[M, N] (row stride ldy) = x[M, K] W^T, float32. x's per-group sums (for offsets and minimums) and, for
- * nibble codes, its even then odd elements are formed here once per call. */
+/* x's forms the matmul reads, for M rows of K: each group's sum (for offsets and minimums) and, for nibble
+ * codes (xd != NULL), its even then odd elements. */
+static void prepare_x(int64_t M, int64_t K, int group, const float *x, float *xd, float *xsum) {
+    const int64_t groups = K / group;
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * K;
+        for (int64_t g = 0; g < groups; g++) {
+            float t = 0.0f;
+            for (int j = 0; j < group; j++) t += xm[g * group + j];
+            xsum[m * groups + g] = t;
+        }
+        if (xd != NULL)
+            for (int64_t j = 0; j < K / 2; j++) {
+                xd[m * K + j] = xm[2 * j];
+                xd[m * K + K / 2 + j] = xm[2 * j + 1];
+            }
+    }
+}
+
+#define ROW_BLOCK 16 /* weight rows a thread takes at a time */
+
+/* This thread's share of y = x W^T from prepared x (xs: x itself for 8-bit codes, else its even/odd form).
+ * Called inside a parallel region, its rows are split among the team (no barrier at the end); outside one,
+ * it computes every row. */
+static void matmul_share(const layout_t *w, int64_t M, int64_t N, int64_t K, const float *xs, const float *xsum,
+                         float *y, int64_t ldy) {
+    const int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
+#pragma omp for schedule(static) nowait
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t n0 = b * ROW_BLOCK, n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
+        rows_matmul(w, M, K, xs, xsum, y, ldy, n0, n1);
+    }
+}
+
+/* y[M, N] (row stride ldy) = x[M, K] W^T, float32. */
 int swarmkv_grouped_matmul(int64_t M, int64_t N, int64_t K, const float *x, float *y, int64_t ldy, int bits,
                            int group, int offset, const uint8_t *low, const uint8_t *high, const uint16_t *s_half,
                            const void *s_sub, int s_sub_signed, int s_per, const uint16_t *m_half,
@@ -389,30 +656,69 @@ int swarmkv_grouped_matmul(int64_t M, int64_t N, int64_t K, const float *x, floa
         free(xd);
         return 2;
     }
-    for (int64_t m = 0; m < M; m++) {
-        const float *xm = x + m * K;
-        for (int64_t g = 0; g < groups; g++) {
-            float t = 0.0f;
-            for (int j = 0; j < group; j++) t += xm[g * group + j];
-            xsum[m * groups + g] = t;
-        }
-        if (xd != NULL)
-            for (int64_t j = 0; j < K / 2; j++) {
-                xd[m * K + j] = xm[2 * j];
-                xd[m * K + K / 2 + j] = xm[2 * j + 1];
-            }
-    }
+    prepare_x(M, K, group, x, xd, xsum);
     const float *xs = xd != NULL ? xd : x;
-    const int64_t block = 16;
-    const int64_t blocks = (N + block - 1) / block;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t n0 = b * block, n1 = n0 + block < N ? n0 + block : N;
-        rows_matmul(&w, M, K, xs, xsum, y, ldy, n0, n1);
-    }
+#pragma omp parallel num_threads(threads)
+    matmul_share(&w, M, N, K, xs, xsum, y, ldy);
     free(xsum);
     free(xd);
     return 0;
+}
+
+/* This thread's share of y = x W^T from int8 x (layouts int8_dot_reads accepts), as matmul_share. */
+static void matmul_share_int8(const layout_t *w, int64_t M, int64_t N, int64_t K, const qx_t *qx, float *y,
+                              int64_t ldy) {
+    const int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
+#pragma omp for schedule(static) nowait
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t n0 = b * ROW_BLOCK, n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
+        rows_matmul_int8(w, M, K, qx, y, ldy, n0, n1);
+    }
+}
+
+/* Whether this build has the integer dot product of the int8-activation path (AVX2 or later). */
+int swarmkv_has_int8_dot(void) { return HAVE_INT8_DOT; }
+
+/* y[M, N] = x W^T with x quantised to int8 per group of 32 first (status 1: a layout it does not read). */
+int swarmkv_grouped_matmul_int8(int64_t M, int64_t N, int64_t K, const float *x, float *y, int64_t ldy, int bits,
+                                int group, int offset, const uint8_t *low, const uint8_t *high,
+                                const uint16_t *s_half, const void *s_sub, int s_sub_signed, int s_per,
+                                const uint16_t *m_half, const uint8_t *m_sub, int m_per, int threads) {
+    layout_t w;
+    fill_layout(&w, bits, group, offset, low, high, s_half, s_sub, s_sub_signed, s_per, m_half, m_sub, m_per);
+    if (!int8_dot_reads(&w) || K % 32) return 1;
+    int8_t *codes = malloc((size_t)(2 * M * K));
+    float *consts = malloc(sizeof(float) * (size_t)(2 * M * (K / 32)));
+    if (codes == NULL || consts == NULL) {
+        free(codes);
+        free(consts);
+        return 2;
+    }
+    quantize_x(M, K, x, codes, codes + M * K, consts, consts + M * (K / 32));
+    const qx_t qx = {codes, codes + M * K, consts, consts + M * (K / 32)};
+#pragma omp parallel num_threads(threads)
+    matmul_share_int8(&w, M, N, K, &qx, y, ldy);
+    free(codes);
+    free(consts);
+    return 0;
+}
+
+/* Row n of W dequantised into out[K], exactly as gguf does. */
+static void dequantize_row(const layout_t *w, int64_t K, int64_t n, float *out) {
+    const int group = w->group;
+    const int64_t groups = K / group;
+    float qf[MAX_GROUP];
+    for (int64_t g = 0; g < groups; g++) {
+        decode_group(w, K, n, g, qf);
+        float s = constant(w->s_half, w->s_sub, w->s_sub_signed, w->s_per, n, groups, g);
+        float *o = out + g * group;
+        if (w->m_half) {
+            float mn = constant(w->m_half, w->m_sub, 0, w->m_per, n, groups, g);
+            for (int j = 0; j < group; j++) o[j] = s * qf[j] + mn;
+        } else {
+            for (int j = 0; j < group; j++) o[j] = s * qf[j];
+        }
+    }
 }
 
 /* out[R, K] float32 = the dequantised rows rows[0..R) of W (rows == NULL: rows 0..R). */
@@ -423,22 +729,7 @@ int swarmkv_grouped_dequantize(int64_t R, int64_t K, const int64_t *rows, float 
     if (group > MAX_GROUP || K % group) return 1;
     layout_t w;
     fill_layout(&w, bits, group, offset, low, high, s_half, s_sub, s_sub_signed, s_per, m_half, m_sub, m_per);
-    const int64_t groups = K / group;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < R; r++) {
-        int64_t n = rows ? rows[r] : r;
-        float qf[MAX_GROUP];
-        for (int64_t g = 0; g < groups; g++) {
-            decode_group(&w, K, n, g, qf);
-            float s = constant(w.s_half, w.s_sub, w.s_sub_signed, w.s_per, n, groups, g);
-            float *o = out + r * K + g * group;
-            if (w.m_half) {
-                float mn = constant(w.m_half, w.m_sub, 0, w.m_per, n, groups, g);
-                for (int j = 0; j < group; j++) o[j] = s * qf[j] + mn;
-            } else {
-                for (int j = 0; j < group; j++) o[j] = s * qf[j];
-            }
-        }
-    }
+    for (int64_t r = 0; r < R; r++) dequantize_row(&w, K, rows ? rows[r] : r, out + r * K);
     return 0;
 }

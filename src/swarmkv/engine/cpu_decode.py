@@ -1,0 +1,94 @@
+"""The runner's fast path for decode-only steps on the CPU: a dense decoder held at its GGUF bits, described
+once to the whole-step C decode (`kernels/cpu_decode.py`), which reads the runner's own KV slabs and page table.
+Models it cannot describe (hybrids, an attention output gate, partial rotary, KV stored other than float32,
+weights in another format) keep the torch modules; `why_not` says which."""
+
+from __future__ import annotations
+
+import torch
+
+from swarmkv.engine.kv_cache import KVCache
+from swarmkv.engine.page_table import PageTable
+from swarmkv.kernels import cpu_decode, cpu_grouped
+from swarmkv.models.decoder import DecoderForCausalLM, DecoderLayer, SelfAttention
+from swarmkv.models.gguf_linear import GGUFEmbedding, GGUFLinear
+
+
+def why_not(model: DecoderForCausalLM, kv_cache: KVCache, device: torch.device) -> str | None:
+    """Why the C decode step cannot run this model (None: it can)."""
+    config = model.config
+    if device.type != "cpu":
+        return "not on the CPU"
+    if cpu_grouped.library() is None:
+        return "the CPU kernels are not built"
+    if model.weights != "gguf":
+        return f"weights are {model.weights!r}, not held at their GGUF bits"
+    if config.is_hybrid or config.attn_output_gate or config.rotary_dim != config.head_dim:
+        return "a hybrid, gated or partial-rotary model"
+    if kv_cache.storage_dtype != torch.float32 or kv_cache.dtype != torch.float32:
+        return "KV pages are not float32"
+    linears = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    blocks = [b.weight for m in linears for b in m.blocks]
+    blocks += [b.weight for b in model.embed_tokens.blocks]  # type: ignore[union-attr]
+    if not all(cpu_decode.supports_block(b) for b in blocks):
+        return "a weight block the C kernel does not read"
+    return None
+
+
+def describe(
+    model: DecoderForCausalLM, kv_cache: KVCache, page_table: PageTable, int8_activations: bool
+) -> cpu_decode.DecodeModel:
+    """The model, its KV slabs and page table as the C decode step reads them (after `why_not` said None)."""
+    config = model.config
+    layers = []
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
+        attn = layer.self_attn
+        assert isinstance(attn, SelfAttention)
+        layers.append(
+            cpu_decode.Layer(
+                input_norm=layer.input_layernorm.weight,
+                post_norm=layer.post_attention_layernorm.weight,
+                q_norm=None if attn.q_norm is None else attn.q_norm.weight,
+                k_norm=None if attn.k_norm is None else attn.k_norm.weight,
+                qkv=_linear(attn.qkv_proj),
+                o=_linear(attn.o_proj),
+                gate_up=_linear(layer.mlp.gate_up_proj),
+                down=_linear(layer.mlp.down_proj),
+            )
+        )
+    embed = model.embed_tokens
+    assert isinstance(embed, GGUFEmbedding)
+    assert model.rotary.cos_sin is not None, "the rotary table is built with the model"
+    shape = cpu_decode.Shape(
+        hidden=config.hidden_size,
+        heads=config.num_heads,
+        kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        intermediate=config.intermediate_size,
+        vocab=config.vocab_size,
+        eps=config.rms_norm_eps,
+    )
+    return cpu_decode.DecodeModel(
+        shape,
+        layers,
+        cpu_decode.Linear(
+            embed.embedding_dim, embed.num_embeddings, [(b.start, b.weight) for b in embed.blocks]
+        ),
+        model.norm.weight,
+        _linear(model.lm_head),
+        model.rotary.cos_sin.contiguous(),
+        kv_cache.k,
+        kv_cache.v,
+        page_table.host,
+        page_table.page_size,
+        int8_activations,
+    )
+
+
+def _linear(module: object) -> cpu_decode.Linear:
+    assert isinstance(module, GGUFLinear)
+    bias = None if module.bias is None else module.bias.detach()
+    return cpu_decode.Linear(
+        module.in_features, module.out_features, [(b.start, b.weight) for b in module.blocks], bias
+    )

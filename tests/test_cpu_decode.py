@@ -1,0 +1,152 @@
+"""The whole-step C decode (engine/cpu_decode.py over kernels/cpu/decode.c) against the torch modules on the
+same engine: every decode step's logits, on tiny GGUF files of several types and architectures, alone and
+batched, with shared prefixes read once per group; and where it declines to run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from swarmkv import LLM, SamplingParams
+from swarmkv.core.scheduler import StepPlan
+from swarmkv.engine import cpu_decode
+from swarmkv.engine.runner import ModelRunner
+from swarmkv.kernels import cpu_grouped
+from tiny_gguf import write_tiny_gguf
+
+Q = GGMLQuantizationType
+pytestmark = pytest.mark.skipif(not cpu_grouped.available(), reason="no C compiler for the CPU kernels")
+
+FILES = {
+    "llama-q4_1": dict(arch="llama", projections=Q.Q4_1),
+    "llama-q5_0-f16": dict(arch="llama", projections=Q.Q5_0, types={"attn_output": Q.F16}),
+    "qwen3-q8_0": dict(arch="qwen3", projections=Q.Q8_0),
+    # Q4_K_M-like: Q6_K (groups of 16) rows beside Q4_K ones in one fused QKV; untied head.
+    "qwen3-mix": dict(
+        arch="qwen3",
+        projections=Q.Q4_K,
+        embedding=Q.Q4_K,
+        types={"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "output.weight": Q.Q6_K},
+        tied=False,
+    ),
+}
+SHARED = list(range(40, 120))  # 80 tokens: five pages of 16, two whole tiles of 32
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("cpu-decode")
+    return {name: write_tiny_gguf(folder / f"{name}.gguf", **spec) for name, spec in FILES.items()}  # type: ignore[arg-type]
+
+
+class Checked:
+    """Wraps a runner: each decode-only step runs through C and then again through the torch modules (which
+    rewrite the same K and V); the logits are compared and C's returned."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner, self.run = runner, runner.run
+        self.steps, self.worst, self.rows, self.same_top1 = 0, 0.0, 0, 0
+
+    def __call__(self, plan: StepPlan) -> tuple[list, torch.Tensor]:  # type: ignore[type-arg]
+        fused = self.runner.cpu_decode
+        chunks, logits = self.run(plan)
+        if fused is not None and all(c.kind == "decode" for c in plan.chunks):
+            self.runner.cpu_decode = None
+            try:
+                torch_chunks, reference = self.run(plan)
+            finally:
+                self.runner.cpu_decode = fused
+            by_id = {c.request_id: i for i, c in enumerate(torch_chunks)}
+            reference = reference[[by_id[c.request_id] for c in chunks]]
+            scale = float(reference.abs().max())
+            self.worst = max(self.worst, float((logits - reference).abs().max()) / scale)
+            self.steps += 1
+            self.rows += len(chunks)
+            self.same_top1 += int((logits.argmax(-1) == reference.argmax(-1)).sum())
+        return chunks, logits
+
+
+def checked_llm(path: Path, **options: object) -> tuple[LLM, Checked]:
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="64MiB", **options)  # type: ignore[arg-type]
+    assert llm.engine.runner.cpu_decode is not None, cpu_decode.why_not(
+        llm.loaded.model, llm.engine.runner.kv_cache, llm.loaded.device
+    )
+    check = Checked(llm.engine.runner)
+    llm.engine.runner.run = check  # type: ignore[method-assign]
+    return llm, check
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("name", list(FILES))
+def test_decode_logits_match_the_torch_modules(files: dict[str, Path], name: str) -> None:
+    """Float32 activations: the same arithmetic as the modules, summed in another order."""
+    llm, check = checked_llm(files[name], cascade_attention="on", cpu_int8_activations=False)
+    prompts: list[list[int]] = [
+        [5, 9, 300, 12],
+        SHARED + [7, 8],
+        SHARED + [901, 3, 4, 5, 6],
+        list(range(1, 50)),
+    ]
+    outputs = llm.generate(prompts, GREEDY)  # type: ignore[arg-type]
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outputs)
+    assert check.steps >= GREEDY.max_tokens - 1
+    assert check.worst < 1e-4, f"largest logit difference {check.worst:.2e} of the largest logit"
+
+
+@pytest.mark.parametrize("name", list(FILES))
+def test_int8_activations_stay_close_to_the_torch_modules(files: dict[str, Path], name: str) -> None:
+    """x rounded to int8 per group of 32 moves the logits by about a percent, rarely the top token."""
+    llm, check = checked_llm(files[name], cascade_attention="on")
+    prompts: list[list[int]] = [[5, 9, 300, 12], SHARED + [7, 8], list(range(1, 50))]
+    llm.generate(prompts, GREEDY)  # type: ignore[arg-type]
+    assert check.steps >= GREEDY.max_tokens - 1
+    assert check.worst < 0.05, f"largest logit difference {check.worst:.2e} of the largest logit"
+    assert check.same_top1 >= 0.9 * check.rows
+
+
+def test_a_row_decodes_the_same_alone_grouped_and_batched(files: dict[str, Path]) -> None:
+    """Tiles start at position 0 whatever the grouping, so the shared prefix read once changes nothing."""
+    path = files["qwen3-mix"]
+    target = SHARED + [11, 12, 13]
+    alone = LLM(str(path), dtype="float32", kv_cache_memory="64MiB").generate([target], GREEDY)[0]
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="64MiB", cascade_attention="on")
+    batch = [SHARED + [21 + i] for i in range(5)] + [target] + [[3, 4, 5, 6]]
+    together = llm.generate(batch, GREEDY)  # type: ignore[arg-type]
+    assert llm.engine.counters.cascade_decode_rows > 0  # the shared pages formed a group
+    assert together[5].token_ids == alone.token_ids
+
+
+def test_cascade_off_still_decodes_in_c(files: dict[str, Path]) -> None:
+    llm, check = checked_llm(files["llama-q4_1"], cascade_attention="off", cpu_int8_activations=False)
+    llm.generate([SHARED + [1], SHARED + [2]], GREEDY)  # type: ignore[list-item]
+    assert llm.engine.counters.cascade_decode_rows == 0
+    assert check.steps > 0 and check.worst < 1e-4
+
+
+def test_it_declines_what_it_cannot_describe(files: dict[str, Path]) -> None:
+    path = files["llama-q4_1"]
+    cases = {
+        "weights are 'int8'": LLM(str(path), dtype="float32", weights="int8", kv_cache_memory="64MiB"),
+        "KV pages are not float32": LLM(
+            str(path), dtype="float32", kv_cache_dtype="bfloat16", kv_cache_memory="64MiB"
+        ),
+    }
+    for reason, llm in cases.items():
+        runner = llm.engine.runner
+        assert runner.cpu_decode is None
+        assert reason in (cpu_decode.why_not(llm.loaded.model, runner.kv_cache, llm.loaded.device) or "")
+        assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids  # the torch modules still decode
+    off = LLM(str(path), dtype="float32", fused_cpu_decode=False, kv_cache_memory="64MiB")
+    assert off.engine.runner.cpu_decode is None
+
+
+def test_hybrids_keep_the_torch_modules(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "q35.gguf", "qwen35", projections=Q.Q8_0)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="64MiB")
+    assert llm.engine.runner.cpu_decode is None
+    assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
