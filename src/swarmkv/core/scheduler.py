@@ -183,7 +183,8 @@ class Scheduler:
                 follower = seq.waited_for_prefix
                 if full and self._counts_against_limit(remaining, min(remaining, budget), follower):
                     continue
-                # With the limit reached, another takes no place only if the re-lookup agrees.
+                # With the limit reached another is admitted only if, looked up again, its whole prefill
+                # still fits in a page.
                 spared = None if follower or not full else self.kv.page_size
                 admitted = self._admit(seq, budget, plan, spared)
                 if admitted is None:
@@ -194,7 +195,12 @@ class Scheduler:
                     prefilling += self._counts_against_limit(seq.num_uncomputed_tokens, admitted, follower)
         for *_, seq, hit in prefills:
             seq.num_starved_steps = 0 if id(seq) in scheduled else seq.num_starved_steps + 1
-            if limit is not None and hit is not None and seq.status is Status.WAITING:
+            if (
+                limit is not None
+                and hit is not None
+                and seq.status is Status.WAITING
+                and not seq.waited_for_prefix
+            ):
                 # Passed over for the budget or the limit, a follower is marked one all the same, so the
                 # limit spares it once its head is computed (the sort's hit: pages cached before this step).
                 self._waits_for_prefix(seq, hit)
