@@ -109,11 +109,14 @@ def test_second_turn_only_prefills_the_new_tokens() -> None:
     assert turn2.token_ids == solo.token_ids
 
 
-def test_without_sharing_waiting_requests_do_not_wait_for_each_other() -> None:
-    llm = tiny_llm(prefix_caching=False, max_num_batched_tokens=8192)
+@pytest.mark.parametrize("limit", [0, "auto"])
+def test_without_sharing_waiting_requests_do_not_wait_for_each_other(limit: int | str) -> None:
+    llm = tiny_llm(prefix_caching=False, max_num_batched_tokens=8192, max_num_partial_prefills=limit)
     engine = llm.engine
     for i, p in enumerate(PROMPTS):
         engine.add_request(f"r{i}", p, GREEDY)
     engine.step()
-    # All admitted at once: there is nothing to hit, so no reason to wait for another's prefill.
-    assert len(engine.scheduler.running) == len(PROMPTS)
+    # There is nothing to hit, so no reason to wait for another's prefill: without a limit all are admitted at
+    # once, and under the CPU's limit of 2 the others wait for it alone, none as a follower.
+    assert len(engine.scheduler.running) == (len(PROMPTS) if limit == 0 else 2)
+    assert not any(seq.waited_for_prefix for seq in engine.scheduler.waiting)

@@ -95,6 +95,42 @@ def test_graph_replays_equal_eager_steps(
     assert tokens == torch_reference[0]
 
 
+def _prefill_beside_a_decode_group(llm: LLM) -> tuple[dict[str, list[int]], bool]:
+    """Three requests sharing a head decode as one cascade group while a fourth arrives and prefills: each
+    request's tokens, and whether a step ran the group beside a prefill."""
+    engine = llm.engine
+    shared = list(range(100, 158))
+    for i in range(3):
+        engine.add_request(f"d{i}", shared + [7, 8, 9 + i], GREEDY)
+    tokens: dict[str, list[int]] = {}
+    mixed = False
+    while engine.has_unfinished():
+        if "late" not in tokens and all(tokens.get(f"d{i}") for i in range(3)):  # all three decode next
+            engine.add_request("late", list(range(200, 230)), GREEDY)
+            tokens["late"] = []
+            rows = engine.counters.cascade_decode_rows
+            prefilled = engine.counters.prefill_tokens_computed
+            for delta in engine.step():
+                tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+            mixed = (
+                engine.counters.cascade_decode_rows > rows
+                and engine.counters.prefill_tokens_computed > prefilled
+            )
+            continue
+        for delta in engine.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+    engine.check_integrity()
+    return tokens, mixed
+
+
+@pytest.mark.slow
+def test_a_prefill_beside_a_decode_group_generates_the_torch_backends_tokens(tiny: Path) -> None:
+    """The group's page-table row is its first decode's chunk, after the prefills' chunks (not their tokens)."""
+    expected, _ = _prefill_beside_a_decode_group(_llm(tiny, "torch"))
+    tokens, mixed = _prefill_beside_a_decode_group(_llm(tiny, "triton", enforce_eager=True))
+    assert mixed and tokens == expected
+
+
 def test_triton_off_the_gpu_needs_the_interpreter(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ConfigError, match="TRITON_INTERPRET"):

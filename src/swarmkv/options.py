@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from swarmkv.core.config import EngineConfig, ModelOptions
@@ -46,7 +46,7 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type, skip: Iterable[str])
         elif f.name.endswith("_memory"):  # sizes: kv_cache_memory, offload_memory, max_pinned_memory
             options["type"] = parse_size
         elif _is_int(kind):
-            options["type"] = int
+            options["type"] = _int_or(_literal_words(kind))
         parser.add_argument(_flag(f.name), **options)
 
 
@@ -54,7 +54,28 @@ def _is_int(kind: Any) -> bool:
     if kind is int:
         return True
     args = typing.get_args(kind)
-    return isinstance(kind, types.UnionType) and int in args and str not in args
+    is_union = isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union
+    return is_union and int in args and str not in args
+
+
+def _literal_words(kind: Any) -> tuple[str, ...]:
+    """The words a union such as `int | Literal["auto"] | None` allows beside integers."""
+    return tuple(
+        w
+        for arg in typing.get_args(kind)
+        if typing.get_origin(arg) is typing.Literal
+        for w in typing.get_args(arg)
+    )
+
+
+def _int_or(words: tuple[str, ...]) -> Callable[[str], int | str]:
+    """An argparse type: one of `words` as it is, else an integer."""
+
+    def parse(value: str) -> int | str:
+        return value if value in words else int(value)
+
+    parse.__name__ = "int"  # argparse names the type in its error message
+    return parse
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -43,9 +43,11 @@ class EngineCore:
         page_mover: PageMover | None = None,
         state_mover: StateMover | None = None,
         cost: PreemptionCost | None = None,
+        device_type: str = "cpu",
     ) -> None:
         """`copy_page`, `page_mover` and `state_mover` copy the KV tensors the books describe (None: books
-        only); `cost` weighs swap against recompute on preemption."""
+        only); `cost` weighs swap against recompute on preemption; `device_type` is the model's device
+        ("cpu", "cuda"), for the settings whose auto value differs by device."""
         self.config = config
         self.page_bytes = page_bytes
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -67,7 +69,7 @@ class EngineCore:
             config.max_num_batched_tokens,
             config.starvation_steps,
             config.max_waiting_considered,
-            config.max_num_partial_prefills or None,  # 0 and None: the token budget alone
+            config.partial_prefill_limit(device_type),
         )
         self.scheduler = Scheduler(self.kv, limits, self.counters, cost)
         self.pins = Pins(self.kv, page_bytes, config.max_pinned_bytes, state_bytes=state_bytes_per_sequence)

@@ -7,8 +7,11 @@ runner what to compute and which pages each request's table gained, so the runne
 A step's budget goes to decodes first, then to prefills shortest remaining first, running or waiting alike:
 an agent returning with a tool result of a few hundred tokens runs before another agent's long cold prompt,
 which takes what is left of the budget in chunks, and goes first once it has been passed over for
-`starvation_steps` steps in a row. A preempted request's private pages go to the host tier
-when copying them there and back costs less than computing them again.
+`starvation_steps` steps in a row. A step may prefill at most `max_num_partial_prefills` requests, so
+a burst's shortest get their first tokens first; a follower (a request that waited for another's prefill
+of the head they share) is admitted beside the others once that head is computed, and a prefill with at most
+a page left is never held back. A preempted request's private pages go to the host tier when copying them there
+and back costs less than computing them again.
 
 For a hybrid model a prefix hit needs a state snapshot at its end, so a prefill chunk is cut where a snapshot
 pays: where the request leaves the cached tree (a branch point, once a second request diverges there) and
@@ -79,8 +82,9 @@ class StepPlan:
 class SchedulerLimits:
     """Per-step caps: running requests and tokens computed (prefill chunks plus decodes); after how many
     steps passed over a prefill goes first, how many waiting requests a step looks at, and how many requests
-    a step prefills (None: as many as the token budget holds). Fewer prefills a step give the shortest its
-    first token sooner, where a step's cost grows with its tokens (a CPU)."""
+    a step prefills (None: as many as the token budget holds; followers and prefills with a page left aside).
+    Fewer prefills a step give the shortest its first token sooner, where a step's cost grows with its
+    tokens (a CPU)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -152,9 +156,10 @@ class Scheduler:
         admitting = True
         prefills = self._prefills(scheduled)
         limit, prefilling = self.limits.max_num_partial_prefills, 0
-        for _, _, position, seq in prefills:
-            if budget == 0 or (limit is not None and prefilling >= limit):
+        for _, remaining, position, seq, _ in prefills:
+            if budget == 0:
                 break
+            full = limit is not None and prefilling >= limit  # only prefills the limit spares run now
             if seq.status is Status.RUNNING:
                 if id(seq) in scheduled:
                     continue
@@ -163,37 +168,63 @@ class Scheduler:
                     seq, seq.num_computed_tokens, num_tokens, seq.branch_tokens, seq.snapshot_tokens
                 )
                 num_tokens = cut or num_tokens
-                if self._reserve(seq, num_tokens, plan, scheduled):
+                counts = self._counts_against_limit(seq.num_uncomputed_tokens, num_tokens, follower=False)
+                if not (full and counts) and self._reserve(seq, num_tokens, plan, scheduled):
                     scheduled.add(id(seq))
                     plan.chunks.append(self._chunk(seq, num_tokens, "prefill", snapshot=cut is not None))
                     budget -= num_tokens
-                    prefilling += 1
+                    prefilling += counts
             elif (
                 admitting
                 and position >= 0  # not one preempted earlier in this loop
                 and seq.status is Status.WAITING
                 and len(self.running) < self.limits.max_num_seqs
             ):
-                admitted = self._admit(seq, budget, plan)
+                follower = seq.waited_for_prefix
+                if full and self._counts_against_limit(remaining, min(remaining, budget), follower):
+                    continue
+                # With the limit reached another is admitted only if, looked up again, its whole prefill
+                # still fits in a page.
+                spared = None if follower or not full else self.kv.page_size
+                admitted = self._admit(seq, budget, plan, spared)
                 if admitted is None:
                     admitting = False  # the shortest waiting prompt does not fit: keep the queue's order
                 elif admitted:
                     scheduled.add(id(seq))
                     budget -= admitted
-                    prefilling += 1
-        for *_, seq in prefills:
+                    prefilling += self._counts_against_limit(seq.num_uncomputed_tokens, admitted, follower)
+        for *_, seq, hit in prefills:
             seq.num_starved_steps = 0 if id(seq) in scheduled else seq.num_starved_steps + 1
+            if (
+                limit is not None
+                and hit is not None
+                and seq.status is Status.WAITING
+                and not seq.waited_for_prefix
+            ):
+                # Passed over for the budget or the limit, a follower is marked one all the same, so the
+                # limit spares it once its head is computed (the sort's hit: pages cached before this step).
+                self._waits_for_prefix(seq, hit)
         plan.freed, self._freed = self._freed, []
         plan.state_slots = self.kv.state_slots([c.request_id for c in plan.chunks])
         return plan
 
-    def _prefills(self, scheduled: set[int]) -> list[tuple[bool, int, int, Sequence]]:
+    def _counts_against_limit(self, num_uncomputed: int, num_tokens: int, follower: bool) -> bool:
+        """Whether a prefill chunk of `num_tokens` of a request with `num_uncomputed` tokens left (before
+        the chunk) takes one of the step's `max_num_partial_prefills`. A follower's first chunk does not: it
+        waited for another request to compute the head they share instead of computing it itself, and
+        holding it back again would make sharing cost it steps. Nor does a chunk that ends a prefill of at
+        most a page (a short tail after a prefix hit, a prompt's last token): it costs the step about what a
+        decode does, and holding it back costs it a whole step."""
+        ends_short = num_tokens == num_uncomputed <= self.kv.page_size
+        return not (follower or ends_short)
+
+    def _prefills(self, scheduled: set[int]) -> list[tuple[bool, int, int, Sequence, Hit | None]]:
         """Running prefills and waiting requests: first those starved for `starvation_steps` steps, then by
         tokens left to compute (after a waiting request's cached prefix), then running before waiting and in
-        queue order (a preempted request is at its front)."""
+        queue order (a preempted request is at its front). A waiting request comes with its hit."""
         fed = self._fed
-        items = [
-            (fed(seq), seq.num_uncomputed_tokens, -1, seq)
+        items: list[tuple[bool, int, int, Sequence, Hit | None]] = [
+            (fed(seq), seq.num_uncomputed_tokens, -1, seq, None)
             for seq in self.running
             if id(seq) not in scheduled and not _is_decoding(seq)
         ]
@@ -201,8 +232,8 @@ class Scheduler:
             for position, seq in enumerate(
                 itertools.islice(self.waiting, self.limits.max_waiting_considered)
             ):
-                hit = self.kv.lookup(_uncached_head(seq), seq.cache_salt, seq.page_keys(self.kv.page_size))
-                items.append((fed(seq), seq.num_tokens - hit.num_tokens, position, seq))
+                hit = self._lookup(seq)
+                items.append((fed(seq), seq.num_tokens - hit.num_tokens, position, seq, hit))
         items.sort(key=lambda item: item[:3])
         return items
 
@@ -259,12 +290,17 @@ class Scheduler:
             plan.new_pages.setdefault(seq.request_id, []).extend(pages)
         return True
 
-    def _admit(self, seq: Sequence, budget: int, plan: StepPlan) -> int | None:
+    def _admit(
+        self, seq: Sequence, budget: int, plan: StepPlan, whole_within: int | None = None
+    ) -> int | None:
         """Start a waiting request with its first chunk: the tokens it takes; 0 if it waits for a prefix
-        another request is computing; None if its pages do not fit."""
+        another request is computing, or (with `whole_within`) if more than that many tokens are left to
+        compute; None if its pages do not fit."""
         # Looked up again: admissions earlier in this step may have evicted or computed pages.
-        hit = self.kv.lookup(_uncached_head(seq), seq.cache_salt, seq.page_keys(self.kv.page_size))
-        if hit.partial is None and self._prefix_in_flight(seq, hit):
+        hit = self._lookup(seq)
+        if self._waits_for_prefix(seq, hit):
+            return 0
+        if whole_within is not None and seq.num_tokens - hit.num_tokens > min(whole_within, budget):
             return 0
         num_tokens = min(seq.num_tokens - hit.num_tokens, budget)
         snapshot_tokens = hit.num_tokens if hit.snapshot_kind == "turn" else 0
@@ -276,6 +312,7 @@ class Scheduler:
                 self._give_up(seq)  # larger than the whole pool even when it is empty
             return None
         self.waiting.remove(seq)
+        seq.waited_for_prefix = False
         plan.new_pages[seq.request_id] = pages
         self._count_hit(seq, hit)
         seq.num_computed_tokens = hit.num_tokens
@@ -301,6 +338,16 @@ class Scheduler:
             c.prefix_hit_tokens += new
             c.prompt_tokens += new
         seq.num_processed_tokens = max(seq.num_processed_tokens, hit.num_tokens)
+
+    def _lookup(self, seq: Sequence) -> Hit:
+        return self.kv.lookup(_uncached_head(seq), seq.cache_salt, seq.page_keys(self.kv.page_size))
+
+    def _waits_for_prefix(self, seq: Sequence, hit: Hit) -> bool:
+        """Whether a waiting request waits for a running prefill of pages it could hit; if so it is marked a
+        follower, which the prefill limit spares when it is admitted."""
+        waits = hit.partial is None and self._prefix_in_flight(seq, hit)
+        seq.waited_for_prefix = seq.waited_for_prefix or waits
+        return waits
 
     def _prefix_in_flight(self, seq: Sequence, hit: Hit) -> bool:
         """Whether a running prefill is about to compute pages `seq` could hit: then wait for them."""

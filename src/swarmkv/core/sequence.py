@@ -37,6 +37,7 @@ class Sequence:
     num_processed_tokens: int = 0  # high-water mark of positions ever computed or served from cache
     num_preemptions: int = 0
     num_starved_steps: int = 0  # consecutive steps it waited for prefill compute and got none
+    waited_for_prefix: bool = False  # it waited for another request's prefill of its head, not yet admitted
     branch_tokens: int = 0  # hybrids: tokens the cached pages matched at admission (a branch point)
     snapshot_tokens: int = 0  # hybrids: where the turn snapshot it resumed from (its previous turn) ends
     status: Status = Status.WAITING

@@ -105,6 +105,7 @@ class LLMEngine:
             page_mover=self.host_kv,
             state_mover=self.states,
             cost=self.preemption_cost,
+            device_type=loaded.device.type,
         )
         # The core's parts, named for the tests and benchmarks that read them.
         self.kv, self.scheduler, self.pins, self.counters = (

@@ -129,7 +129,7 @@ class TritonRunner:
         spans, first = [], 0
         shared = [0] * len(decodes)
         for members, num_pages in groups:
-            span = GroupSpan(first, members, rows[q_start + first], num_pages * size)
+            span = GroupSpan(first, members, rows[len(prefills) + first], num_pages * size)  # rows: per chunk
             shared[first : first + members] = [span.shared_tokens] * members
             spans.append(span)
             first += members
