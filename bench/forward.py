@@ -31,6 +31,9 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from swarmkv import LLM, SamplingParams  # noqa: E402
+from swarmkv.engine import cpu_decode  # noqa: E402
+from swarmkv.engine.kv_cache import KVCache  # noqa: E402
+from swarmkv.engine.page_table import PageTable  # noqa: E402
 from swarmkv.models.attention import CausalSelfAttention  # noqa: E402
 from swarmkv.models.default import default_model_path  # noqa: E402
 from swarmkv.models.loader import LoadedModel, load_model  # noqa: E402
@@ -142,6 +145,20 @@ def top1_agreement(loaded: LoadedModel, reference: LoadedModel, ids: list[int]) 
     return float((picks[0] == picks[1]).float().mean())
 
 
+def decode_step_logits(loaded: LoadedModel, ids: list[int], int8_activations: bool) -> torch.Tensor:
+    """Logits at every position of one sequence [T, vocab], fed token by token through the C decode step
+    (engine/cpu_decode.py) over its own KV pages: what decoding computes, teacher-forced."""
+    page_size = 16
+    num_pages = -(-len(ids) // page_size)
+    kv = KVCache(loaded.config, num_pages, page_size, torch.float32, torch.device("cpu"))
+    table = PageTable(1, num_pages, page_size, torch.device("cpu"))
+    table.append("text", list(range(num_pages)))
+    step = cpu_decode.describe(loaded.model, kv, table, int8_activations)
+    one = torch.zeros(1, dtype=torch.int64)
+    rows = [step.step(torch.tensor([t]), one, torch.tensor([i]), [1], [0]) for i, t in enumerate(ids)]
+    return torch.cat(rows)
+
+
 def swarmkv_all_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
     """Logits at every position of one sequence [T, vocab]."""
     hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), CausalSelfAttention())
@@ -211,6 +228,21 @@ def main() -> None:
         for fmt, loaded in models.items():
             if fmt != "float":
                 print(f"  {fmt}: {top1_agreement(loaded, models['float'], ids):.1%}")
+        gguf = models.get("gguf")
+        if (
+            gguf is not None
+            and cpu_decode.why_not(
+                gguf.model, KVCache(gguf.config, 1, 16, torch.float32, gguf.device), gguf.device
+            )
+            is None
+        ):
+            with torch.inference_mode():
+                reference = swarmkv_all_logits(models["float"], ids).argmax(-1)
+                for int8 in (True, False):
+                    picks = decode_step_logits(gguf, ids, int8).argmax(-1)
+                    agreement = float((picks == reference).float().mean())
+                    kind = "int8" if int8 else "float32"
+                    print(f"  gguf, the C decode step, {kind} activations: {agreement:.1%}")
 
 
 if __name__ == "__main__":

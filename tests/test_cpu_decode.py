@@ -34,6 +34,7 @@ FILES = {
     ),
 }
 SHARED = list(range(40, 120))  # 80 tokens: five pages of 16, two whole tiles of 32
+LONG_SHARED = list(range(40, 340))  # 300 tokens: one whole attention chunk of 256, read once per group
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +113,10 @@ def test_int8_activations_stay_close_to_the_torch_modules(files: dict[str, Path]
 def test_a_row_decodes_the_same_alone_grouped_and_batched(files: dict[str, Path]) -> None:
     """Tiles start at position 0 whatever the grouping, so the shared prefix read once changes nothing."""
     path = files["qwen3-mix"]
-    target = SHARED + [11, 12, 13]
+    target = LONG_SHARED + [11, 12, 13]
     alone = LLM(str(path), dtype="float32", kv_cache_memory="64MiB").generate([target], GREEDY)[0]
     llm = LLM(str(path), dtype="float32", kv_cache_memory="64MiB", cascade_attention="on")
-    batch = [SHARED + [21 + i] for i in range(5)] + [target] + [[3, 4, 5, 6]]
+    batch = [LONG_SHARED + [21 + i] for i in range(5)] + [target] + [[3, 4, 5, 6]]
     together = llm.generate(batch, GREEDY)  # type: ignore[arg-type]
     assert llm.engine.counters.cascade_decode_rows > 0  # the shared pages formed a group
     assert together[5].token_ids == alone.token_ids

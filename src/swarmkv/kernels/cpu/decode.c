@@ -7,15 +7,18 @@
  * the same step through PyTorch's eager modules pays ~1,200 operator calls (~15 ms). One parallel region spans
  * the step; each op splits its rows among the threads and ends at a barrier.
  *
- * Attention walks each row's keys in tiles of TILE positions from 0, with an online softmax. Rows that share
- * their first pages (a cascade group) read the shared tiles once for the whole group; since tile boundaries do
- * not depend on the grouping, a row's result is the same grouped or alone, and the same at any batch size.
+ * Attention splits each row's keys into chunks of CHUNK positions from 0 (the threads share them, as
+ * flash-decoding does), walks a chunk in tiles of TILE with an online softmax, and merges the chunks' partial
+ * results in order. Rows that share their first pages (a cascade group) read the chunks wholly inside the shared
+ * pages once for the whole group. Boundaries depend on positions only, so a row's result is the same grouped or
+ * alone, and at any batch size.
  */
 #include <math.h>
 
 #include "grouped.c" /* one translation unit: the matmul's inline kernels are shared, not exported */
 
 #define TILE 32       /* keys per attention tile */
+#define CHUNK 256     /* keys per attention partial: every row splits its context at multiples of CHUNK */
 #define MAX_MEMBERS 4 /* rows of a group one attention work item serves */
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP_HEADS 16 /* query heads per KV head */
@@ -53,10 +56,10 @@ typedef struct {
     int int8_activations; /* projections read x quantised to int8 per group of 32 where the layout allows */
 } model_t;
 
-/* One attention work item: KV head `kv_head` for members [first, first + count) of a group whose first
- * `shared` positions are the same pages. */
+/* One attention work item: KV head `kv_head` over the keys of chunk `chunk` (positions [chunk * CHUNK, ...)),
+ * for rows [first, first + count): several rows only where that chunk lies wholly in the pages they share. */
 typedef struct {
-    int64_t first, count, shared, kv_head;
+    int64_t first, count, kv_head, chunk;
 } item_t;
 
 /* Scratch for one step, allocated once per call. */
@@ -66,6 +69,8 @@ typedef struct {
     int8_t *codes;    /* [2, M, widest]: int8 x, natural and paired orders */
     float *qconsts;   /* [2, M, widest / 32]: their scales and scaled sums */
     qx_t qx;
+    item_t *items; /* attention work items */
+    float *part;   /* [M, heads, chunks, 2 + head_dim]: each chunk's partial softmax state */
 } scratch_t;
 
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
@@ -198,10 +203,16 @@ static void attend_tile(const model_t *m, const layer_t *L, int64_t row, int64_t
     }
 }
 
-/* One work item's attention: each member's query heads of its KV head, into attn. */
+/* The partial state of row r, query head h, chunk c: [max, sum, acc[D]]. */
+static inline float *partial(float *part, int64_t heads, int64_t chunks, int64_t D, int64_t r, int64_t h,
+                             int64_t c) {
+    return part + ((r * heads + h) * chunks + c) * (D + 2);
+}
+
+/* One work item's attention: the partial states of its rows' query heads of its KV head, over its chunk. */
 static void attend_item(const model_t *m, const layer_t *L, const int64_t *rows, const int64_t *positions,
-                        const item_t *item, const float *qkv, float *attn) {
-    const int64_t first = item->first, shared = item->shared, kvh = item->kv_head;
+                        const item_t *item, const float *qkv, float *part, int64_t chunks) {
+    const int64_t first = item->first, kvh = item->kv_head;
     const int count = (int)item->count;
     const int64_t D = m->head_dim, G = m->heads / m->kv_heads, qkv_width = (m->heads + 2 * m->kv_heads) * D;
     softmax_t states[MAX_MEMBERS * MAX_GROUP_HEADS];
@@ -216,19 +227,32 @@ static void attend_item(const model_t *m, const layer_t *L, const int64_t *rows,
             q[i] = qkv + (first + c) * qkv_width + (kvh * G + g) * D;
             st[i] = &states[i];
         }
-    const int64_t shared_tiles_end = shared / TILE * TILE; /* tiles wholly shared: read once for all members */
-    for (int64_t t0 = 0; t0 < shared_tiles_end; t0 += TILE)
-        attend_tile(m, L, rows[first], kvh, t0, t0 + TILE, q, st, count * (int)G);
-    for (int c = 0; c < count; c++) {
-        const int64_t ctx = positions[first + c] + 1, row = rows[first + c];
-        for (int64_t t0 = shared_tiles_end; t0 < ctx; t0 += TILE)
-            attend_tile(m, L, row, kvh, t0, t0 + TILE < ctx ? t0 + TILE : ctx, q + c * G, st + c * G, (int)G);
+    const int64_t t0 = item->chunk * CHUNK, ctx = positions[first] + 1;
+    const int64_t t1 = t0 + CHUNK < ctx ? t0 + CHUNK : ctx; /* a shared chunk ends before every member's token */
+    for (int64_t t = t0; t < t1; t += TILE)
+        attend_tile(m, L, rows[first], kvh, t, t + TILE < t1 ? t + TILE : t1, q, st, count * (int)G);
+    for (int c = 0; c < count; c++)
         for (int64_t g = 0; g < G; g++) {
-            const softmax_t *s = st[c * G + g];
-            float *o = attn + (first + c) * m->heads * D + (kvh * G + g) * D;
-            for (int64_t d = 0; d < D; d++) o[d] = s->acc[d] / s->sum;
+            const softmax_t *sm = st[c * G + g];
+            float *out = partial(part, m->heads, chunks, D, first + c, kvh * G + g, item->chunk);
+            out[0] = sm->max, out[1] = sm->sum;
+            memcpy(out + 2, sm->acc, sizeof(float) * (size_t)D);
         }
+}
+
+/* Row r's query head h: its chunks' partial states merged in order, into out[D]. */
+static void merge_chunks(const float *part, int64_t heads, int64_t chunks, int64_t D, int64_t r, int64_t h,
+                         int64_t used, float *out) {
+    float top = -INFINITY, sum = 0.0f, acc[MAX_HEAD_DIM] = {0.0f};
+    for (int64_t c = 0; c < used; c++) {
+        const float *p = partial((float *)part, heads, chunks, D, r, h, c);
+        const float new_top = p[0] > top ? p[0] : top;
+        const float mine = expf(p[0] - new_top), theirs = expf(top - new_top);
+        sum = sum * theirs + p[1] * mine;
+        for (int64_t d = 0; d < D; d++) acc[d] = acc[d] * theirs + p[2 + d] * mine;
+        top = new_top;
     }
+    for (int64_t d = 0; d < D; d++) out[d] = acc[d] / sum;
 }
 
 static void embed_row(const linear_t *e, int64_t id, float *out) {
@@ -269,27 +293,40 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
     s.xd = s.act + M * I, s.xsum16 = s.xd + M * widest, s.xsum32 = s.xsum16 + M * widest / 16;
     s.qconsts = s.xsum32 + M * widest / 16, s.codes = codes;
 
-    /* attention work items: (group, member chunk, KV head) */
+    /* attention work items: a group's wholly shared chunks (members MAX_MEMBERS at a time), then each row's own */
+    int64_t chunks = 1;
+    for (int64_t r = 0; r < M; r++) chunks = positions[r] / CHUNK + 1 > chunks ? positions[r] / CHUNK + 1 : chunks;
     int64_t num_items = 0;
-    for (int64_t g = 0; g < num_groups; g++) num_items += (group_sizes[g] + MAX_MEMBERS - 1) / MAX_MEMBERS;
-    num_items *= m->kv_heads;
-    item_t *items = malloc(sizeof(item_t) * (size_t)(num_items + 1));
-    if (items == NULL) {
-        free(arena);
-        free(codes);
-        return 2;
-    }
-    {
+    for (int pass = 0; pass < 2; pass++) {
+        item_t *items_out = pass ? s.items : NULL;
         int64_t i = 0, first = 0;
         for (int64_t g = 0; g < num_groups; g++) {
-            for (int64_t c = 0; c < group_sizes[g]; c += MAX_MEMBERS)
-                for (int64_t h = 0; h < m->kv_heads; h++) {
-                    const int64_t left = group_sizes[g] - c;
-                    items[i++] = (item_t){first + c, left < MAX_MEMBERS ? left : MAX_MEMBERS, group_shared[g], h};
-                }
-            first += group_sizes[g];
+            const int64_t size = group_sizes[g], together = size > 1 ? group_shared[g] / CHUNK : 0;
+            for (int64_t c = 0; c < together; c++)
+                for (int64_t mc = 0; mc < size; mc += MAX_MEMBERS)
+                    for (int64_t h = 0; h < m->kv_heads; h++, i++)
+                        if (items_out)
+                            items_out[i] = (item_t){first + mc, size - mc < MAX_MEMBERS ? size - mc : MAX_MEMBERS, h, c};
+            for (int64_t r = first; r < first + size; r++)
+                for (int64_t c = together; c <= positions[r] / CHUNK; c++)
+                    for (int64_t h = 0; h < m->kv_heads; h++, i++)
+                        if (items_out) items_out[i] = (item_t){r, 1, h, c};
+            first += size;
+        }
+        num_items = i;
+        if (!pass) {
+            s.items = malloc(sizeof(item_t) * (size_t)(num_items + 1));
+            s.part = malloc(sizeof(float) * (size_t)(M * m->heads * chunks * (D + 2)));
+            if (s.items == NULL || s.part == NULL) {
+                free(s.items);
+                free(s.part);
+                free(arena);
+                free(codes);
+                return 2;
+            }
         }
     }
+    const item_t *items = s.items;
 
 #pragma omp parallel num_threads(threads)
     {
@@ -322,8 +359,12 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
                 memcpy(L->v_cache + slot * m->kv_heads * D, v, sizeof(float) * (size_t)(m->kv_heads * D));
             }
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < num_items; i++)
-                attend_item(m, L, rows, positions, &items[i], s.qkv, s.attn);
+            for (int64_t i = 0; i < num_items; i++) attend_item(m, L, rows, positions, &items[i], s.qkv, s.part, chunks);
+#pragma omp for schedule(static)
+            for (int64_t rh = 0; rh < M * m->heads; rh++) {
+                const int64_t r = rh / m->heads, h = rh % m->heads;
+                merge_chunks(s.part, m->heads, chunks, D, r, h, positions[r] / CHUNK + 1, s.attn + rh * D);
+            }
             linear(&L->o, M, s.attn, s.out, &s, m->int8_activations);
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < M; r++) {
@@ -346,7 +387,8 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
         }
         linear(&m->lm_head, M, s.x, logits, &s, m->int8_activations);
     }
-    free(items);
+    free(s.items);
+    free(s.part);
     free(arena);
     free(codes);
     return 0;
