@@ -20,8 +20,8 @@ Every timed figure is the best of --repeats runs after one warm-up, weight forma
 interleaved so that background load hits all alike. Prefix caching is off, so every run computes its whole
 prompt and the two runs of a difference prefill alike. Beside other load on a 2-core machine, runs with 2 torch
 threads slow by 10-50x at times (a thread waits on a descheduled peer at every op): compare the samples in
---json, raise --repeats, or take --threads 1, which degrades gracefully. A default run takes about 2 minutes
-on an idle 2-core CPU.
+--json, raise --repeats, or take --threads 1, which degrades gracefully. A default run should take about 2 minutes
+on an idle 2-core CPU (summed from the best samples of a loaded run).
 
     .venv/bin/python bench/decode.py [--weights gguf int4 float] [--decode-tokens 64] [--repeats 2]
         [--batches 1 2 4 8 16] [--llama-bench PATH] [--json decode.json] [--quick]
