@@ -418,8 +418,9 @@ def targets(record: dict[str, Any], gen_tokens: int, prefill_tokens: int) -> lis
 def print_report(record: dict[str, Any]) -> None:
     """The tables."""
     config = record["config"]
+    threads = f"{config['threads']} thread" + "s" * (config["threads"] != 1)
     print(
-        f"{config['model']}, CPU, {config['threads']} threads; {config['prompt_tokens']}-token prompts, "
+        f"{config['model']}, CPU, {threads}; {config['prompt_tokens']}-token prompts, "
         f"{config['decode_tokens']} greedy decode tokens a row; best of {config['repeats']} interleaved runs"
     )
     print(
@@ -445,7 +446,7 @@ def print_report(record: dict[str, Any]) -> None:
         print(f"llama.cpp: skipped ({llama['skipped']})")
     else:
         tests = ", ".join(f"{name} {t['best_tok_s']:.1f} tok/s" for name, t in llama["tests"].items())
-        print(f"llama.cpp (llama-bench, same file, {config['threads']} threads, best repetition): {tests}")
+        print(f"llama.cpp (llama-bench, same file, {threads}, best repetition): {tests}")
         for fmt, v in llama["versus"].items():
             print(
                 f"  swarmkv {fmt}: one request's decode {times(v['decode_over_tg'])} tg, prefill {times(v['prefill_over_pp'])} pp"
