@@ -3,11 +3,12 @@ bare forward loop, against transformers and llama.cpp in the same run.
 
 1. `LLM.generate`, one request (sampling and detokenizing included, prefill excluded): the time of N + 1
    greedy tokens less that of 1 token from the same prompt, N tokens over the difference.
-2. The bare forward loop beside it: the engine's model forward and LM head for one row per request a step,
-   greedy argmax, against the engine's own KV cache tensors through the same attention backend the CPU runs
-   (`PagedAttention`, the torch backend) with the decode layout the runner builds (one `DecodeGroup` a step,
-   built each step, here over contiguous slots rather than through the page table). No scheduler, sampler,
-   page table or detokenizer: generate/bare is the share of a step that is the model.
+2. The bare forward loop beside it: what the runner computes for a decode step, greedy argmax, against the
+   engine's own KV cache tensors: the C decode step (engine/cpu_decode.py) where the engine runs it (a dense
+   model held at its GGUF bits), over a page table of contiguous pages; else the model forward and LM head
+   through the torch backend (`PagedAttention`) with the decode layout the runner builds (one `DecodeGroup` a
+   step, over contiguous slots). No scheduler, sampler or detokenizer: generate/bare is the share of a step
+   that is the model.
 3. Aggregate decode tokens/s at batch 1 to 16: B distinct prompts of equal length through one `generate` call,
    B x N tokens over the same difference, each against batch 1 (issue 26's target: batch 8 >= 4x batch 1).
 4. transformers `generate` over the same GGUF (dequantised to float32, SDPA), greedy, at batch 1 and 8, the
@@ -48,7 +49,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from swarmkv import LLM, SamplingParams  # noqa: E402
+from swarmkv.engine import cpu_decode  # noqa: E402
 from swarmkv.engine.kv_cache import KVCache  # noqa: E402
+from swarmkv.engine.page_table import PageTable  # noqa: E402
 from swarmkv.engine.paged_attention import DecodeGroup, PagedAttention, PrefillSpan, StepLayout  # noqa: E402
 from swarmkv.models.loader import LoadedModel, load_model, resolve_model_path  # noqa: E402
 
@@ -122,14 +125,21 @@ def generate_seconds(llm: LLM, prompts: list[list[int]], max_tokens: int) -> flo
 
 @torch.inference_mode()
 def bare_decode(
-    loaded: LoadedModel, cache: KVCache, prompts: list[list[int]], num_tokens: int
+    loaded: LoadedModel,
+    cache: KVCache,
+    prompts: list[list[int]],
+    num_tokens: int,
+    fused: bool = False,
+    page_size: int = 16,
 ) -> tuple[float, list[list[int]]]:
     """Seconds of `num_tokens` greedy decode steps of every prompt at once (after their untimed prefill):
-    the model forward over `cache` through `PagedAttention`, the LM head for one row each, and argmax; and
-    each prompt's tokens (the prefill's, then the decodes')."""
+    the model forward over `cache` through `PagedAttention`, the LM head for one row each, and argmax; or, if
+    `fused`, the C decode step over a page table of contiguous pages; and each prompt's tokens (the
+    prefill's, then the decodes')."""
     model, device, dtype = loaded.model, loaded.device, loaded.dtype
     lengths = torch.tensor([len(p) for p in prompts])
-    span = int(lengths.max()) + num_tokens + 1  # slots per row: row b owns [b * span, (b + 1) * span)
+    pages_per_row = -(-(int(lengths.max()) + num_tokens + 1) // page_size)
+    span = pages_per_row * page_size  # slots per row: row b owns [b * span, (b + 1) * span)
     assert len(prompts) * span <= cache.k.shape[1], "the KV pool is too small for the bare loop"
     base = torch.arange(len(prompts)) * span
     positions = torch.cat([torch.arange(n) for n in lengths.tolist()])
@@ -145,6 +155,17 @@ def bare_decode(
     last = torch.cumsum(lengths, 0) - 1
     tokens = model.compute_logits(hidden[last.to(device)]).argmax(-1)
     steps = [tokens]
+    if fused:
+        table = PageTable(len(prompts), pages_per_row, page_size, device)
+        for b in range(len(prompts)):
+            table.append(f"row{b}", list(range(b * pages_per_row, (b + 1) * pages_per_row)))
+        c_step = cpu_decode.describe(model, cache, table, int8_activations=True)
+        rows, ones, nothing = torch.arange(len(prompts)), [1] * len(prompts), [0] * len(prompts)
+        start = time.perf_counter()
+        for step in range(num_tokens):
+            tokens = c_step.step(tokens, rows, lengths + step, ones, nothing).argmax(-1)
+            steps.append(tokens)
+        return time.perf_counter() - start, torch.stack(steps, 1).tolist()
     start = time.perf_counter()
     for step in range(num_tokens):
         pos = lengths + step
@@ -310,7 +331,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     timings = Timings()
     for fmt, llm in llms.items():  # warm-up: one short run of each kind
         generate_seconds(llm, prompts[1], 2)
-        bare_decode(models[fmt], llm.engine.runner.kv_cache, prompts[1], 2)
+        bare_decode(
+            models[fmt], llm.engine.runner.kv_cache, prompts[1], 2, llm.engine.runner.cpu_decode is not None
+        )
     if hf is not None:
         transformers_seconds(hf, prompts[1], 2)
     for _ in range(args.repeats):
@@ -319,7 +342,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for b in args.batches:
                 timings.add(f"{fmt} b{b} short", generate_seconds(llm, prompts[b], 1))
                 timings.add(f"{fmt} b{b} long", generate_seconds(llm, prompts[b], n + 1))
-                timings.add(f"{fmt} b{b} bare", bare_decode(models[fmt], cache, prompts[b], n)[0])
+                fused = llm.engine.runner.cpu_decode is not None
+                timings.add(f"{fmt} b{b} bare", bare_decode(models[fmt], cache, prompts[b], n, fused)[0])
             timings.add(f"{fmt} prefill", generate_seconds(llm, prefill_prompt, 1))
         if hf is not None:
             for b in args.transformers_batches:

@@ -11,6 +11,7 @@ import torch
 
 from swarmkv.kernels import cpu_grouped
 from swarmkv.kernels.cpu_grouped import GroupedQuant
+from swarmkv.kernels.cpu_threads import ThreadChoice
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -159,6 +160,7 @@ class DecodeModel:
         self._library = library
         self._keep: list[object] = [k_slabs, v_slabs, page_table, cos_sin, final_norm]
         self.vocab = shape.vocab
+        self._threads: ThreadChoice | None = None
         c_layers = (_Layer * len(layers))()
         for i, layer in enumerate(layers):
             c = c_layers[i]
@@ -247,17 +249,26 @@ class DecodeModel:
         sizes = torch.tensor(group_sizes, dtype=torch.int64)
         shared = torch.tensor(group_shared, dtype=torch.int64)
         logits = torch.empty(count, self.vocab, dtype=torch.float32)
-        status = self._library.swarmkv_decode_step(
-            ctypes.byref(self._model),
-            count,
-            ids.data_ptr(),
-            rows.data_ptr(),
-            positions.data_ptr(),
-            len(group_sizes),
-            sizes.data_ptr(),
-            shared.data_ptr(),
-            logits.data_ptr(),
-            torch.get_num_threads(),
-        )
+        team = torch.get_num_threads()
+        if self._threads is None or self._threads.choices[0] != team:
+            self._threads = ThreadChoice(team)
+
+        def run(threads: int) -> int:
+            return int(
+                self._library.swarmkv_decode_step(
+                    ctypes.byref(self._model),
+                    count,
+                    ids.data_ptr(),
+                    rows.data_ptr(),
+                    positions.data_ptr(),
+                    len(group_sizes),
+                    sizes.data_ptr(),
+                    shared.data_ptr(),
+                    logits.data_ptr(),
+                    threads,
+                )
+            )
+
+        status = self._threads.run(count, run)
         assert status == 0, f"the C decode step refused its input (status {status})"
         return logits

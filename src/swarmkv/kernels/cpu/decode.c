@@ -67,7 +67,7 @@ typedef struct {
     float *resid, *x, *qkv, *attn, *gu, *act, *out;
     float *xd, *xsum16, *xsum32;
     int8_t *codes;    /* [2, M, widest]: int8 x, natural and paired orders */
-    float *qconsts;   /* [2, M, widest / 32]: their scales and scaled sums */
+    float *qconsts;   /* [10, M, widest / 32]: their scales, scaled sums and the scales spread eight wide */
     qx_t qx;
     item_t *items; /* attention work items */
     float *part;   /* [M, heads, chunks, 2 + head_dim]: each chunk's partial softmax state */
@@ -106,8 +106,9 @@ static void linear(const linear_t *l, int64_t M, const float *x, float *y, scrat
         if (need32) prepare_x(M, K, 32, x, need16 || !need_d ? NULL : s->xd, s->xsum32);
         if (need_q) {
             const int64_t groups = K / 32;
-            s->qx = (qx_t){s->codes, s->codes + M * K, s->qconsts, s->qconsts + M * groups};
-            quantize_x(M, K, x, s->codes, s->codes + M * K, s->qconsts, s->qconsts + M * groups);
+            float *spread = s->qconsts + 2 * M * groups;
+            s->qx = (qx_t){s->codes, s->codes + M * K, s->qconsts, s->qconsts + M * groups, spread};
+            quantize_x(M, K, x, s->codes, s->codes + M * K, s->qconsts, s->qconsts + M * groups, spread);
         }
     }
     for (int64_t b = 0; b < l->num_blocks; b++) {
@@ -281,7 +282,7 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
     widest = widest > m->heads * D ? widest : m->heads * D;
     scratch_t s;
     float *arena = malloc(sizeof(float) * (size_t)(M * (3 * H + qkv_width + m->heads * D + 3 * I + widest) +
-                                                   M * widest / 16 * 2 + M * widest / 32 * 2));
+                                                   M * widest / 16 * 2 + M * widest / 32 * 10));
     int8_t *codes = malloc((size_t)(2 * M * widest));
     if (arena == NULL || codes == NULL) {
         free(arena);

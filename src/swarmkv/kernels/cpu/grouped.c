@@ -374,11 +374,12 @@ typedef struct {
     const int8_t *paired;  /* [M, K]: the same, each group's even elements then its odd ones (against nibbles) */
     const float *scale;    /* [M, K/32]: dx, the group's max |x| / 127 */
     const float *sum;      /* [M, K/32]: dx * the group's sum of codes (for offsets and minimums) */
+    const float *spread;   /* [M, K/32, 8]: dx eight times a group, so two groups' scales load as one vector */
 } qx_t;
 
 /* Quantise M rows of x [M, K] (K a multiple of 32) into qx's buffers. */
 static void quantize_x(int64_t M, int64_t K, const float *x, int8_t *natural, int8_t *paired, float *scale,
-                       float *sum) {
+                       float *sum, float *spread) {
     const int64_t groups = K / 32;
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < groups; g++) {
@@ -396,6 +397,7 @@ static void quantize_x(int64_t M, int64_t K, const float *x, int8_t *natural, in
             }
             scale[m * groups + g] = d;
             sum[m * groups + g] = d * (float)total;
+            for (int j = 0; j < 8; j++) spread[(m * groups + g) * 8 + j] = d;
         }
 }
 
@@ -519,7 +521,7 @@ static inline __attribute__((always_inline)) void rows_dot_int8_512(const layout
     row_group_constants(w, n, groups, scale, shift);
     const int shifted = w->m_half != NULL || w->offset != 0;
     const int8_t *x = (bits == 8 ? qx->natural : qx->paired) + m0 * K;
-    const float *dx = qx->scale + m0 * groups, *xs = qx->sum + m0 * groups;
+    const float *spread = qx->spread + m0 * groups * 8, *xs = qx->sum + m0 * groups;
     __m512 acc[FAST_ROWS];
     for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
@@ -544,8 +546,7 @@ static inline __attribute__((always_inline)) void rows_dot_int8_512(const layout
             __m512i xv = _mm512_loadu_si512((const void *)(x + m * K + g * 32));
             if (bits == 8) xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
             const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xv));
-            const __m512 dv = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(dx + m * groups + g)))));
-            acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sv, dv), acc[m]);
+            acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dot, _mm512_loadu_ps(spread + (m * groups + g) * 8)), sv, acc[m]);
         }
     }
     for (int64_t m = 0; m < M; m++) {
@@ -688,14 +689,15 @@ int swarmkv_grouped_matmul_int8(int64_t M, int64_t N, int64_t K, const float *x,
     fill_layout(&w, bits, group, offset, low, high, s_half, s_sub, s_sub_signed, s_per, m_half, m_sub, m_per);
     if (!int8_dot_reads(&w) || K % 32) return 1;
     int8_t *codes = malloc((size_t)(2 * M * K));
-    float *consts = malloc(sizeof(float) * (size_t)(2 * M * (K / 32)));
+    float *consts = malloc(sizeof(float) * (size_t)(10 * M * (K / 32)));
     if (codes == NULL || consts == NULL) {
         free(codes);
         free(consts);
         return 2;
     }
-    quantize_x(M, K, x, codes, codes + M * K, consts, consts + M * (K / 32));
-    const qx_t qx = {codes, codes + M * K, consts, consts + M * (K / 32)};
+    float *spread = consts + 2 * M * (K / 32);
+    quantize_x(M, K, x, codes, codes + M * K, consts, consts + M * (K / 32), spread);
+    const qx_t qx = {codes, codes + M * K, consts, consts + M * (K / 32), spread};
 #pragma omp parallel num_threads(threads)
     matmul_share_int8(&w, M, N, K, &qx, y, ldy);
     free(codes);
