@@ -579,11 +579,24 @@ static void rows_matmul_int8(const layout_t *w, int64_t M, int64_t K, const qx_t
         for (int64_t m0 = 0; m0 < M; m0 += FAST_ROWS) {
             const int64_t rows = M - m0 < FAST_ROWS ? M - m0 : FAST_ROWS;
 #if HAVE_INT8_512
-            if (w->bits == 4 && (K / 32) % 2 == 0 && K / 32 <= MAX_GROUPS_512) {
-                rows == 1 ? rows_dot_int8_512(w, K, n, 1, qx, m0, out) : rows_dot_int8_512(w, K, n, rows, qx, m0, out);
+            if (w->bits != 5 && (K / 32) % 2 == 0 && K / 32 <= MAX_GROUPS_512) {
+                /* constant row counts keep the accumulators in registers */
+                switch (rows) {
+                case 1: rows_dot_int8_512(w, K, n, 1, qx, m0, out); break;
+                case 2: rows_dot_int8_512(w, K, n, 2, qx, m0, out); break;
+                case 4: rows_dot_int8_512(w, K, n, 4, qx, m0, out); break;
+                case 8: rows_dot_int8_512(w, K, n, 8, qx, m0, out); break;
+                default: rows_dot_int8_512(w, K, n, rows, qx, m0, out);
+                }
             } else
 #endif
-            rows == 1 ? rows_dot_int8(w, K, n, 1, qx, m0, out) : rows_dot_int8(w, K, n, rows, qx, m0, out);
+            switch (rows) {
+            case 1: rows_dot_int8(w, K, n, 1, qx, m0, out); break;
+            case 2: rows_dot_int8(w, K, n, 2, qx, m0, out); break;
+            case 4: rows_dot_int8(w, K, n, 4, qx, m0, out); break;
+            case 8: rows_dot_int8(w, K, n, 8, qx, m0, out); break;
+            default: rows_dot_int8(w, K, n, rows, qx, m0, out);
+            }
             for (int64_t m = 0; m < rows; m++) y[(m0 + m) * ldy + n] = out[m];
         }
 }
