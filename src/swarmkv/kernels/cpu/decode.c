@@ -20,7 +20,8 @@
 #define TILE 32       /* keys per attention tile */
 #define CHUNK 256     /* keys per attention partial: every row splits its context at multiples of CHUNK */
 #define MAX_MEMBERS 4 /* rows of a group one attention work item serves */
-#define MAX_HEAD_DIM 256
+#define MAX_HEAD_DIM 256 /* a multiple of 16 */
+#define HEAD_BLOCK 4 /* query heads one pass over a tile's keys serves */
 #define MAX_GROUP_HEADS 16 /* query heads per KV head */
 
 typedef struct {
@@ -56,10 +57,10 @@ typedef struct {
     int int8_activations; /* projections read x quantised to int8 per group of 32 where the layout allows */
 } model_t;
 
-/* One attention work item: KV head `kv_head` over the keys of chunk `chunk` (positions [chunk * CHUNK, ...)),
- * for rows [first, first + count): several rows only where that chunk lies wholly in the pages they share. */
+/* One attention work item: every head over the keys of chunk `chunk` (positions [chunk * CHUNK, ...)), for
+ * rows [first, first + count): several rows only where that chunk lies wholly in the pages they share. */
 typedef struct {
-    int64_t first, count, kv_head, chunk;
+    int64_t first, count, chunk;
 } item_t;
 
 /* Scratch for one step, allocated once per call. */
@@ -74,14 +75,42 @@ typedef struct {
 } scratch_t;
 
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    float t = _mm512_reduce_add_ps(acc);
+#else
     float lanes[16] = {0.0f};
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
         for (int j = 0; j < 16; j++) lanes[j] += a[i + j] * b[i + j];
-    float t = 0.0f;
+    for (int w = 8; w > 0; w /= 2) /* a tree, not a chain of 16 dependent adds */
+        for (int j = 0; j < w; j++) lanes[j] += lanes[j + w];
+    float t = lanes[0];
+#endif
     for (; i < n; i++) t += a[i] * b[i];
-    for (int j = 0; j < 16; j++) t += lanes[j];
     return t;
+}
+
+/* e^x for x <= 0 (softmax weights), to a few float32 ulps, in plain arithmetic the compiler vectorises (libm's
+ * expf is a call per element): 2^n e^f with n = round(x / ln 2), |f| <= ln 2 / 2, e^f by a degree-6 polynomial. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x; /* e^-87 is below float32's normal range: the weight is 0 to the sum */
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float f = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
+    float p = 1.0f / 720.0f;
+    p = p * f + 1.0f / 120.0f;
+    p = p * f + 1.0f / 24.0f;
+    p = p * f + 1.0f / 6.0f;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    union {
+        int32_t i;
+        float f;
+    } scale = {.i = ((int32_t)n + 127) << 23};
+    return p * scale.f;
 }
 
 /* y[M, N] = x W^T (+ bias) for this thread's rows of every block; x's forms are prepared first by one thread.
@@ -165,6 +194,14 @@ static inline int64_t slot_of(const model_t *m, int64_t row, int64_t position) {
     return m->page_table[row * m->table_stride + position / m->page_size] * m->page_size + position % m->page_size;
 }
 
+/* Attention need not round like gguf's dequantisation (the reason for -ffp-contract=off): fused multiply-adds,
+ * and 512-bit vectors where the CPU has them. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+#if defined(__AVX512F__)
+#pragma GCC target("prefer-vector-width=512")
+#endif
+
 /* Online-softmax state of one query head. */
 typedef struct {
     float max, sum;
@@ -175,7 +212,6 @@ typedef struct {
 static void attend_tile(const model_t *m, const layer_t *L, int64_t row, int64_t kvh, int64_t t0, int64_t t1,
                         const float *const *q, softmax_t *const *st, int count) {
     const int64_t D = m->head_dim, stride = m->kv_heads * D;
-    float scores[TILE];
     const float *keys[TILE], *values[TILE];
     for (int64_t t = t0; t < t1; t++) {
         const int64_t slot = slot_of(m, row, t);
@@ -183,24 +219,34 @@ static void attend_tile(const model_t *m, const layer_t *L, int64_t row, int64_t
         values[t - t0] = L->v_cache + slot * stride + kvh * D;
     }
     const int64_t n = t1 - t0;
-    for (int c = 0; c < count; c++) {
-        softmax_t *s = st[c];
-        float tile_max = -INFINITY;
-        for (int64_t j = 0; j < n; j++) {
-            scores[j] = dot_f32(q[c], keys[j], D) * m->scale;
-            tile_max = scores[j] > tile_max ? scores[j] : tile_max;
+    for (int c0 = 0; c0 < count; c0 += HEAD_BLOCK) { /* a few query heads at a time, each key read once */
+        const int cb = count - c0 < HEAD_BLOCK ? count - c0 : HEAD_BLOCK;
+        float p[HEAD_BLOCK][TILE];
+        for (int64_t j = 0; j < n; j++)
+            for (int c = 0; c < cb; c++) p[c][j] = dot_f32(q[c0 + c], keys[j], D) * m->scale;
+        for (int c = 0; c < cb; c++) {
+            softmax_t *sm = st[c0 + c];
+            float tile_max = -INFINITY;
+            for (int64_t j = 0; j < n; j++) tile_max = p[c][j] > tile_max ? p[c][j] : tile_max;
+            const float new_max = tile_max > sm->max ? tile_max : sm->max;
+            const float alpha = sm->max == -INFINITY ? 0.0f : exp_nonpositive(sm->max - new_max);
+            for (int64_t j = 0; j < n; j++) p[c][j] = exp_nonpositive(p[c][j] - new_max);
+            float total = 0.0f;
+            for (int64_t j = 0; j < n; j++) total += p[c][j];
+            sm->sum = sm->sum * alpha + total;
+            for (int64_t d = 0; d < D; d++) sm->acc[d] *= alpha;
+            sm->max = new_max;
         }
-        const float new_max = tile_max > s->max ? tile_max : s->max;
-        const float alpha = expf(s->max - new_max); /* 0 on the first tile: max starts at -inf */
-        s->sum *= alpha;
-        for (int64_t d = 0; d < D; d++) s->acc[d] *= alpha;
-        for (int64_t j = 0; j < n; j++) {
-            const float p = expf(scores[j] - new_max);
-            s->sum += p;
-            const float *v = values[j];
-            for (int64_t d = 0; d < D; d++) s->acc[d] += p * v[d];
+        for (int64_t d0 = 0; d0 < D; d0 += 16) { /* the weighted values, 16 dims at a time in registers */
+            float a[HEAD_BLOCK][16];
+            for (int c = 0; c < cb; c++) memcpy(a[c], st[c0 + c]->acc + d0, sizeof a[c]);
+            for (int64_t j = 0; j < n; j++) {
+                const float *v = values[j] + d0;
+                for (int c = 0; c < cb; c++)
+                    for (int e = 0; e < 16; e++) a[c][e] += p[c][j] * v[e];
+            }
+            for (int c = 0; c < cb; c++) memcpy(st[c0 + c]->acc + d0, a[c], sizeof a[c]);
         }
-        s->max = new_max;
     }
 }
 
@@ -211,35 +257,63 @@ static inline float *partial(float *part, int64_t heads, int64_t chunks, int64_t
 }
 
 /* One work item's attention: the partial states of its rows' query heads of its KV head, over its chunk. */
+/* Ask for positions [t0, t1)'s K and V (every head) ahead of use: slots are found through the page table, which
+ * the hardware's prefetchers cannot follow. */
+static inline void prefetch_tile(const model_t *m, const layer_t *L, int64_t row, int64_t t0, int64_t t1) {
+    const int64_t bytes = m->kv_heads * m->head_dim * (int64_t)sizeof(float);
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t slot = slot_of(m, row, t);
+        const char *k = (const char *)(L->k_cache + slot * m->kv_heads * m->head_dim);
+        const char *v = (const char *)(L->v_cache + slot * m->kv_heads * m->head_dim);
+        for (int64_t b = 0; b < bytes; b += 64) {
+            __builtin_prefetch(k + b);
+            __builtin_prefetch(v + b);
+        }
+    }
+}
+
 static void attend_item(const model_t *m, const layer_t *L, const int64_t *rows, const int64_t *positions,
                         const item_t *item, const float *qkv, float *part, int64_t chunks) {
-    const int64_t first = item->first, kvh = item->kv_head;
+    const int64_t first = item->first, H = m->kv_heads;
     const int count = (int)item->count;
-    const int64_t D = m->head_dim, G = m->heads / m->kv_heads, qkv_width = (m->heads + 2 * m->kv_heads) * D;
-    softmax_t states[MAX_MEMBERS * MAX_GROUP_HEADS];
-    const float *q[MAX_MEMBERS * MAX_GROUP_HEADS];
-    softmax_t *st[MAX_MEMBERS * MAX_GROUP_HEADS];
-    for (int c = 0; c < count; c++)
-        for (int64_t g = 0; g < G; g++) {
-            const int i = c * (int)G + (int)g;
-            states[i].max = -INFINITY;
-            states[i].sum = 0.0f;
-            memset(states[i].acc, 0, sizeof(float) * (size_t)D);
-            q[i] = qkv + (first + c) * qkv_width + (kvh * G + g) * D;
-            st[i] = &states[i];
-        }
+    const int64_t D = m->head_dim, G = m->heads / H, qkv_width = (m->heads + 2 * H) * D;
+    const int64_t total = count * m->heads; /* states ordered (KV head, member, query head of the group) */
+    softmax_t *states = malloc(sizeof(softmax_t) * (size_t)total);
+    const float **q = malloc(sizeof(float *) * (size_t)total);
+    softmax_t **st = malloc(sizeof(softmax_t *) * (size_t)total);
+    if (states == NULL || q == NULL || st == NULL) abort(); /* a few KB: out of memory is not recoverable here */
+    for (int64_t h = 0; h < H; h++)
+        for (int c = 0; c < count; c++)
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t i = (h * count + c) * G + g;
+                states[i].max = -INFINITY;
+                states[i].sum = 0.0f;
+                memset(states[i].acc, 0, sizeof(float) * (size_t)D);
+                q[i] = qkv + (first + c) * qkv_width + (h * G + g) * D;
+                st[i] = &states[i];
+            }
     const int64_t t0 = item->chunk * CHUNK, ctx = positions[first] + 1;
     const int64_t t1 = t0 + CHUNK < ctx ? t0 + CHUNK : ctx; /* a shared chunk ends before every member's token */
-    for (int64_t t = t0; t < t1; t += TILE)
-        attend_tile(m, L, rows[first], kvh, t, t + TILE < t1 ? t + TILE : t1, q, st, count * (int)G);
-    for (int c = 0; c < count; c++)
-        for (int64_t g = 0; g < G; g++) {
-            const softmax_t *sm = st[c * G + g];
-            float *out = partial(part, m->heads, chunks, D, first + c, kvh * G + g, item->chunk);
-            out[0] = sm->max, out[1] = sm->sum;
-            memcpy(out + 2, sm->acc, sizeof(float) * (size_t)D);
-        }
+    for (int64_t t = t0; t < t1; t += TILE) { /* a tile's positions hold every KV head: all of them while cached */
+        prefetch_tile(m, L, rows[first], t + TILE, t + 2 * TILE < t1 ? t + 2 * TILE : t1);
+        for (int64_t h = 0; h < H; h++)
+            attend_tile(m, L, rows[first], h, t, t + TILE < t1 ? t + TILE : t1, q + h * count * G,
+                        st + h * count * G, count * (int)G);
+    }
+    for (int64_t h = 0; h < H; h++)
+        for (int c = 0; c < count; c++)
+            for (int64_t g = 0; g < G; g++) {
+                const softmax_t *sm = st[(h * count + c) * G + g];
+                float *out = partial(part, m->heads, chunks, D, first + c, h * G + g, item->chunk);
+                out[0] = sm->max, out[1] = sm->sum;
+                memcpy(out + 2, sm->acc, sizeof(float) * (size_t)D);
+            }
+    free(st);
+    free(q);
+    free(states);
 }
+
+#pragma GCC pop_options
 
 /* Row r's query head h: its chunks' partial states merged in order, into out[D]. */
 static void merge_chunks(const float *part, int64_t heads, int64_t chunks, int64_t D, int64_t r, int64_t h,
@@ -248,7 +322,8 @@ static void merge_chunks(const float *part, int64_t heads, int64_t chunks, int64
     for (int64_t c = 0; c < used; c++) {
         const float *p = partial((float *)part, heads, chunks, D, r, h, c);
         const float new_top = p[0] > top ? p[0] : top;
-        const float mine = expf(p[0] - new_top), theirs = expf(top - new_top);
+        const float mine = exp_nonpositive(p[0] - new_top);
+        const float theirs = top == -INFINITY ? 0.0f : exp_nonpositive(top - new_top);
         sum = sum * theirs + p[1] * mine;
         for (int64_t d = 0; d < D; d++) acc[d] = acc[d] * theirs + p[2 + d] * mine;
         top = new_top;
@@ -275,7 +350,7 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
                         const int64_t *group_shared, float *logits, int threads) {
     const int64_t H = m->hidden, D = m->head_dim, I = m->intermediate;
     const int64_t qkv_width = (m->heads + 2 * m->kv_heads) * D;
-    if (D > MAX_HEAD_DIM || D % 2 || m->heads / m->kv_heads > MAX_GROUP_HEADS || m->heads % m->kv_heads) return 1;
+    if (D > MAX_HEAD_DIM || D % 16 || m->heads / m->kv_heads > MAX_GROUP_HEADS || m->heads % m->kv_heads) return 1;
     for (int64_t r = 0; r < M; r++)
         if (positions[r] >= m->max_positions) return 3;
     int64_t widest = H > I ? H : I;
@@ -304,14 +379,12 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
         for (int64_t g = 0; g < num_groups; g++) {
             const int64_t size = group_sizes[g], together = size > 1 ? group_shared[g] / CHUNK : 0;
             for (int64_t c = 0; c < together; c++)
-                for (int64_t mc = 0; mc < size; mc += MAX_MEMBERS)
-                    for (int64_t h = 0; h < m->kv_heads; h++, i++)
-                        if (items_out)
-                            items_out[i] = (item_t){first + mc, size - mc < MAX_MEMBERS ? size - mc : MAX_MEMBERS, h, c};
+                for (int64_t mc = 0; mc < size; mc += MAX_MEMBERS, i++)
+                    if (items_out)
+                        items_out[i] = (item_t){first + mc, size - mc < MAX_MEMBERS ? size - mc : MAX_MEMBERS, c};
             for (int64_t r = first; r < first + size; r++)
-                for (int64_t c = together; c <= positions[r] / CHUNK; c++)
-                    for (int64_t h = 0; h < m->kv_heads; h++, i++)
-                        if (items_out) items_out[i] = (item_t){r, 1, h, c};
+                for (int64_t c = together; c <= positions[r] / CHUNK; c++, i++)
+                    if (items_out) items_out[i] = (item_t){r, 1, c};
             first += size;
         }
         num_items = i;
