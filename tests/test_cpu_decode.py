@@ -151,3 +151,41 @@ def test_hybrids_keep_the_torch_modules(tmp_path: Path) -> None:
     llm = LLM(str(path), dtype="float32", kv_cache_memory="64MiB")
     assert llm.engine.runner.cpu_decode is None
     assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
+
+
+def test_decodes_beside_a_chunked_prefill_run_in_c_and_match(files: dict[str, Path]) -> None:
+    """A step with prefill chunks runs its decodes in C and the chunks through the modules."""
+    path = files["qwen3-q8_0"]
+    prompts: list[list[int]] = [
+        [5, 6, 7, 8],
+        LONG_SHARED,
+    ]  # the long one prefills in chunks while the other decodes
+    options = dict(
+        dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=64, cpu_int8_activations=False
+    )
+    fused = LLM(str(path), **options)  # type: ignore[arg-type]
+    calls: list[int] = []
+    step = fused.engine.runner.cpu_decode
+    assert step is not None
+    original = step.step
+    mixed = 0
+
+    def counting(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return original(*args)  # type: ignore[arg-type]
+
+    step.step = counting  # type: ignore[method-assign]
+    run = fused.engine.runner.run
+
+    def spy(plan: StepPlan) -> tuple[list, torch.Tensor]:  # type: ignore[type-arg]
+        nonlocal mixed
+        kinds = {c.kind for c in plan.chunks}
+        mixed += kinds == {"prefill", "decode"}
+        return run(plan)
+
+    fused.engine.runner.run = spy  # type: ignore[method-assign]
+    got = [o.token_ids for o in fused.generate(prompts, GREEDY)]  # type: ignore[arg-type]
+    modules = LLM(str(path), fused_cpu_decode=False, **options)  # type: ignore[arg-type]
+    want = [o.token_ids for o in modules.generate(prompts, GREEDY)]  # type: ignore[arg-type]
+    assert mixed > 0 and len(calls) >= mixed
+    assert got == want

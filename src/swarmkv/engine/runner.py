@@ -86,9 +86,21 @@ class ModelRunner:
         order of their rows of float32 logits [N, vocab]."""
         prefills = [c for c in plan.chunks if c.kind == "prefill"]
         decodes = [c for c in plan.chunks if c.kind == "decode"]
-        if self.cpu_decode is not None and decodes and not prefills:
-            return self._run_cpu_decode(self.cpu_decode, decodes)
+        if self.cpu_decode is not None and decodes:
+            # The decodes in C, any prefills through the modules: a second pass over the weights costs less than
+            # decode rows in the modules, which gather every key of their context layer by layer.
+            sampling, logits = self._run_cpu_decode(self.cpu_decode, decodes)
+            if not prefills:
+                return sampling, logits
+            prefill_sampling, prefill_logits = self._run_modules(plan, prefills, [], [])
+            return prefill_sampling + sampling, torch.cat([prefill_logits, logits])
         groups, decodes = self._group_decodes(decodes, self.min_saved_tokens)
+        return self._run_modules(plan, prefills, decodes, groups)
+
+    def _run_modules(
+        self, plan: StepPlan, prefills: list[Chunk], decodes: list[Chunk], groups: list[tuple[int, int]]
+    ) -> tuple[list[Chunk], torch.Tensor]:
+        """The chunks through the torch modules (or the triton runner), decodes grouped as `groups` says."""
         sampling = [c for c in prefills + decodes if c.samples]
         if self.triton is not None:
             return sampling, self.triton.run(prefills, decodes, groups)
@@ -110,7 +122,7 @@ class ModelRunner:
         self.page_table.sync()
 
     def _run_cpu_decode(self, step: DecodeModel, decodes: list[Chunk]) -> tuple[list[Chunk], torch.Tensor]:
-        """A decode-only step in one C call. Its attention reads a group's shared pages once at no extra cost,
+        """A step's decodes in one C call. Its attention reads a group's shared pages once at no extra cost,
         so any saving is worth a group (cascade off still turns grouping off)."""
         groups, decodes = self._group_decodes(decodes, 1)
         sizes = [size for size, _ in groups]
