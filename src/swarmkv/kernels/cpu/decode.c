@@ -209,16 +209,14 @@ typedef struct {
 } softmax_t;
 
 /* Fold keys [t0, t1) of `row` (one tile) into the states of `count` query heads q (of KV head `kvh`). */
-static void attend_tile(const model_t *m, const layer_t *L, int64_t row, int64_t kvh, int64_t t0, int64_t t1,
+static void attend_tile(const model_t *m, const layer_t *L, const int64_t *slots, int64_t n, int64_t kvh,
                         const float *const *q, softmax_t *const *st, int count) {
     const int64_t D = m->head_dim, stride = m->kv_heads * D;
     const float *keys[TILE], *values[TILE];
-    for (int64_t t = t0; t < t1; t++) {
-        const int64_t slot = slot_of(m, row, t);
-        keys[t - t0] = L->k_cache + slot * stride + kvh * D;
-        values[t - t0] = L->v_cache + slot * stride + kvh * D;
+    for (int64_t j = 0; j < n; j++) {
+        keys[j] = L->k_cache + slots[j] * stride + kvh * D;
+        values[j] = L->v_cache + slots[j] * stride + kvh * D;
     }
-    const int64_t n = t1 - t0;
     for (int c0 = 0; c0 < count; c0 += HEAD_BLOCK) { /* a few query heads at a time, each key read once */
         const int cb = count - c0 < HEAD_BLOCK ? count - c0 : HEAD_BLOCK;
         float p[HEAD_BLOCK][TILE];
@@ -257,12 +255,23 @@ static inline float *partial(float *part, int64_t heads, int64_t chunks, int64_t
 }
 
 /* One work item's attention: the partial states of its rows' query heads of its KV head, over its chunk. */
-/* Ask for positions [t0, t1)'s K and V (every head) ahead of use: slots are found through the page table, which
- * the hardware's prefetchers cannot follow. */
-static inline void prefetch_tile(const model_t *m, const layer_t *L, int64_t row, int64_t t0, int64_t t1) {
-    const int64_t bytes = m->kv_heads * m->head_dim * (int64_t)sizeof(float);
+/* The slots of positions [t0, t1) of `row` (at most TILE), one page-table read per page: no division per key. */
+static inline int64_t tile_slots(const model_t *m, int64_t row, int64_t t0, int64_t t1, int64_t *slots) {
+    const int64_t *pages = m->page_table + row * m->table_stride, size = m->page_size;
+    int64_t page = t0 / size, offset = t0 % size;
     for (int64_t t = t0; t < t1; t++) {
-        const int64_t slot = slot_of(m, row, t);
+        slots[t - t0] = pages[page] * size + offset;
+        if (++offset == size) offset = 0, page++;
+    }
+    return t1 > t0 ? t1 - t0 : 0;
+}
+
+/* Ask for the K and V (every head) of `n` slots ahead of use: they are found through the page table, which the
+ * hardware's prefetchers cannot follow. */
+static inline void prefetch_slots(const model_t *m, const layer_t *L, const int64_t *slots, int64_t n) {
+    const int64_t bytes = m->kv_heads * m->head_dim * (int64_t)sizeof(float);
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t slot = slots[t];
         const char *k = (const char *)(L->k_cache + slot * m->kv_heads * m->head_dim);
         const char *v = (const char *)(L->v_cache + slot * m->kv_heads * m->head_dim);
         for (int64_t b = 0; b < bytes; b += 64) {
@@ -294,11 +303,14 @@ static void attend_item(const model_t *m, const layer_t *L, const int64_t *rows,
             }
     const int64_t t0 = item->chunk * CHUNK, ctx = positions[first] + 1;
     const int64_t t1 = t0 + CHUNK < ctx ? t0 + CHUNK : ctx; /* a shared chunk ends before every member's token */
-    for (int64_t t = t0; t < t1; t += TILE) { /* a tile's positions hold every KV head: all of them while cached */
-        prefetch_tile(m, L, rows[first], t + TILE, t + 2 * TILE < t1 ? t + 2 * TILE : t1);
+    int64_t slots[2][TILE];
+    int64_t n = tile_slots(m, rows[first], t0, t0 + TILE < t1 ? t0 + TILE : t1, slots[0]);
+    for (int64_t t = t0, k = 0; t < t1; t += TILE, k ^= 1) { /* a tile's positions hold every KV head */
+        const int64_t after = t + TILE, next = tile_slots(m, rows[first], after, after + TILE < t1 ? after + TILE : t1, slots[k ^ 1]);
+        prefetch_slots(m, L, slots[k ^ 1], next);
         for (int64_t h = 0; h < H; h++)
-            attend_tile(m, L, rows[first], h, t, t + TILE < t1 ? t + TILE : t1, q + h * count * G,
-                        st + h * count * G, count * (int)G);
+            attend_tile(m, L, slots[k], n, h, q + h * count * G, st + h * count * G, count * (int)G);
+        n = next;
     }
     for (int64_t h = 0; h < H; h++)
         for (int c = 0; c < count; c++)
