@@ -209,7 +209,53 @@ typedef struct {
 } softmax_t;
 
 /* Fold keys [t0, t1) of `row` (one tile) into the states of `count` query heads q (of KV head `kvh`). */
-static void attend_tile(const model_t *m, const layer_t *L, const int64_t *slots, int64_t n, int64_t kvh,
+#if defined(__AVX512F__)
+/* attend_tile for a head size known when compiled (64, 128): a query's and an accumulator's vectors stay in
+ * registers, the scores of a tile are one pass of fused multiply-adds. */
+#define ATTEND_TILE_FIXED(NAME, DIM)                                                                             \
+    static void NAME(const model_t *m, const layer_t *L, const int64_t *slots, int64_t n, int64_t kvh,          \
+                     const float *const *q, softmax_t *const *st, int count) {                                  \
+        enum { V = DIM / 16 };                                                                                  \
+        const int64_t stride = m->kv_heads * DIM;                                                               \
+        const float *keys[TILE], *values[TILE];                                                                 \
+        for (int64_t j = 0; j < n; j++) {                                                                       \
+            keys[j] = L->k_cache + slots[j] * stride + kvh * DIM;                                               \
+            values[j] = L->v_cache + slots[j] * stride + kvh * DIM;                                             \
+        }                                                                                                       \
+        for (int c = 0; c < count; c++) {                                                                       \
+            softmax_t *sm = st[c];                                                                              \
+            __m512 qv[V];                                                                                       \
+            for (int v = 0; v < V; v++) qv[v] = _mm512_loadu_ps(q[c] + 16 * v);                                 \
+            float p[TILE];                                                                                      \
+            float tile_max = -INFINITY;                                                                         \
+            for (int64_t j = 0; j < n; j++) {                                                                   \
+                __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys[j]));                                    \
+                for (int v = 1; v < V; v++) acc = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(keys[j] + 16 * v), acc); \
+                p[j] = _mm512_reduce_add_ps(acc) * m->scale;                                                    \
+                tile_max = p[j] > tile_max ? p[j] : tile_max;                                                   \
+            }                                                                                                   \
+            const float new_max = tile_max > sm->max ? tile_max : sm->max;                                      \
+            const float alpha = sm->max == -INFINITY ? 0.0f : exp_nonpositive(sm->max - new_max);               \
+            for (int64_t j = 0; j < n; j++) p[j] = exp_nonpositive(p[j] - new_max);                             \
+            float total = 0.0f;                                                                                 \
+            for (int64_t j = 0; j < n; j++) total += p[j];                                                      \
+            sm->sum = sm->sum * alpha + total;                                                                  \
+            sm->max = new_max;                                                                                  \
+            __m512 a[V];                                                                                        \
+            const __m512 scale = _mm512_set1_ps(alpha);                                                         \
+            for (int v = 0; v < V; v++) a[v] = _mm512_mul_ps(_mm512_loadu_ps(sm->acc + 16 * v), scale);        \
+            for (int64_t j = 0; j < n; j++) {                                                                   \
+                const __m512 w = _mm512_set1_ps(p[j]);                                                          \
+                for (int v = 0; v < V; v++) a[v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(values[j] + 16 * v), a[v]); \
+            }                                                                                                   \
+            for (int v = 0; v < V; v++) _mm512_storeu_ps(sm->acc + 16 * v, a[v]);                               \
+        }                                                                                                       \
+    }
+ATTEND_TILE_FIXED(attend_tile_64, 64)
+ATTEND_TILE_FIXED(attend_tile_128, 128)
+#endif
+
+static void attend_tile_any(const model_t *m, const layer_t *L, const int64_t *slots, int64_t n, int64_t kvh,
                         const float *const *q, softmax_t *const *st, int count) {
     const int64_t D = m->head_dim, stride = m->kv_heads * D;
     const float *keys[TILE], *values[TILE];
@@ -255,6 +301,16 @@ static inline float *partial(float *part, int64_t heads, int64_t chunks, int64_t
 }
 
 /* One work item's attention: the partial states of its rows' query heads of its KV head, over its chunk. */
+/* A tile's attention, at the head size's specialised kernel where there is one. */
+static inline void attend_tile(const model_t *m, const layer_t *L, const int64_t *slots, int64_t n, int64_t kvh,
+                               const float *const *q, softmax_t *const *st, int count) {
+#if defined(__AVX512F__)
+    if (m->head_dim == 64) return attend_tile_64(m, L, slots, n, kvh, q, st, count);
+    if (m->head_dim == 128) return attend_tile_128(m, L, slots, n, kvh, q, st, count);
+#endif
+    attend_tile_any(m, L, slots, n, kvh, q, st, count);
+}
+
 /* The slots of positions [t0, t1) of `row` (at most TILE), one page-table read per page: no division per key. */
 static inline int64_t tile_slots(const model_t *m, int64_t row, int64_t t0, int64_t t1, int64_t *slots) {
     const int64_t *pages = m->page_table + row * m->table_stride, size = m->page_size;
