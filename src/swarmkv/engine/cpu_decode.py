@@ -26,7 +26,9 @@ def why_not(model: DecoderForCausalLM, kv_cache: KVCache, device: torch.device) 
     if config.is_hybrid or config.attn_output_gate or config.rotary_dim != config.head_dim:
         return "a hybrid, gated or partial-rotary model"
     if config.head_dim % 16 or config.head_dim > 256 or config.num_heads // config.num_kv_heads > 16:
-        return "a head size the C attention does not take (a multiple of 16 up to 256, 16 query heads a KV head)"
+        return (
+            "a head size the C attention does not take (a multiple of 16 up to 256, 16 query heads a KV head)"
+        )
     if kv_cache.storage_dtype != torch.float32 or kv_cache.dtype != torch.float32:
         return "KV pages are not float32"
     linears = [m for m in model.modules() if isinstance(m, GGUFLinear)]
