@@ -19,7 +19,7 @@
 
 #define TILE 32       /* keys per attention tile */
 #define CHUNK 256     /* keys per attention partial: every row splits its context at multiples of CHUNK */
-#define MAX_MEMBERS 4 /* rows of a group one attention work item serves */
+#define MAX_MEMBERS 8 /* rows of a group one attention work item serves (each shared key read once for them) */
 #define MAX_HEAD_DIM 256 /* a multiple of 16 */
 #define HEAD_BLOCK 4 /* query heads one pass over a tile's keys serves */
 #define MAX_GROUP_HEADS 16 /* query heads per KV head */
@@ -210,6 +210,22 @@ typedef struct {
 
 /* Fold keys [t0, t1) of `row` (one tile) into the states of `count` query heads q (of KV head `kvh`). */
 #if defined(__AVX512F__)
+/* The lane sums of sixteen vectors, as one vector in their order: pairs, then quads, then 128-bit halves. */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* lane block L of a[i]: [x0+x2, y0+y2, x1+x3, y1+y3] for x, y = v[2i], v[2i+1] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* lane block L of b[i]: the block sums of v[4i .. 4i + 3] */
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 /* attend_tile for a head size known when compiled (64, 128): a query's and an accumulator's vectors stay in
  * registers, the scores of a tile are one pass of fused multiply-adds. */
 #define ATTEND_TILE_FIXED(NAME, DIM)                                                                             \
@@ -228,12 +244,22 @@ typedef struct {
             for (int v = 0; v < V; v++) qv[v] = _mm512_loadu_ps(q[c] + 16 * v);                                 \
             float p[TILE];                                                                                      \
             float tile_max = -INFINITY;                                                                         \
-            for (int64_t j = 0; j < n; j++) {                                                                   \
+            int64_t j = 0;                                                                                      \
+            for (; j + 16 <= n; j += 16) { /* sixteen keys, their sums reduced together */                      \
+                __m512 acc[16];                                                                                 \
+                for (int k = 0; k < 16; k++) {                                                                  \
+                    acc[k] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys[j + k]));                                \
+                    for (int v = 1; v < V; v++)                                                                 \
+                        acc[k] = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(keys[j + k] + 16 * v), acc[k]);         \
+                }                                                                                               \
+                _mm512_storeu_ps(p + j, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(m->scale)));                   \
+            }                                                                                                   \
+            for (; j < n; j++) {                                                                                \
                 __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys[j]));                                    \
                 for (int v = 1; v < V; v++) acc = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(keys[j] + 16 * v), acc); \
                 p[j] = _mm512_reduce_add_ps(acc) * m->scale;                                                    \
-                tile_max = p[j] > tile_max ? p[j] : tile_max;                                                   \
             }                                                                                                   \
+            for (int64_t k = 0; k < n; k++) tile_max = p[k] > tile_max ? p[k] : tile_max;                       \
             const float new_max = tile_max > sm->max ? tile_max : sm->max;                                      \
             const float alpha = sm->max == -INFINITY ? 0.0f : exp_nonpositive(sm->max - new_max);               \
             for (int64_t j = 0; j < n; j++) p[j] = exp_nonpositive(p[j] - new_max);                             \
