@@ -15,6 +15,7 @@ from swarmkv.core.scheduler import StepPlan
 from swarmkv.engine import cpu_decode
 from swarmkv.engine.runner import ModelRunner
 from swarmkv.kernels import cpu_grouped
+from swarmkv.kernels.cpu_decode import reads_half_kv
 from tiny_gguf import write_tiny_gguf
 
 Q = GGMLQuantizationType
@@ -133,7 +134,7 @@ def test_it_declines_what_it_cannot_describe(files: dict[str, Path]) -> None:
     path = files["llama-q4_1"]
     cases = {
         "weights are 'int8'": LLM(str(path), dtype="float32", weights="int8", kv_cache_memory="64MiB"),
-        "KV pages are not float32": LLM(
+        "KV pages are neither": LLM(
             str(path), dtype="float32", kv_cache_dtype="bfloat16", kv_cache_memory="64MiB"
         ),
     }
@@ -189,3 +190,17 @@ def test_decodes_beside_a_chunked_prefill_run_in_c_and_match(files: dict[str, Pa
     want = [o.token_ids for o in modules.generate(prompts, GREEDY)]  # type: ignore[arg-type]
     assert mixed > 0 and len(calls) >= mixed
     assert got == want
+
+
+def test_float16_kv_pages_decode_in_c_as_the_modules_do(files: dict[str, Path]) -> None:
+    """float16 pages: C converts a tile at a time to read and rounds to nearest even to write, as torch does."""
+    if not reads_half_kv():
+        pytest.skip("this build has no F16C")
+    llm, check = checked_llm(
+        files["qwen3-mix"], cascade_attention="on", cpu_int8_activations=False, kv_cache_dtype="float16"
+    )
+    assert llm.engine.runner.kv_cache.storage_dtype == torch.float16
+    prompts: list[list[int]] = [[5, 9, 300, 12], LONG_SHARED + [7, 8], LONG_SHARED + [901, 3]]
+    llm.generate(prompts, GREEDY)  # type: ignore[arg-type]
+    assert check.steps >= GREEDY.max_tokens - 1
+    assert check.worst < 1e-4, f"largest logit difference {check.worst:.2e} of the largest logit"

@@ -49,7 +49,8 @@ class EngineConfig:
     block_size: int = _opt(16, "tokens per KV page")
     kv_cache_dtype: KVCacheDtype = _opt(
         "auto",
-        "KV page dtype: auto (the model's), float16, bfloat16, float32 or fp8_e4m3 (a scale per layer)",
+        "KV page dtype: auto (the model's; float16 under a float32 model the CPU's C decode step runs, as "
+        "llama.cpp keeps KV), float16, bfloat16, float32 or fp8_e4m3 (a scale per layer)",
     )
     prefix_caching: bool = _opt(True, "share KV pages of identical prefixes between requests")
     retention: RetentionPolicy = _opt(

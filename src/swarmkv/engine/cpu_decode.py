@@ -15,7 +15,27 @@ from swarmkv.models.gguf_linear import GGUFEmbedding, GGUFLinear
 
 
 def why_not(model: DecoderForCausalLM, kv_cache: KVCache, device: torch.device) -> str | None:
-    """Why the C decode step cannot run this model (None: it can)."""
+    """Why the C decode step cannot run this model over these KV pages (None: it can)."""
+    reason = _model_why_not(model, device)
+    if reason is not None:
+        return reason
+    if kv_cache.dtype != torch.float32:
+        return "the model does not compute in float32"
+    half = kv_cache.storage_dtype == torch.float16 and cpu_decode.reads_half_kv()
+    if kv_cache.storage_dtype != torch.float32 and not half:
+        return "KV pages are neither float32 nor float16 (float16 needs F16C)"
+    return None
+
+
+def auto_kv_dtype(model: DecoderForCausalLM, dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
+    """The page dtype `kv_cache_dtype="auto"` takes where the C step will decode: float16 under a float32 model,
+    as llama.cpp keeps its KV (half the bytes each decode step reads); None elsewhere (the model's dtype)."""
+    if dtype != torch.float32 or _model_why_not(model, device) is not None or not cpu_decode.reads_half_kv():
+        return None
+    return torch.float16
+
+
+def _model_why_not(model: DecoderForCausalLM, device: torch.device) -> str | None:
     config = model.config
     if device.type != "cpu":
         return "not on the CPU"
@@ -29,8 +49,6 @@ def why_not(model: DecoderForCausalLM, kv_cache: KVCache, device: torch.device) 
         return (
             "a head size the C attention does not take (a multiple of 16 up to 256, 16 query heads a KV head)"
         )
-    if kv_cache.storage_dtype != torch.float32 or kv_cache.dtype != torch.float32:
-        return "KV pages are not float32"
     linears = [m for m in model.modules() if isinstance(m, GGUFLinear)]
     blocks = [b.weight for m in linears for b in m.blocks]
     blocks += [b.weight for b in model.embed_tokens.blocks]  # type: ignore[union-attr]

@@ -21,6 +21,7 @@ from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.core.scheduler import Chunk, PreemptionCost, StepPlan
 from swarmkv.core.sequence import FinishReason, Sequence
 from swarmkv.core.stats import EngineStats
+from swarmkv.engine import cpu_decode
 from swarmkv.engine.backend import resolve_attention_backend
 from swarmkv.engine.host_kv import HostKV
 from swarmkv.engine.kv_cache import KVCache, kv_storage_dtype
@@ -48,6 +49,10 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.config = config
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, loaded.dtype)
+        if config.kv_cache_dtype == "auto" and config.fused_cpu_decode:
+            self.kv_dtype = (
+                cpu_decode.auto_kv_dtype(loaded.model, loaded.dtype, loaded.device) or self.kv_dtype
+            )
         self.kv_bytes_per_token = loaded.config.kv_bytes_per_token(self.kv_dtype)
         page_bytes = self.kv_bytes_per_token * config.block_size
         # A hybrid's recurrent states (running and snapshots) come out of the same budget as the pages.

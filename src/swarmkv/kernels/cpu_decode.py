@@ -83,6 +83,7 @@ class _Model(ctypes.Structure):
         ("table_stride", _I64),
         ("page_size", _I64),
         ("int8_activations", ctypes.c_int),
+        ("kv_half", ctypes.c_int),
     ]
 
 
@@ -126,6 +127,12 @@ class Shape:
     eps: float
 
 
+def reads_half_kv(library: ctypes.CDLL | None = None) -> bool:
+    """Whether the C step reads float16 KV pages on this build (x86 with F16C)."""
+    library = library or cpu_grouped.library()
+    return library is not None and bool(library.swarmkv_has_kv_half())
+
+
 def supports_block(block: Block) -> bool:
     """Whether the C step reads this block: the grouped layout at groups of 16 or 32, or float32 rows."""
     if isinstance(block, torch.Tensor):
@@ -150,12 +157,14 @@ class DecodeModel:
         page_size: int,
         int8_activations: bool = True,
     ) -> None:
-        """`k_slabs`, `v_slabs`: float32 [layers, slots, kv_heads, head_dim]; `page_table`: int64 [rows, pages].
+        """`k_slabs`, `v_slabs`: float32 or float16 [layers, slots, kv_heads, head_dim] (float16 where
+        `reads_half_kv()`); `page_table`: int64 [rows, pages].
         `int8_activations`: projections over 4-, 5- and 8-bit groups of 32 read their input quantised to int8
         per group (llama.cpp's Q8 activations, on the CPU's integer dot products); otherwise float32."""
         library = cpu_grouped.library()
         assert library is not None, "the CPU kernels are not built"
-        assert k_slabs.dtype == torch.float32 and v_slabs.dtype == torch.float32
+        assert k_slabs.dtype == v_slabs.dtype and k_slabs.dtype in (torch.float32, torch.float16)
+        assert k_slabs.dtype == torch.float32 or reads_half_kv(library), "this build has no F16C"
         assert page_table.dtype == torch.int64 and page_table.is_contiguous()
         self._library = library
         self._keep: list[object] = [k_slabs, v_slabs, page_table, cos_sin, final_norm]
@@ -190,6 +199,7 @@ class DecodeModel:
             table_stride=page_table.shape[1],
             page_size=page_size,
             int8_activations=int(int8_activations),
+            kv_half=int(k_slabs.dtype == torch.float16),
         )
         library.swarmkv_decode_step.argtypes = [
             ctypes.POINTER(_Model),

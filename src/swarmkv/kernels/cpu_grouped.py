@@ -124,6 +124,7 @@ def build(arch: tuple[str, ...]) -> ctypes.CDLL | None:
     library.swarmkv_grouped_matmul.argtypes = [_I64, _I64, _I64, _PTR, _PTR, _I64, *common]
     library.swarmkv_grouped_matmul_int8.argtypes = [_I64, _I64, _I64, _PTR, _PTR, _I64, *common]
     library.swarmkv_grouped_matmul_int8.restype = library.swarmkv_has_int8_dot.restype = _INT
+    library.swarmkv_has_kv_half.restype = _INT
     library.swarmkv_grouped_dequantize.argtypes = [_I64, _I64, _PTR, _PTR, *common]
     library.swarmkv_grouped_matmul.restype = library.swarmkv_grouped_dequantize.restype = _INT
     return library

@@ -40,7 +40,7 @@ typedef struct {
     const float *input_norm, *post_norm;
     const float *q_norm, *k_norm; /* [head_dim] or NULL */
     linear_t qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* this layer's slabs [slots, kv_heads, head_dim] */
+    void *k_cache, *v_cache; /* this layer's slabs [slots, kv_heads, head_dim]: float32, or float16 (kv_half) */
 } layer_t;
 
 typedef struct {
@@ -55,6 +55,7 @@ typedef struct {
     const int64_t *page_table; /* [rows, table_stride] page ids */
     int64_t table_stride, page_size;
     int int8_activations; /* projections read x quantised to int8 per group of 32 where the layout allows */
+    int kv_half;          /* K and V pages hold float16 (needs F16C): converted a tile at a time to read */
 } model_t;
 
 /* One attention work item: every head over the keys of chunk `chunk` (positions [chunk * CHUNK, ...)), for
@@ -235,8 +236,8 @@ static inline __m512 sum16(const __m512 *v) {
         const int64_t stride = m->kv_heads * DIM;                                                               \
         const float *keys[TILE], *values[TILE];                                                                 \
         for (int64_t j = 0; j < n; j++) {                                                                       \
-            keys[j] = L->k_cache + slots[j] * stride + kvh * DIM;                                               \
-            values[j] = L->v_cache + slots[j] * stride + kvh * DIM;                                             \
+            keys[j] = (const float *)L->k_cache + slots[j] * stride + kvh * DIM;                                \
+            values[j] = (const float *)L->v_cache + slots[j] * stride + kvh * DIM;                              \
         }                                                                                                       \
         for (int c = 0; c < count; c++) {                                                                       \
             softmax_t *sm = st[c];                                                                              \
@@ -286,8 +287,8 @@ static void attend_tile_any(const model_t *m, const layer_t *L, const int64_t *s
     const int64_t D = m->head_dim, stride = m->kv_heads * D;
     const float *keys[TILE], *values[TILE];
     for (int64_t j = 0; j < n; j++) {
-        keys[j] = L->k_cache + slots[j] * stride + kvh * D;
-        values[j] = L->v_cache + slots[j] * stride + kvh * D;
+        keys[j] = (const float *)L->k_cache + slots[j] * stride + kvh * D;
+        values[j] = (const float *)L->v_cache + slots[j] * stride + kvh * D;
     }
     for (int c0 = 0; c0 < count; c0 += HEAD_BLOCK) { /* a few query heads at a time, each key read once */
         const int cb = count - c0 < HEAD_BLOCK ? count - c0 : HEAD_BLOCK;
@@ -351,17 +352,42 @@ static inline int64_t tile_slots(const model_t *m, int64_t row, int64_t t0, int6
 /* Ask for the K and V (every head) of `n` slots ahead of use: they are found through the page table, which the
  * hardware's prefetchers cannot follow. */
 static inline void prefetch_slots(const model_t *m, const layer_t *L, const int64_t *slots, int64_t n) {
-    const int64_t bytes = m->kv_heads * m->head_dim * (int64_t)sizeof(float);
+    const int64_t bytes = m->kv_heads * m->head_dim * (m->kv_half ? 2 : 4);
     for (int64_t t = 0; t < n; t++) {
         const int64_t slot = slots[t];
-        const char *k = (const char *)(L->k_cache + slot * m->kv_heads * m->head_dim);
-        const char *v = (const char *)(L->v_cache + slot * m->kv_heads * m->head_dim);
+        const char *k = (const char *)L->k_cache + slot * bytes;
+        const char *v = (const char *)L->v_cache + slot * bytes;
         for (int64_t b = 0; b < bytes; b += 64) {
             __builtin_prefetch(k + b);
             __builtin_prefetch(v + b);
         }
     }
 }
+
+#if defined(__F16C__)
+#define HAVE_KV_HALF 1
+/* n float16 values as float32. */
+static inline void halves_to_floats(const uint16_t *h, float *f, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < n; i++) f[i] = _cvtsh_ss(h[i]);
+}
+
+/* n float32 values as float16, rounded to nearest even (as torch's .to(float16)). */
+static inline void floats_to_halves(const float *f, uint16_t *h, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) h[i] = _cvtss_sh(f[i], _MM_FROUND_TO_NEAREST_INT);
+}
+#else
+#define HAVE_KV_HALF 0
+static inline void halves_to_floats(const uint16_t *h, float *f, int64_t n) { (void)h, (void)f, (void)n; }
+static inline void floats_to_halves(const float *f, uint16_t *h, int64_t n) { (void)f, (void)h, (void)n; }
+#endif
+
+/* Whether this build reads float16 KV pages. */
+int swarmkv_has_kv_half(void) { return HAVE_KV_HALF; }
 
 static void attend_item(const model_t *m, const layer_t *L, const int64_t *rows, const int64_t *positions,
                         const item_t *item, const float *qkv, float *part, int64_t chunks) {
@@ -385,15 +411,33 @@ static void attend_item(const model_t *m, const layer_t *L, const int64_t *rows,
             }
     const int64_t t0 = item->chunk * CHUNK, ctx = positions[first] + 1;
     const int64_t t1 = t0 + CHUNK < ctx ? t0 + CHUNK : ctx; /* a shared chunk ends before every member's token */
-    int64_t slots[2][TILE];
+    int64_t slots[2][TILE], staged_slots[TILE];
+    /* float16 pages: a tile's K and V (every head) converted once into float32 rows, read in their place */
+    const int64_t row_width = H * D;
+    float *staged = m->kv_half ? malloc(sizeof(float) * (size_t)(2 * TILE * row_width)) : NULL;
+    if (m->kv_half && staged == NULL) abort();
+    layer_t staged_layer = *L;
+    staged_layer.k_cache = staged, staged_layer.v_cache = staged ? staged + TILE * row_width : NULL;
+    for (int64_t j = 0; j < TILE; j++) staged_slots[j] = j;
     int64_t n = tile_slots(m, rows[first], t0, t0 + TILE < t1 ? t0 + TILE : t1, slots[0]);
     for (int64_t t = t0, k = 0; t < t1; t += TILE, k ^= 1) { /* a tile's positions hold every KV head */
         const int64_t after = t + TILE, next = tile_slots(m, rows[first], after, after + TILE < t1 ? after + TILE : t1, slots[k ^ 1]);
         prefetch_slots(m, L, slots[k ^ 1], next);
+        const layer_t *tile_layer = L;
+        const int64_t *tile_slots_now = slots[k];
+        if (staged != NULL) {
+            for (int64_t j = 0; j < n; j++) {
+                halves_to_floats((const uint16_t *)L->k_cache + slots[k][j] * row_width, staged + j * row_width, row_width);
+                halves_to_floats((const uint16_t *)L->v_cache + slots[k][j] * row_width,
+                                 staged + (TILE + j) * row_width, row_width);
+            }
+            tile_layer = &staged_layer, tile_slots_now = staged_slots;
+        }
         for (int64_t h = 0; h < H; h++)
-            attend_tile(m, L, slots[k], n, h, q + h * count * G, st + h * count * G, count * (int)G);
+            attend_tile(m, tile_layer, tile_slots_now, n, h, q + h * count * G, st + h * count * G, count * (int)G);
         n = next;
     }
+    free(staged);
     for (int64_t h = 0; h < H; h++)
         for (int c = 0; c < count; c++)
             for (int64_t g = 0; g < G; g++) {
@@ -444,6 +488,7 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
                         const int64_t *group_shared, float *logits, int threads) {
     const int64_t H = m->hidden, D = m->head_dim, I = m->intermediate;
     const int64_t qkv_width = (m->heads + 2 * m->kv_heads) * D;
+    if (m->kv_half && !HAVE_KV_HALF) return 4;
     if (D > MAX_HEAD_DIM || D % 16 || m->heads / m->kv_heads > MAX_GROUP_HEADS || m->heads % m->kv_heads) return 1;
     for (int64_t r = 0; r < M; r++)
         if (positions[r] >= m->max_positions) return 3;
@@ -523,8 +568,14 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
                     rotate(head, cos, sin, D);
                 }
                 const int64_t slot = slot_of(m, rows[r], positions[r]);
-                memcpy(L->k_cache + slot * m->kv_heads * D, k, sizeof(float) * (size_t)(m->kv_heads * D));
-                memcpy(L->v_cache + slot * m->kv_heads * D, v, sizeof(float) * (size_t)(m->kv_heads * D));
+                const int64_t width = m->kv_heads * D;
+                if (m->kv_half) {
+                    floats_to_halves(k, (uint16_t *)L->k_cache + slot * width, width);
+                    floats_to_halves(v, (uint16_t *)L->v_cache + slot * width, width);
+                } else {
+                    memcpy((float *)L->k_cache + slot * width, k, sizeof(float) * (size_t)width);
+                    memcpy((float *)L->v_cache + slot * width, v, sizeof(float) * (size_t)width);
+                }
             }
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < num_items; i++) attend_item(m, L, rows, positions, &items[i], s.qkv, s.part, chunks);
