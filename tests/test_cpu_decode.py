@@ -204,3 +204,14 @@ def test_float16_kv_pages_decode_in_c_as_the_modules_do(files: dict[str, Path]) 
     llm.generate(prompts, GREEDY)  # type: ignore[arg-type]
     assert check.steps >= GREEDY.max_tokens - 1
     assert check.worst < 1e-4, f"largest logit difference {check.worst:.2e} of the largest logit"
+
+
+def test_a_position_past_the_rotary_table_is_refused(files: dict[str, Path]) -> None:
+    """The scheduler never asks for one (max_model_len); the C step refuses rather than read past the table."""
+    llm = LLM(str(files["llama-q4_1"]), dtype="float32", kv_cache_memory="64MiB")
+    step = llm.engine.runner.cpu_decode
+    assert step is not None
+    one = torch.zeros(1, dtype=torch.int64)
+    past = torch.tensor([llm.loaded.model.rotary.max_positions])
+    with pytest.raises(AssertionError, match="status 3"):
+        step.step(one, one, past, [1], [0])

@@ -3,7 +3,9 @@ LM head included; the CPU kernel against the dequantised weights; logits against
 
 from __future__ import annotations
 
+import os
 import platform
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -322,3 +324,12 @@ def test_a_kernel_that_cannot_be_built_leaves_the_torch_path(
     monkeypatch.setenv("SWARMKV_CACHE_DIR", str(tmp_path))
     assert cpu_grouped.build(("-DSWARMKV_TEST_BUILD_FAILS",)) is None
     assert not list(tmp_path.rglob("*.so"))
+
+
+def test_the_kernels_build_wherever_a_c_compiler_is_found() -> None:
+    """The C tests skip without a compiler; with one, a source that does not compile must fail here, not skip."""
+    if os.environ.get("SWARMKV_CPU_KERNELS", "").lower() == "torch":
+        pytest.skip("the torch path is forced")
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        pytest.skip("no C compiler on this machine")
+    assert cpu_grouped.available()

@@ -106,8 +106,8 @@ class EngineConfig:
         "requests prefilled in one step at most, shortest first; a follower of a head another request was "
         "computing, and a prefill with at most a page left, take no place (0 or None: as many as the token "
         "budget holds). auto: 2 on the CPU, where bench/partial_prefills.py measured a burst of 8 prompts of "
-        "256 tokens getting its first tokens 1.75x sooner on average with int4 weights (a 1.09x wall), 1.40x "
-        "with gguf weights (a 0.82x wall); no limit on a GPU until a measurement there says otherwise",
+        "256 tokens getting its first tokens 1.53x sooner on average and at the median (gguf weights, the C "
+        "decode step; a 0.97x wall); no limit on a GPU until a measurement there says otherwise",
     )
     cascade_min_saved_tokens: int | None = _opt(
         None,

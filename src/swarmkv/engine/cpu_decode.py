@@ -1,7 +1,7 @@
-"""The runner's fast path for decode-only steps on the CPU: a dense decoder held at its GGUF bits, described
+"""The runner's fast path for a step's decodes on the CPU: a dense decoder held at its GGUF bits, described
 once to the whole-step C decode (`kernels/cpu_decode.py`), which reads the runner's own KV slabs and page table.
-Models it cannot describe (hybrids, an attention output gate, partial rotary, KV stored other than float32,
-weights in another format) keep the torch modules; `why_not` says which."""
+Models it cannot describe (hybrids, an attention output gate, partial rotary, KV stored other than float32 or
+float16, weights in another format) keep the torch modules; `why_not` says which."""
 
 from __future__ import annotations
 

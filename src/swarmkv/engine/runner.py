@@ -49,7 +49,7 @@ class ModelRunner:
         """With the triton backend, `cuda_graphs` replays decode steps of up to `max_num_seqs` rows. A hybrid
         model's linear-attention layers run over `states` (torch backend only). `cascade_min_saved_tokens`:
         the reads a shared-prefix group must spare under `cascade="auto"` (None: the backend's default).
-        `fused_cpu_decode`: run decode-only steps as one C call where the model allows (engine/cpu_decode.py),
+        `fused_cpu_decode`: run each step's decodes as one C call where the model allows (engine/cpu_decode.py),
         its projections on int8 activations if `cpu_int8_activations`."""
         assert states is None or backend == "torch", "hybrid models run on the torch backend"
         self.model = model
@@ -136,9 +136,8 @@ class ModelRunner:
             sizes,
             shared,
         )
-        rows = sampling_rows(decodes)
-        sampling = [c for c in decodes if c.samples]
-        return sampling, logits if len(rows) == len(decodes) else logits[torch.tensor(rows)]
+        assert all(c.samples for c in decodes), "a decode chunk ends at its request's last token"
+        return decodes, logits
 
     def _group_decodes(
         self, decodes: list[Chunk], min_saved_tokens: int

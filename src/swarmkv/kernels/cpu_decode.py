@@ -201,19 +201,6 @@ class DecodeModel:
             int8_activations=int(int8_activations),
             kv_half=int(k_slabs.dtype == torch.float16),
         )
-        library.swarmkv_decode_step.argtypes = [
-            ctypes.POINTER(_Model),
-            _I64,
-            _P,
-            _P,
-            _P,
-            _I64,
-            _P,
-            _P,
-            _P,
-            ctypes.c_int,
-        ]
-        library.swarmkv_decode_step.restype = ctypes.c_int
 
     def _float(self, t: torch.Tensor | None) -> int | None:
         if t is None:

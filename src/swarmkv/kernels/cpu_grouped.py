@@ -124,7 +124,10 @@ def build(arch: tuple[str, ...]) -> ctypes.CDLL | None:
     library.swarmkv_grouped_matmul.argtypes = [_I64, _I64, _I64, _PTR, _PTR, _I64, *common]
     library.swarmkv_grouped_matmul_int8.argtypes = [_I64, _I64, _I64, _PTR, _PTR, _I64, *common]
     library.swarmkv_grouped_matmul_int8.restype = library.swarmkv_has_int8_dot.restype = _INT
-    library.swarmkv_has_kv_half.restype = _INT
+    library.swarmkv_has_kv_half.restype = library.swarmkv_decode_step.restype = _INT
+    # kernels/cpu_decode.py's step: the model (a ctypes structure), rows, ids, page-table rows, positions,
+    # groups, their sizes and shared positions, the logits, threads
+    library.swarmkv_decode_step.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT]
     library.swarmkv_grouped_dequantize.argtypes = [_I64, _I64, _PTR, _PTR, *common]
     library.swarmkv_grouped_matmul.restype = library.swarmkv_grouped_dequantize.restype = _INT
     return library

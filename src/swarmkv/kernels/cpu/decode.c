@@ -1,7 +1,8 @@
 /* One decode step of a dense decoder (Llama, Mistral, Qwen2, Qwen3) on the CPU, in one call: embedding,
  * every layer (norms, QKV, q/k norm, rotary, the KV store, paged attention, output projection, SwiGLU) and the
  * LM head, for M rows that each decode one token. Weights are the grouped layout of grouped.c (or float32 row
- * blocks); K and V are the engine's float32 slabs, addressed through its page table.
+ * blocks); K and V are the engine's slabs (float32, or float16 converted a tile at a time), addressed through its
+ * page table.
  *
  * Why C: at 135M parameters a decode step reads ~100 MB of weights, about 6 ms at this CPU's bandwidth, while
  * the same step through PyTorch's eager modules pays ~1,200 operator calls (~15 ms). One parallel region spans
@@ -97,7 +98,7 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
 /* e^x for x <= 0 (softmax weights), to a few float32 ulps, in plain arithmetic the compiler vectorises (libm's
  * expf is a call per element): 2^n e^f with n = round(x / ln 2), |f| <= ln 2 / 2, e^f by a degree-6 polynomial. */
 static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x; /* e^-87 is below float32's normal range: the weight is 0 to the sum */
+    x = x < -87.0f ? -87.0f : x; /* e^-87 is at the bottom of float32's normal range: 0 to the sum beside 1 */
     const float n = floorf(x * 1.44269504088896341f + 0.5f);
     const float f = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
     float p = 1.0f / 720.0f;

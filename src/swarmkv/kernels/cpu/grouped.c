@@ -571,6 +571,17 @@ static inline int int8_dot_reads(const layout_t *w) {
     return w->group == 32 && (w->bits == 4 || w->bits == 5 || w->bits == 8);
 }
 
+/* KERNEL(w, K, n, rows, qx, m0, out) with a constant row count where it is 1, 2, 4 or 8: the accumulators stay
+ * in registers. */
+#define BY_ROW_COUNT(KERNEL, ROWS)                                                                            \
+    switch (ROWS) {                                                                                           \
+    case 1: KERNEL(w, K, n, 1, qx, m0, out); break;                                                           \
+    case 2: KERNEL(w, K, n, 2, qx, m0, out); break;                                                           \
+    case 4: KERNEL(w, K, n, 4, qx, m0, out); break;                                                           \
+    case 8: KERNEL(w, K, n, 8, qx, m0, out); break;                                                           \
+    default: KERNEL(w, K, n, ROWS, qx, m0, out);                                                              \
+    }
+
 /* Rows [n0, n1) of y = x W^T from int8 x. */
 static void rows_matmul_int8(const layout_t *w, int64_t M, int64_t K, const qx_t *qx, float *y, int64_t ldy,
                              int64_t n0, int64_t n1) {
@@ -580,22 +591,11 @@ static void rows_matmul_int8(const layout_t *w, int64_t M, int64_t K, const qx_t
             const int64_t rows = M - m0 < FAST_ROWS ? M - m0 : FAST_ROWS;
 #if HAVE_INT8_512
             if (w->bits != 5 && (K / 32) % 2 == 0 && K / 32 <= MAX_GROUPS_512) {
-                /* constant row counts keep the accumulators in registers */
-                switch (rows) {
-                case 1: rows_dot_int8_512(w, K, n, 1, qx, m0, out); break;
-                case 2: rows_dot_int8_512(w, K, n, 2, qx, m0, out); break;
-                case 4: rows_dot_int8_512(w, K, n, 4, qx, m0, out); break;
-                case 8: rows_dot_int8_512(w, K, n, 8, qx, m0, out); break;
-                default: rows_dot_int8_512(w, K, n, rows, qx, m0, out);
-                }
+                BY_ROW_COUNT(rows_dot_int8_512, rows)
             } else
 #endif
-            switch (rows) {
-            case 1: rows_dot_int8(w, K, n, 1, qx, m0, out); break;
-            case 2: rows_dot_int8(w, K, n, 2, qx, m0, out); break;
-            case 4: rows_dot_int8(w, K, n, 4, qx, m0, out); break;
-            case 8: rows_dot_int8(w, K, n, 8, qx, m0, out); break;
-            default: rows_dot_int8(w, K, n, rows, qx, m0, out);
+            {
+                BY_ROW_COUNT(rows_dot_int8, rows)
             }
             for (int64_t m = 0; m < rows; m++) y[(m0 + m) * ldy + n] = out[m];
         }
