@@ -89,6 +89,11 @@ class EngineConfig:
         "in that C decode step, quantise each projection's input to int8 per group of 32 (as llama.cpp does) "
         "and multiply on the CPU's integer dot products; off: float32 activations (slower, closer to float)",
     )
+    jump_forward: bool = _opt(
+        True,
+        "constrained replies: append the tokens a grammar forces (keys, punctuation) all at once, computed "
+        "in the next step as one chunk; off: one forced token a step, in place of a sampled one",
+    )
     max_open_sessions: int = _opt(
         4096, "open sessions kept at most; past it the one idle longest is released", flag=False
     )

@@ -25,6 +25,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # An llguidance grammar (`swarmkv.structured.grammars`) the reply must follow; None: unconstrained.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +48,8 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must be non-empty strings")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise InvalidRequestError("grammar must be a non-empty grammar text or None")
 
     @property
     def greedy(self) -> bool:

@@ -396,7 +396,12 @@ class Scheduler:
             self.kv.commit(seq, end)
             if chunk.snapshot:
                 self.kv.snapshot(seq)
-            elif chunk.samples and chunk.kind == "prefill" and self.kv.takes_snapshots:
+            elif (
+                chunk.samples
+                and chunk.kind == "prefill"
+                and chunk.start < len(seq.prompt_token_ids)  # not a run of appended tokens (jump-forward)
+                and self.kv.takes_snapshots
+            ):
                 # The prompt's end: the next turn always continues it, even when the reply it goes on with
                 # re-tokenizes differently from the tokens generated (the turn's end would not match then).
                 self.kv.snapshot(seq, "turn")

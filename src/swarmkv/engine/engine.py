@@ -34,6 +34,7 @@ from swarmkv.engine.state_cache import StateCache
 from swarmkv.errors import CapacityError, InvalidRequestError
 from swarmkv.kv import pages_for
 from swarmkv.models.loader import LoadedModel
+from swarmkv.structured.decoding import StructuredDecoding
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestDelta"]
 
@@ -142,6 +143,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._generators: dict[str, torch.Generator] = {}
         self._generator = torch.Generator().manual_seed(config.seed)
+        self._structured: StructuredDecoding | None = None  # built by the first constrained request
         self.last_step_error: str | None = None  # set while the latest step failed
 
     @property
@@ -181,10 +183,21 @@ class LLMEngine:
         is_pin: bool = False,
     ) -> None:
         self._validate_prompt(prompt_token_ids)
+        grammar = self.structured.start(params.grammar) if params.grammar is not None else None
         seq = self.core.add_request(request_id, prompt_token_ids, params, cache_salt, session_id, is_pin)
+        if grammar is not None:
+            self.structured.add(request_id, grammar)
         if params.seed is not None:
             self._generators[request_id] = torch.Generator().manual_seed(params.seed)
         self.outputs.add(request_id, seq.prompt_token_ids, params)
+
+    @property
+    def structured(self) -> StructuredDecoding:
+        """The constrained requests' matchers (the grammar library's vocabulary is built on first use)."""
+        if self._structured is None:
+            vocab_size = self.loaded.config.vocab_size
+            self._structured = StructuredDecoding(self.tokenizer, vocab_size, self.config.jump_forward)
+        return self._structured
 
     def release_session(self, session_id: str) -> bool:
         """End a session: its private pages become the first to be evicted. False if it is not open. A request
@@ -278,7 +291,10 @@ class LLMEngine:
             if self.config.check_writes:
                 for chunk in plan.chunks:
                     self.kv.check_writable(chunk.request_id, chunk.start, chunk.start + chunk.num_tokens)
-            sampling, logits = self.runner.run(plan)
+            masks = self._structured.prefetch(plan.chunks) if self._structured is not None else None
+            sampling, logits = self.runner.run(plan)  # the masks are computed meanwhile
+            if masks is not None:
+                self.structured.apply(masks, sampling, logits)
             generators = [self._generators.get(c.request_id, self._generator) for c in sampling]
             tokens = sample(logits, [c.seq.params for c in sampling], generators)
         except Exception as exc:
@@ -312,19 +328,30 @@ class LLMEngine:
             )
         return deltas
 
-    def _append_token(self, chunk: Chunk, token: int) -> RequestDelta:
+    def _append_token(self, chunk: Chunk, sampled: int) -> RequestDelta:
+        """Append what the step produced: the sampled token, or under a grammar the tokens it forces too
+        (several at once: the next step computes them as one chunk), up to the first that ends the reply."""
         seq = chunk.seq
-        seq.append_token(token)
-        self.counters.generated_tokens += not seq.is_pin  # a pin's one token is dropped, never generated
+        constrained = self._structured is not None and seq.request_id in self._structured
+        tokens = self.structured.advance(seq.request_id, sampled) if constrained else [sampled]
         params = seq.params
         reason: FinishReason | None = None
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.tokenizer.eos_token_ids
-        ):
+        appended: list[int] = []
+        for token in tokens:
+            seq.append_token(token)
+            appended.append(token)
+            if token in params.stop_token_ids or (
+                not params.ignore_eos and token in self.tokenizer.eos_token_ids
+            ):
+                reason = "stop"
+            elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                break
+        if reason is None and constrained and self.structured.is_complete(seq.request_id):
             reason = "stop"
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        delta = self.outputs.process(seq.request_id, seq.output_token_ids, [token], reason)
+        self.counters.generated_tokens += 0 if seq.is_pin else len(appended)  # a pin's token is dropped
+        delta = self.outputs.process(seq.request_id, seq.output_token_ids, appended, reason)
         if delta.finished:
             assert delta.finish_reason is not None
             self.core.finish(seq, delta.finish_reason)
@@ -333,6 +360,8 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self.core.forget(request_id)
         self._generators.pop(request_id, None)
+        if self._structured is not None:
+            self._structured.drop(request_id)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and release its pages; False if it is unknown or already finished."""
@@ -340,6 +369,8 @@ class LLMEngine:
             return False
         self.outputs.drop(request_id)
         self._generators.pop(request_id, None)
+        if self._structured is not None:
+            self._structured.drop(request_id)
         return True
 
     def get_sequence(self, request_id: str) -> Sequence | None:

@@ -1,0 +1,182 @@
+"""The engine's side of constrained decoding: one llguidance matcher per request, masks, forced tokens.
+
+A step's masks depend only on the tokens its requests hold before the step, so `prefetch` computes them
+on a thread while the forward runs (llguidance drops the GIL) and `apply` waits for them and masks the
+logits on their device, one batched op over the constrained rows. After sampling, `advance` feeds the
+sampled token to the matcher and returns what to append: the token, then every token the grammar forces
+after it (jump-forward; the engine appends them at once and the next step computes them as one chunk).
+With jump-forward off, forced tokens are queued and appended one a step instead of a sampled token, so
+the two ways give the same tokens. Compiled grammars are cached by text (`GrammarCache`): agents that
+share their tools compile them once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import llguidance
+import llguidance.torch
+import torch
+
+from swarmkv.core.scheduler import Chunk
+from swarmkv.structured.grammars import UnsupportedSchemaError
+from swarmkv.tokenizer import Tokenizer
+
+MAX_CACHED_GRAMMARS = 512
+
+
+class GrammarCache:
+    """Compiled grammars of one tokenizer, by grammar text; each request gets a copy of the compiled one."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        # The vocabulary is the logits' width (a model's embedding rows may outnumber the tokenizer's ids).
+        self.tokenizer = llguidance.LLTokenizer(
+            tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=sorted(tokenizer.eos_token_ids)
+        )
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self.num_compiled = 0
+        self.num_hits = 0
+
+    def matcher(self, grammar: str) -> llguidance.LLMatcher:
+        """A fresh matcher at the grammar's start; UnsupportedSchemaError if the grammar does not compile."""
+        compiled = self._compiled.get(grammar)
+        if compiled is None:
+            compiled = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            if compiled.is_error():
+                raise UnsupportedSchemaError(f"the grammar does not compile: {compiled.get_error()}")
+            self.num_compiled += 1
+            self._compiled[grammar] = compiled
+            if len(self._compiled) > MAX_CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        else:
+            self.num_hits += 1
+            self._compiled.move_to_end(grammar)
+        return compiled.deep_copy()
+
+
+@dataclass
+class GrammarState:
+    """One request's matcher, and the forced tokens it consumed ahead of the sequence."""
+
+    matcher: llguidance.LLMatcher
+    # Forced tokens the matcher has consumed that wait to be appended (at the start, or one a step).
+    queued: list[int] = field(default_factory=list)
+
+
+@dataclass
+class MaskJob:
+    """Masks being computed for one step: a packed int32 bitmask row per constrained request."""
+
+    rows: dict[str, int]  # request id -> row of `bitmask`
+    bitmask: torch.Tensor
+    done: Future[None]
+
+
+class StructuredDecoding:
+    """Per-request grammar state; the engine calls add, prefetch, apply, advance and drop."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, jump_forward: bool) -> None:
+        self.grammars = GrammarCache(tokenizer, vocab_size)
+        self.vocab_size = vocab_size
+        self.jump_forward = jump_forward
+        self._rows: dict[str, GrammarState] = {}
+        self._executor = llguidance.LLExecutor(num_threads=1)  # beside the forward's threads, not over them
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarmkv-grammar-masks")
+        self.num_forced_tokens = 0
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._rows
+
+    def start(self, grammar: str) -> GrammarState:
+        """A matcher at the grammar's start, the tokens it forces first queued; UnsupportedSchemaError if the
+        grammar does not compile (nothing is added: `add` does that once the request is queued)."""
+        matcher = self.grammars.matcher(grammar)
+        forced = matcher.compute_ff_tokens()
+        if forced:
+            matcher.consume_tokens(forced)
+        return GrammarState(matcher, list(forced))
+
+    def add(self, request_id: str, state: GrammarState) -> None:
+        """Track a queued request's grammar state."""
+        assert request_id not in self._rows, f"{request_id} already has a grammar"
+        self._rows[request_id] = state
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request (finished, aborted or failed)."""
+        self._rows.pop(request_id, None)
+
+    def prefetch(self, chunks: Sequence[Chunk]) -> MaskJob | None:
+        """Start computing the masks of this step's constrained sampling rows; None when there are none."""
+        rows: dict[str, int] = {}
+        matchers: list[tuple[llguidance.LLMatcher, int]] = []
+        for chunk in chunks:
+            row = self._rows.get(chunk.request_id)
+            if chunk.samples and row is not None and not row.queued:  # a queued token replaces the sample
+                rows[chunk.request_id] = len(matchers)
+                matchers.append((row.matcher, len(matchers)))
+        if not matchers:
+            return None
+        bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), self.vocab_size)
+        done = self._thread.submit(
+            llguidance.torch.fill_next_token_bitmask_par, self._executor, matchers, bitmask
+        )
+        return MaskJob(rows, bitmask, done)
+
+    def apply(self, job: MaskJob | None, sampling: Sequence[Chunk], logits: torch.Tensor) -> None:
+        """Wait for the masks and set every disallowed token's logit to -inf, in place, on the logits' device."""
+        if job is None:
+            return
+        job.done.result()
+        order = [(i, job.rows[c.request_id]) for i, c in enumerate(sampling) if c.request_id in job.rows]
+        if not order:
+            return
+        logit_rows, mask_rows = (list(t) for t in zip(*order, strict=True))
+        with torch.inference_mode():  # the runner's logits are inference tensors
+            allowed = _allowed(job.bitmask[mask_rows], logits.shape[-1], logits.device)
+            index = torch.tensor(logit_rows, device=logits.device)
+            logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+    def advance(self, request_id: str, sampled: int) -> list[int]:
+        """The tokens to append after a step sampled `sampled`: a queued forced token instead (all queued ones
+        under jump-forward), else the sampled token and, under jump-forward, the run the grammar forces
+        after it. The sampled token is one the mask allowed (an AssertionError otherwise)."""
+        row = self._rows.get(request_id)
+        if row is None:
+            return [sampled]
+        if row.queued:
+            take = len(row.queued) if self.jump_forward else 1
+            tokens, row.queued = row.queued[:take], row.queued[take:]
+            self.num_forced_tokens += len(tokens)
+            return tokens
+        accepted = row.matcher.consume_token(sampled)
+        assert accepted and not row.matcher.is_error(), row.matcher.get_error()
+        if row.matcher.is_stopped():
+            return [sampled]
+        forced = row.matcher.compute_ff_tokens()
+        if not forced:
+            return [sampled]
+        row.matcher.consume_tokens(forced)
+        if self.jump_forward:
+            self.num_forced_tokens += len(forced)
+            return [sampled, *forced]
+        row.queued = list(forced)
+        return [sampled]
+
+    def is_complete(self, request_id: str) -> bool:
+        """Whether the request's grammar has ended (nothing but the end of the reply may follow)."""
+        row = self._rows.get(request_id)
+        return row is not None and not row.queued and bool(row.matcher.is_stopped())
+
+
+def _allowed(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Packed int32 bitmask rows [N, ceil(V / 32)] -> bool [N, vocab_size], unpacked on `device`."""
+    words = bitmask.to(device, non_blocking=True)
+    shifts = torch.arange(32, device=device, dtype=torch.int32)
+    bits = (words.unsqueeze(-1) >> shifts) & 1
+    allowed = bits.flatten(1)[:, :vocab_size].bool()
+    if allowed.shape[-1] < vocab_size:  # logits wider than the mask: ids past it are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[-1]), value=False)
+    return allowed
