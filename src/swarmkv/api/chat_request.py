@@ -11,6 +11,7 @@ from typing import Any, Literal
 from swarmkv.api.errors import bad_request, get_field, type_name
 from swarmkv.api.options import Options, parse_options
 from swarmkv.api.reasoning import CLOSE_THINK, THINKING_SWITCH
+from swarmkv.api.structured_request import ResponseFormat, parse_response_format
 from swarmkv.api.tool_formats import XML_FUNCTION_MARK, ToolFormat, tool_format_of
 from swarmkv.api.tool_parser import CLOSE_TAG, OPEN_TAG
 from swarmkv.api.xml_call_stream import PARAM_OPEN
@@ -42,6 +43,7 @@ class ChatRequest:
     # Whether the prompt ends inside an open `<think>` (Qwen3.5's generation prompt), which a forced call's
     # opening closes first, so the call is not written as reasoning.
     closes_thinking: bool = False
+    response_format: ResponseFormat | None = None  # JSON the reply must be (or None: text)
 
     def for_template(self, template_source: str | None) -> ChatRequest:
         """This request for a model with this chat template: its forced call opens in the template's format."""
@@ -137,7 +139,15 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     tools = parse_tools(body.get("tools"))
     diagnostics = get_field(body, "swarmkv_diagnostics", bool, "a boolean", False)
     choice = _tool_choice(body.get("tool_choice"), tools)
-    return ChatRequest(options, messages, tools, choice, diagnostics, parse_template_kwargs(body))
+    return ChatRequest(
+        options,
+        messages,
+        tools,
+        choice,
+        diagnostics,
+        parse_template_kwargs(body),
+        response_format=parse_response_format(body),
+    )
 
 
 # What the renderer itself passes to the chat template; a client's switch may not replace them.

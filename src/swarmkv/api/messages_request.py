@@ -18,6 +18,7 @@ from swarmkv.api.layout import Layout, tools_lead
 from swarmkv.api.messages_blocks import MessagesBuilder
 from swarmkv.api.pin_request import PinRequest
 from swarmkv.api.session_id import MAX_SESSION_ID_CHARS, check_session_id
+from swarmkv.api.structured_request import response_format_body
 from swarmkv.tokenizer import Tokenizer
 
 MAX_BREAKPOINTS = 4  # Anthropic's limit on cache_control blocks per request
@@ -102,6 +103,7 @@ def parse_messages_request(body: dict[str, Any], needs_max_tokens: bool = True) 
         "top_k": body.get("top_k"),
         "stop": stop or None,
         "chat_template_kwargs": template_kwargs or None,
+        "response_format": _output_format(body),
     }
     chat_body = {key: value for key, value in chat_body.items() if value is not None}
     chat = parse_chat_request(chat_body)
@@ -113,6 +115,14 @@ def parse_messages_request(body: dict[str, Any], needs_max_tokens: bool = True) 
         for msgs, ttl_s in builder.marks
     ]
     return MessagesRequest(chat, breakpoints, user_id, chat_body, template_kwargs)
+
+
+def _output_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`output_config.format` (or the structured-outputs beta's `output_format`) as chat's response_format."""
+    output_config = get_field(body, "output_config", dict, "an object", {})
+    if output_config.get("format") is not None:
+        return response_format_body(output_config["format"], "output_config.format")
+    return response_format_body(body.get("output_format"), "output_format")
 
 
 def _check_num_marks(body: dict[str, Any]) -> None:
@@ -142,16 +152,7 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
     thinking, which the chat template drops anyway), `output_config.effort`, `service_tier`, `container`,
     `mcp_servers`, the betas (`anthropic-beta`, `?beta=true`) and tools' `defer_loading`.
     """
-    output_config = get_field(body, "output_config", dict, "an object", {})
-    if output_config.get("format") is not None:
-        raise bad_request(
-            "output_config.format: structured outputs are not supported by this server",
-            param="output_config.format",
-        )
-    if body.get("output_format") is not None:  # the structured-outputs beta's earlier name
-        raise bad_request(
-            "output_format: structured outputs are not supported by this server", param="output_format"
-        )
+    get_field(body, "output_config", dict, "an object", {})
 
 
 def _thinking(thinking: Any) -> dict[str, Any]:
@@ -216,6 +217,8 @@ def _tools(tools: list[Any] | None, builder: MessagesBuilder) -> list[dict[str, 
         function = {"name": tool["name"], "parameters": tool["input_schema"]}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
+        if tool.get("strict") is True:  # its input must follow input_schema exactly: unenforceable is a 400
+            function["strict"] = True
         out.append({"type": "function", "function": function})
         builder.mark(where, tool)
     return parse_tools(out)

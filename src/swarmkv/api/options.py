@@ -11,6 +11,7 @@ from typing import Any
 
 from swarmkv.api.errors import APIError, bad_request, get_field
 from swarmkv.api.session_id import check_session_id
+from swarmkv.api.structured_request import Constraint, parse_response_format
 from swarmkv.choices import MaxTokensPolicy
 from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.errors import InvalidRequestError
@@ -46,6 +47,7 @@ class Options:
         prompt_param: str,
         extra_stop: tuple[str, ...] = (),
         max_tokens_policy: MaxTokensPolicy = "clamp",
+        constraint: Constraint | None = None,
     ) -> SamplingParams:
         """Engine settings for a prompt of `num_prompt_tokens`: a 400 when the prompt alone fills the context;
         a max_tokens past what the context leaves is clamped to it, or a 400 under the "refuse" policy.
@@ -74,6 +76,8 @@ class Options:
                 seed=self.seed,
                 stop=self.stop + extra_stop,
                 ignore_eos=self.ignore_eos,
+                grammar=constraint.grammar if constraint is not None else None,
+                grammar_prefix=constraint.prefix if constraint is not None else "",
             )
         except InvalidRequestError as exc:
             raise bad_request(str(exc)) from exc
@@ -145,6 +149,4 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
             raise bad_request(f"'{name}' is not supported", param=name)
     if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
         raise bad_request("logprobs are not supported", param="logprobs")
-    response_format = get_field(body, "response_format", dict, "an object")
-    if response_format is not None and response_format.get("type") != "text":
-        raise bad_request("only the 'text' response_format is supported", param="response_format")
+    parse_response_format(body)  # checked here for every endpoint; a chat request keeps it (ChatRequest)

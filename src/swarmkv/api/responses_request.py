@@ -15,6 +15,7 @@ from typing import Any
 from swarmkv.api.chat_request import ChatRequest, Message, parse_chat_request
 from swarmkv.api.errors import bad_request, get_field, type_name
 from swarmkv.api.reasoning import THINKING_SWITCH
+from swarmkv.api.structured_request import response_format_body
 from swarmkv.choices import HostedToolsPolicy
 
 Item = dict[str, Any]
@@ -94,6 +95,7 @@ def parse_responses_request(
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
         "prompt_cache_key": body.get("prompt_cache_key"),
+        "response_format": response_format_body(_text_format(body), "text.format"),
         "chat_template_kwargs": body.get("chat_template_kwargs"),
         THINKING_SWITCH: _enable_thinking(body, reasoning),
     }
@@ -109,7 +111,7 @@ def parse_responses_request(
         "metadata": metadata or {},
         "store": store,
         "parallel_tool_calls": get_field(body, "parallel_tool_calls", bool, "a boolean", True),
-        "text": {"format": {"type": "text"}},
+        "text": {"format": _text_format(body) or {"type": "text"}},
         "reasoning": {"effort": reasoning.get("effort"), "summary": summary},
     }
     if offered.dropped:
@@ -129,6 +131,11 @@ def parse_responses_request(
     )
 
 
+def _text_format(body: dict[str, Any]) -> Any:
+    """The body's `text.format` (None when absent)."""
+    return get_field(body, "text", dict, "an object", {}).get("format")
+
+
 def _enable_thinking(body: dict[str, Any], reasoning: dict[str, Any]) -> Any:
     """The body's `enable_thinking`; else false for `reasoning.effort: "none"` (the Responses API's way to
     ask for no reasoning) unless `chat_template_kwargs` sets the switch itself; else None (the template's
@@ -145,10 +152,6 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
     """Fields whose values this server cannot honour: a 400 rather than a silently different reply."""
     if body.get("background"):
         raise bad_request("background responses are not supported", param="background")
-    text = get_field(body, "text", dict, "an object", {})
-    text_format = text.get("format") or {"type": "text"}
-    if not isinstance(text_format, dict) or text_format.get("type") != "text":
-        raise bad_request("only the 'text' text.format is supported", param="text.format")
 
 
 def _input_items(raw: Any) -> list[Item]:
@@ -337,6 +340,8 @@ def _offer(offered: OfferedTools, where: str, tool: dict[str, Any], namespace: s
     function = {"name": name, "parameters": tool.get("parameters") or {}}
     if isinstance(tool.get("description"), str):
         function["description"] = tool["description"]
+    if tool.get("strict") is True:  # asked for outright: schema keywords the grammar cannot enforce are a 400
+        function["strict"] = True
     offered.tools.append({"type": "function", "function": function})
     if namespace is not None:
         offered.namespaces[name] = namespace

@@ -27,6 +27,7 @@ class SamplingParams:
     ignore_eos: bool = False
     # An llguidance grammar (`swarmkv.structured.grammars`) the reply must follow; None: unconstrained.
     grammar: str | None = None
+    grammar_prefix: str = ""  # text of the grammar the prompt already ends with (a forced call's opening)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -183,7 +183,9 @@ class LLMEngine:
         is_pin: bool = False,
     ) -> None:
         self._validate_prompt(prompt_token_ids)
-        grammar = self.structured.start(params.grammar) if params.grammar is not None else None
+        grammar = None
+        if params.grammar is not None:
+            grammar = self.structured.start(params.grammar, params.grammar_prefix)
         seq = self.core.add_request(request_id, prompt_token_ids, params, cache_salt, session_id, is_pin)
         if grammar is not None:
             self.structured.add(request_id, grammar)

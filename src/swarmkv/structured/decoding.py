@@ -90,10 +90,18 @@ class StructuredDecoding:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._rows
 
-    def start(self, grammar: str) -> GrammarState:
-        """A matcher at the grammar's start, the tokens it forces first queued; UnsupportedSchemaError if the
-        grammar does not compile (nothing is added: `add` does that once the request is queued)."""
+    def start(self, grammar: str, prefix: str = "") -> GrammarState:
+        """A matcher past `prefix` (grammar text the prompt already holds), the tokens it forces next queued;
+        UnsupportedSchemaError if the grammar does not compile or refuses the prefix (nothing is added: `add`
+        does that once the request is queued)."""
         matcher = self.grammars.matcher(grammar)
+        if prefix:
+            # The parser reads bytes, so the prefix's own tokenization is as good as the prompt's.
+            matcher.consume_tokens(self.grammars.tokenizer.tokenize_str(prefix, parse_special=True))
+            if matcher.is_error():
+                raise UnsupportedSchemaError(
+                    f"the reply's opening does not fit its grammar: {matcher.get_error()}"
+                )
         forced = matcher.compute_ff_tokens()
         if forced:
             matcher.consume_tokens(forced)

@@ -27,8 +27,10 @@ ToolCallFormat = Literal["hermes", "xml"]
 
 # llguidance's JSON options: fixed separators and no free whitespace.
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-OPEN_CALL = "<tool_call>\n"
-CLOSE_CALL = "\n</tool_call>"
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+THINK_TAGS = ("<think>", "</think>")
+OPEN_CALL = f"{OPEN_TAG}\n"
+CLOSE_CALL = f"\n{CLOSE_TAG}"
 XML_PARAM_CLOSE = "\n</parameter>\n"
 
 
@@ -41,7 +43,12 @@ def json_schema_grammar(schema: Mapping[str, Any], strict: bool = True, where: s
     enforce; otherwise such keywords are ignored (the output is still valid JSON of the schema's shape)."""
     if not isinstance(schema, Mapping):
         raise InvalidRequestError(f"{where} must be a JSON schema object")
-    return _checked(_lark(f"start: {_json_rule(schema, strict)}\n"), where)
+    return _checked(_lark(f"start: {json_schema_rule(schema, strict)}\n"), where)
+
+
+def json_schema_rule(schema: Mapping[str, Any] | None, strict: bool = True) -> str:
+    """The grammar rule body (`%json {...}`) of JSON text under `schema`, to use inside a larger grammar."""
+    return _json_rule(schema if schema is not None else {"type": "object"}, strict)
 
 
 def json_object_grammar() -> str:
@@ -55,13 +62,18 @@ def tool_call_grammar(
     free_text: bool,
     strict_tools: frozenset[str] = frozenset(),
     opened: bool = False,
+    reply: str | None = None,
+    special: frozenset[str] = frozenset(),
 ) -> str:
     """The grammar of a reply that calls one of `tools` (OpenAI function objects) in `fmt`.
 
     `free_text`: free text first, then optionally one or more calls (tool_choice auto); otherwise the
     reply is calls only (tool_choice required or a named tool, given as the one tool). `opened`: the
     prompt already ends with the first call's `<tool_call>\\n` (a forced call), so the grammar starts
-    inside it. Tools named in `strict_tools` refuse schema keywords the engine cannot enforce.
+    inside it. Tools named in `strict_tools` refuse schema keywords the engine cannot enforce. `reply`
+    (a rule body such as `json_schema_rule`'s), with `free_text`: the reply is that instead of text, or calls.
+    `special`: the markup (`<tool_call>`, `<think>`, ...) the vocabulary holds as one special token, which
+    the grammar then names as that token (its text spelled out is never that token).
     """
     calls = []
     for tool in tools:
@@ -76,27 +88,49 @@ def tool_call_grammar(
     rules = [f"call: {body}"] + [f"call_{i}: {c}" for i, c in enumerate(calls)]
     if fmt == "xml":
         rules.append(f"xml_text[lazy]: /(?s:.*)/ {_quote(XML_PARAM_CLOSE)}")
-    close = _quote(CLOSE_CALL)
-    more = f'("\\n" {_quote(OPEN_CALL)} call {close})*'
-    if free_text:
-        # Text up to the first call opening is free (the lazy rule ends at the opening's first match).
-        start = f"start: TEXT | text call {close} {more}\ntext[lazy]: /(?s:.*)/ {_quote(OPEN_CALL)}"
+
+    def markup(tag: str) -> str:
+        return tag if tag in special else _quote(tag)
+
+    open_call = f'{markup(OPEN_TAG)} "\\n"'
+    close = f'"\\n" {markup(CLOSE_TAG)}'
+    more = f'("\\n" {open_call} call {close})*'
+    if free_text and reply is not None:
+        start = f"start: {reply} | {open_call} call {close} {more}"
+    elif free_text and OPEN_TAG in special:
+        # Free text is bytes (and a thinking model's tags, where they are special tokens too), so it never
+        # holds the opening token: the call starts where the model writes that token.
+        thinking = [markup(t) for t in THINK_TAGS if t in special]
+        free = f"(TEXT | {' | '.join(thinking)})*" if thinking else "TEXT"
+        start = f"start: {free} | {free} {open_call} call {close} {more}"
+        rules.append("TEXT: /(?s:.*)/")
+    elif free_text:
+        # Text up to the first call opening is free: the lazy rule ends at the opening's first match.
+        start = f"start: TEXT | text call {close} {more}\ntext[lazy]: /(?s:.*)/ {open_call}"
         rules.append("TEXT: /(?s:.*)/")
     elif opened:
         start = f"start: call {close} {more}"
     else:
-        start = f"start: {_quote(OPEN_CALL)} call {close} {more}"
+        start = f"start: {open_call} call {close} {more}"
     return _checked(_lark("\n".join([start, *rules]) + "\n"), "tools")
 
 
 def _hermes_call(name: str, schema: Mapping[str, Any], strict: bool, where: str) -> str:
+    arguments, defs = _split_defs(_checked_schema(schema, where))
     call = {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": _checked_schema(schema, where)},
+        "properties": {"name": {"const": name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
+        **defs,  # at the root, where the arguments' "#/$defs/..." references point
     }
     return _json_rule(call, strict)
+
+
+def _split_defs(schema: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A schema without its `$defs` / `definitions`, and those, to put at the root of a schema embedding it."""
+    keys = ("$defs", "definitions")
+    return {k: v for k, v in schema.items() if k not in keys}, {k: schema[k] for k in keys if k in schema}
 
 
 def _xml_call(name: str, schema: Mapping[str, Any], strict: bool) -> str:
@@ -105,6 +139,7 @@ def _xml_call(name: str, schema: Mapping[str, Any], strict: bool) -> str:
     a closing tag, any other value JSON under its property schema (the parser types it back)."""
     raw = schema.get("properties")
     properties: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+    _, defs = _split_defs(schema)
     required = set(schema.get("required") or ())
     parts = [_quote(f"<function={name}>\n")]
     for key, prop in properties.items():
@@ -113,7 +148,7 @@ def _xml_call(name: str, schema: Mapping[str, Any], strict: bool) -> str:
         if kind == "string" and not {"enum", "const", "pattern", "format"} & set(prop):
             part = f"({opening} xml_text)"  # the text runs to the first closing tag
         else:
-            value = _json_rule(prop if isinstance(prop, Mapping) else {}, strict)
+            value = _json_rule({**(prop if isinstance(prop, Mapping) else {}), **defs}, strict)
             part = f"({opening} {value} {_quote(XML_PARAM_CLOSE)})"
         parts.append(part if key in required else f"{part}?")
     parts.append(_quote("</function>"))

@@ -18,6 +18,7 @@ from swarmkv.api.outputs import StepOutput
 from swarmkv.api.reasoning import ReasoningSplitter, reasoning_splitter
 from swarmkv.api.render import Encode, bounded_encode, render_request
 from swarmkv.api.session_id import SESSION_HEADER, resolve_session_id
+from swarmkv.api.structured_request import reply_constraint, special_markup
 from swarmkv.breaks.causes import Break, RenderedPrompt
 from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.errors import InvalidRequestError
@@ -112,8 +113,16 @@ async def start_chat(
 ) -> StartedChat:
     """Render (on a worker thread) and submit a chat request."""
     req, rendered = await render_in_worker(ctx, req, api)
+    constraint = reply_constraint(
+        req, special_markup(ctx.tokenizer)
+    )  # a grammar is checked (and cached) when first seen: a worker's job
     params = req.options.sampling_params(
-        len(rendered.token_ids), ctx.max_model_len, "messages", req.forced_stop(), ctx.max_tokens_policy
+        len(rendered.token_ids),
+        ctx.max_model_len,
+        "messages",
+        req.forced_stop(),
+        ctx.max_tokens_policy,
+        constraint,
     )
     stream = await submit(ctx, id_prefix, rendered.token_ids, params, req.options, session_id, arrival_s)
     found = ctx.breaks.watch(ctx.tenant.scope(session_id), ctx.tenant.scope(req.options.cache_salt), rendered)

@@ -14,6 +14,7 @@ from swarmkv.api.errors import APIError
 from swarmkv.api.outputs import StepOutput
 from swarmkv.api.paths import COMPLETIONS_ROUTE
 from swarmkv.api.render import render_completion
+from swarmkv.api.structured_request import format_constraint, parse_response_format
 from swarmkv.server.context import request_context
 from swarmkv.server.engine_loop.request_stream import EngineUnavailableError, RequestStream
 from swarmkv.server.http.disconnect import STATUS_CLIENT_GONE
@@ -39,8 +40,13 @@ async def completions(request: Request) -> Response:
     await ctx.log_request(COMPLETIONS_ROUTE, session_id, body)
     encode = prompt_encoder(ctx, "prompt", text_prompt=True)
     prompt_ids = await in_worker(lambda: render_completion(ctx.tokenizer, req.prompt, encode))
+    constraint = format_constraint(parse_response_format(body))
     params = req.options.sampling_params(
-        len(prompt_ids), ctx.max_model_len, "prompt", max_tokens_policy=ctx.max_tokens_policy
+        len(prompt_ids),
+        ctx.max_model_len,
+        "prompt",
+        max_tokens_policy=ctx.max_tokens_policy,
+        constraint=constraint,
     )
     stream = await submit(ctx, "cmpl", prompt_ids, params, req.options, session_id, arrival_s)
     env = Envelope(stream.request_id, int(time.time()), ctx.model_name)
