@@ -72,6 +72,7 @@ def tiny_qwen_loaded() -> LoadedModel:
 
 def _llm(**kwargs: Any) -> LLM:
     kwargs.setdefault("kv_cache_memory", 32 * 2**20)
+    kwargs.setdefault("jump_forward", "on")
     return LLM(loaded=tiny_qwen_loaded(), **kwargs)
 
 
@@ -103,7 +104,7 @@ def test_constrained_replies_validate_and_jump_forward_gives_the_same_tokens() -
     jumped = _generate(fast)
     _check_valid(jumped)
     assert fast.engine.structured.num_forced_tokens > 0
-    slow = _generate(_llm(jump_forward=False))
+    slow = _generate(_llm(jump_forward="off"))
     _check_valid(slow)
     # Greedy rows: the same tokens (a sampled row's draws differ: each step of the slow way draws one).
     assert [o.token_ids for o in slow[::2]] == [o.token_ids for o in jumped[::2]]
@@ -167,8 +168,8 @@ def test_chat_bodies_become_grammars_and_strict_tools_refuse_unsupported_keyword
     assert _chat({"tools": [loose_tool]})[1].grammar is not None
 
 
-@pytest.mark.parametrize("jump_forward", [True, False])
-def test_a_forced_call_parses_into_a_call_that_follows_the_schema(jump_forward: bool) -> None:
+@pytest.mark.parametrize("jump_forward", ["on", "off"])
+def test_a_forced_call_parses_into_a_call_that_follows_the_schema(jump_forward: str) -> None:
     llm = _llm(jump_forward=jump_forward)
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMAS[0]}}
     other = {"type": "function", "function": {"name": "get_time", "parameters": SCHEMAS[1]}}

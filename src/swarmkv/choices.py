@@ -9,6 +9,8 @@ ATTENTION_BACKENDS: tuple[AttentionBackendName, ...] = ("auto", "torch", "triton
 
 CascadeMode = Literal["auto", "on", "off"]
 CASCADE_MODES: tuple[CascadeMode, ...] = ("auto", "on", "off")
+JumpForwardMode = Literal["auto", "on", "off"]
+JUMP_FORWARD_MODES: tuple[JumpForwardMode, ...] = ("auto", "on", "off")
 
 KVCacheDtype = Literal["auto", "float16", "bfloat16", "float32", "fp8_e4m3"]
 KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = ("auto", "float16", "bfloat16", "float32", "fp8_e4m3")

@@ -13,9 +13,11 @@ from typing import Any, Literal
 from swarmkv.choices import (
     ATTENTION_BACKENDS,
     CASCADE_MODES,
+    JUMP_FORWARD_MODES,
     KV_CACHE_DTYPES,
     AttentionBackendName,
     CascadeMode,
+    JumpForwardMode,
     KVCacheDtype,
     WeightsOption,
 )
@@ -89,10 +91,11 @@ class EngineConfig:
         "in that C decode step, quantise each projection's input to int8 per group of 32 (as llama.cpp does) "
         "and multiply on the CPU's integer dot products; off: float32 activations (slower, closer to float)",
     )
-    jump_forward: bool = _opt(
-        True,
-        "constrained replies: append the tokens a grammar forces (keys, punctuation) all at once, computed "
-        "in the next step as one chunk; off: one forced token a step, in place of a sampled one",
+    jump_forward: JumpForwardMode = _opt(
+        "auto",
+        "constrained replies: on appends the tokens a grammar forces (keys, punctuation) all at once, computed "
+        "in the next step as one chunk; off appends one a step in place of a sampled one; auto: on off the "
+        "CPU (there a chunk of several tokens costs a pass of the torch modules beside the C decode step)",
     )
     max_open_sessions: int = _opt(
         4096, "open sessions kept at most; past it the one idle longest is released", flag=False
@@ -135,6 +138,8 @@ class EngineConfig:
     check_writes: bool = _opt(False, "assert before each step that it writes only private pages", flag=False)
 
     def __post_init__(self) -> None:
+        if self.jump_forward not in JUMP_FORWARD_MODES:
+            raise ValueError(f"jump_forward must be one of {JUMP_FORWARD_MODES}, got {self.jump_forward!r}")
         if self.cascade_attention not in CASCADE_MODES:
             raise ValueError(
                 f"cascade_attention must be one of {CASCADE_MODES}, got {self.cascade_attention!r}"

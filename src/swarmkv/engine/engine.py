@@ -197,8 +197,9 @@ class LLMEngine:
     def structured(self) -> StructuredDecoding:
         """The constrained requests' matchers (the grammar library's vocabulary is built on first use)."""
         if self._structured is None:
-            vocab_size = self.loaded.config.vocab_size
-            self._structured = StructuredDecoding(self.tokenizer, vocab_size, self.config.jump_forward)
+            mode, vocab_size = self.config.jump_forward, self.loaded.config.vocab_size
+            jump = mode == "on" or (mode == "auto" and self.loaded.device.type != "cpu")
+            self._structured = StructuredDecoding(self.tokenizer, vocab_size, jump)
         return self._structured
 
     def release_session(self, session_id: str) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import llguidance
 import llguidance.torch
+import numpy as np
 import torch
 
 from swarmkv.core.scheduler import Chunk
@@ -143,9 +144,12 @@ class StructuredDecoding:
             return
         logit_rows, mask_rows = (list(t) for t in zip(*order, strict=True))
         with torch.inference_mode():  # the runner's logits are inference tensors
-            allowed = _allowed(job.bitmask[mask_rows], logits.shape[-1], logits.device)
-            index = torch.tensor(logit_rows, device=logits.device)
-            logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+            banned = _disallowed(job.bitmask[mask_rows], logits.shape[-1], logits.device)
+            if logit_rows == list(range(logits.shape[0])):
+                logits.masked_fill_(banned, float("-inf"))  # every row constrained: one op, in place
+            else:
+                index = torch.tensor(logit_rows, device=logits.device)
+                logits[index] = logits[index].masked_fill(banned, float("-inf"))
 
     def advance(self, request_id: str, sampled: int) -> list[int]:
         """The tokens to append after a step sampled `sampled`: a queued forced token instead (all queued ones
@@ -179,12 +183,16 @@ class StructuredDecoding:
         return row is not None and not row.queued and bool(row.matcher.is_stopped())
 
 
-def _allowed(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Packed int32 bitmask rows [N, ceil(V / 32)] -> bool [N, vocab_size], unpacked on `device`."""
-    words = bitmask.to(device, non_blocking=True)
-    shifts = torch.arange(32, device=device, dtype=torch.int32)
-    bits = (words.unsqueeze(-1) >> shifts) & 1
-    allowed = bits.flatten(1)[:, :vocab_size].bool()
-    if allowed.shape[-1] < vocab_size:  # logits wider than the mask: ids past it are never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[-1]), value=False)
-    return allowed
+def _disallowed(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Packed int32 bitmask rows [N, ceil(V / 32)] -> bool [N, vocab_size], True where a token is banned;
+    unpacked by numpy on the CPU (one pass over bytes), by shifts on an accelerator."""
+    if device.type == "cpu":
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
+        banned = torch.from_numpy(bits[:, :vocab_size] == 0)
+    else:
+        words = bitmask.to(device, non_blocking=True)
+        shifts = torch.arange(32, device=device, dtype=torch.int32)
+        banned = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size] == 0
+    if banned.shape[-1] < vocab_size:  # logits wider than the mask: ids past it are never allowed
+        banned = torch.nn.functional.pad(banned, (0, vocab_size - banned.shape[-1]), value=True)
+    return banned
