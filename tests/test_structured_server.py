@@ -112,7 +112,6 @@ def test_responses_text_format_and_messages_output_config(url: str) -> None:
     message = next(item for item in reply.json()["output"] if item["type"] == "message")
     jsonschema.validate(json.loads(message["content"][0]["text"]), CITY_SCHEMA)
     messages_body = {
-        "model": "m",
         "messages": ASK,
         "max_tokens": 128,
         "output_config": {"format": {"type": "json_schema", "schema": CITY_SCHEMA}},
