@@ -332,11 +332,19 @@ class LLMEngine:
         return deltas
 
     def _append_token(self, chunk: Chunk, sampled: int) -> RequestDelta:
-        """Append what the step produced: the sampled token, or under a grammar the tokens it forces too
-        (several at once: the next step computes them as one chunk), up to the first that ends the reply."""
+        """Append what the step produced: the sampled token, or under a grammar what it forces too."""
         seq = chunk.seq
         constrained = self._structured is not None and seq.request_id in self._structured
         tokens = self.structured.advance(seq.request_id, sampled) if constrained else [sampled]
+        complete = constrained and self.structured.is_complete(seq.request_id)
+        return self.append_tokens(seq, tokens, grammar_complete=complete)
+
+    def append_tokens(self, seq: Sequence, tokens: list[int], grammar_complete: bool = False) -> RequestDelta:
+        """The multi-token append: add `tokens` to a running request's reply, up to the first that ends it
+        (a stop id, max_tokens, the context). The next step computes those past the first as one chunk, as a
+        prefill's chunk is computed, so the KV and the prefix cache stay exact; forced runs (jump-forward)
+        come through here, and a speculative step's accepted drafts can. `grammar_complete`: nothing may
+        follow (the reply's grammar ended), so the request stops."""
         params = seq.params
         reason: FinishReason | None = None
         appended: list[int] = []
@@ -351,7 +359,7 @@ class LLMEngine:
                 reason = "length"
             if reason is not None:
                 break
-        if reason is None and constrained and self.structured.is_complete(seq.request_id):
+        if reason is None and grammar_complete:
             reason = "stop"
         self.counters.generated_tokens += 0 if seq.is_pin else len(appended)  # a pin's token is dropped
         delta = self.outputs.process(seq.request_id, seq.output_token_ids, appended, reason)
