@@ -148,8 +148,8 @@ class StructuredDecoding:
             if logit_rows == list(range(logits.shape[0])):
                 logits.masked_fill_(banned, float("-inf"))  # every row constrained: one op, in place
             else:
-                index = torch.tensor(logit_rows, device=logits.device)
-                logits[index] = logits[index].masked_fill(banned, float("-inf"))
+                for j, row in enumerate(logit_rows):  # in place, row by row: no copy of the batch's logits
+                    logits[row].masked_fill_(banned[j], float("-inf"))
 
     def advance(self, request_id: str, sampled: int) -> list[int]:
         """The tokens to append after a step sampled `sampled`: a queued forced token instead (all queued ones
