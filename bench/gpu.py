@@ -56,6 +56,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
+from gguf import GGMLQuantizationType
 
 from swarmkv.choices import ATTENTION_BACKENDS  # noqa: E402
 from swarmkv.config import ModelConfig  # noqa: E402
@@ -65,6 +66,8 @@ from swarmkv.engine.cascade import plan_groups  # noqa: E402
 from swarmkv.engine.engine import LLMEngine  # noqa: E402
 from swarmkv.engine.llm import LLM  # noqa: E402
 from swarmkv.models.decoder import DecoderForCausalLM  # noqa: E402
+from swarmkv.models.gguf_linear import GGUFLinear  # noqa: E402
+from swarmkv.models.gguf_quants import SPECS, GroupConstants, GroupedQuant  # noqa: E402
 from swarmkv.models.loader import LoadedModel, instantiate_model  # noqa: E402
 from swarmkv.models.quantized import (  # noqa: E402
     QuantizedLinear,
@@ -549,13 +552,18 @@ def measure_sharing(
 
 
 def projection_shapes(sizes: Sizes) -> dict[str, tuple[int, int]]:
-    """The decoder's four projections as (out_features, in_features): QKV and gate/up fused, as loaded."""
+    """The decoder's four projections as (out_features, in_features): QKV and gate/up fused, as loaded. Input
+    sizes round up to whole K-quant super-blocks of 256 (the full shape's already are; the small one's not)."""
     q, kv = sizes.num_heads * sizes.head_dim, sizes.num_kv_heads * sizes.head_dim
+
+    def whole(k: int) -> int:
+        return -(-k // 256) * 256
+
     return {
-        "qkv": (q + 2 * kv, sizes.hidden_size),
-        "o_proj": (sizes.hidden_size, q),
-        "gate_up": (2 * sizes.intermediate_size, sizes.hidden_size),
-        "down_proj": (sizes.hidden_size, sizes.intermediate_size),
+        "qkv": (q + 2 * kv, whole(sizes.hidden_size)),
+        "o_proj": (sizes.hidden_size, whole(q)),
+        "gate_up": (2 * sizes.intermediate_size, whole(sizes.hidden_size)),
+        "down_proj": (sizes.hidden_size, whole(sizes.intermediate_size)),
     }
 
 
@@ -584,17 +592,61 @@ def kernel_point(
     }
 
 
+# The kernels section's formats: PyTorch-layout int4 and int8, float, and Q4_K_M's two GGUF types held at their
+# own bits (models/gguf_quants.py's grouped layout, kernels/grouped_matmul.py on a GPU).
+GGUF_KINDS = {"q4_k": GGMLQuantizationType.Q4_K, "q6_k": GGMLQuantizationType.Q6_K}
+KERNEL_FORMATS = ("int4", "int8", "float", *GGUF_KINDS)
+
+
+def random_gguf_linear(
+    in_features: int,
+    out_features: int,
+    kind: GGMLQuantizationType,
+    device: torch.device,
+    generator: torch.Generator,
+) -> GGUFLinear:
+    """A GGUF-held projection of random codes and constants in `kind`'s layout (the bytes a real one reads)."""
+    spec = SPECS[kind]
+    rows, groups = out_features, in_features // spec.group_size
+
+    def draw(cols: int, dtype: torch.dtype, high: int = 256) -> torch.Tensor:
+        values = torch.randint(0, high, (rows, cols), generator=generator, device=device)
+        return values.to(torch.uint8).view(dtype) if dtype == torch.int8 else values.to(dtype)
+
+    def constants() -> GroupConstants:
+        outer = torch.full((rows, in_features // 256), INIT_STD / 32, dtype=torch.float16, device=device)
+        return GroupConstants(draw(groups, spec.sub_scale_dtype, 64), outer)
+
+    weight = GroupedQuant(
+        spec.bits,
+        spec.group_size,
+        spec.offset,
+        draw(in_features // 2, torch.uint8),
+        draw(in_features * (spec.bits - 4) // 8, torch.uint8) if spec.bits in (5, 6) else None,
+        constants(),
+        constants() if spec.has_mins else None,
+    )
+    layer = GGUFLinear(in_features, out_features, bias=False)
+    layer.load_block(0, weight)
+    layer.finalize()
+    return layer
+
+
 def measure_kernels(sizes: Sizes, device: torch.device, copy_bytes_per_s: float) -> dict[str, Any]:
-    """The projections alone at decode sizes (M = 1, 8, 32) in int4, int8 and the float dtype: the weight bytes
-    each call reads, over its time, against the measured copy bandwidth. The engine's own layers run them
-    (Triton on a GPU, PyTorch's weight-only kernels on the CPU), with random weights."""
+    """The projections alone at decode sizes (M = 1, 8, 32) in int4, int8, the float dtype, and GGUF Q4_K and
+    Q6_K at their own bits: the weight bytes each call reads, over its time, against the measured copy
+    bandwidth. The engine's own layers run them (Triton on a GPU; on the CPU PyTorch's weight-only kernels and
+    the C GEMV), with random weights."""
     generator = torch.Generator(device=device).manual_seed(7)
     points = []
-    for fmt in ("int4", "int8", "float"):
+    for fmt in KERNEL_FORMATS:
         for name, (out_features, in_features) in projection_shapes(sizes).items():
-            with torch.device(device):
-                module = make_linear(in_features, out_features, False, fmt).to(sizes.dtype)
-            randomize(module, generator)
+            if fmt in GGUF_KINDS:
+                module = random_gguf_linear(in_features, out_features, GGUF_KINDS[fmt], device, generator)
+            else:
+                with torch.device(device):
+                    module = make_linear(in_features, out_features, False, fmt).to(sizes.dtype)
+                randomize(module, generator)
             if isinstance(module, QuantizedLinear):
                 module.finalize()
             for rows in sizes.kernel_rows:
@@ -607,11 +659,15 @@ def measure_kernels(sizes: Sizes, device: torch.device, copy_bytes_per_s: float)
                 )
             del module
             free_memory(device)
-    decode = [p for p in points if p["format"] == "int4" and p["rows"] <= 8]
+
+    def worst(fmt: str) -> float:
+        return min(p["fraction_of_copy_bandwidth"] for p in points if p["format"] == fmt and p["rows"] <= 8)
+
     return {
         "copy_bytes_per_s": copy_bytes_per_s,
         "points": points,
-        "int4_decode_min_fraction": min(p["fraction_of_copy_bandwidth"] for p in decode),
+        "int4_decode_min_fraction": worst("int4"),
+        "q4_k_decode_min_fraction": worst("q4_k"),
     }
 
 
@@ -943,6 +999,12 @@ def targets(sections: dict[str, Any], sizes: Sizes) -> list[dict[str, Any]]:
             0.7,
         ),
         (
+            "GGUF Q4_K projections at M = 1 to 8 read at least 70% of the copy bandwidth (worst projection)",
+            get("kernels", lambda r: r["q4_k_decode_min_fraction"]),
+            ">=",
+            0.7,
+        ),
+        (
             f"the hybrid's decode step at batch {sizes.hybrid_batch}, shared, within 2x of its bandwidth limit",
             get("hybrid", lambda r: r["shared"]["ratio_to_limit"]),
             "<=",
@@ -989,7 +1051,7 @@ def print_report(record: dict[str, Any]) -> None:
             print(f"  {'format':6} {'projection':10} " + " ".join(f"{'M=' + str(p):>16}" for p in rows_of(r)))
             for (fmt, proj), row in group_kernel_points(r).items():
                 cells = " ".join(
-                    f"{p['bytes_per_s'] / 1e9:8,.1f} ({p['fraction_of_copy_bandwidth']:4.2f}x)" for p in row
+                    f"{p['bytes_per_s'] / 1e9:8.3g} ({p['fraction_of_copy_bandwidth']:4.2f}x)" for p in row
                 )
                 print(f"  {fmt:6} {proj:10} {cells}")
         elif name == "hybrid":
