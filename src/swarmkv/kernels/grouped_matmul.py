@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from swarmkv.models.gguf_quants import GroupedQuant
+from swarmkv.kernels.cpu_grouped import GroupedQuant  # the layout as a Protocol: kernels/ sits below models/
 
 DECODE_MAX_ROWS = 16  # rows of x one BLOCK_M = 16 tile covers (tl.dot's smallest M)
 PROGRAMS_PER_UNIT = 4  # programs a launch aims for per SM / CU before K is split
