@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -153,30 +154,54 @@ def _llm(loaded: LoadedModel, backend: str, **options: Any) -> LLM:
     )
 
 
-Workload = tuple[list[list[int]], list[int], list[torch.Tensor]]
+@dataclass(frozen=True)
+class Workload:
+    """What `_workload` saw: each output's tokens, the next turns' cached prompt tokens, and every step's
+    logits and chunk kinds."""
+
+    tokens: list[list[int]]
+    cached: list[int]
+    step_logits: list[torch.Tensor]
+    step_kinds: list[tuple[str, ...]]  # each chunk's kind, sorted
 
 
 def _workload(llm: LLM) -> Workload:
-    """Three requests over a 40-token head at once, then the first one's next turn (a hit on the state
-    snapshot its first turn left) beside a fresh request: each output's tokens, each request's cached tokens
-    and every step's logits."""
+    """Three requests over a 40-token head at once, a fourth arriving while they decode (its prefill chunks
+    beside their decodes), then the three's next turns (hits on the state snapshots their first turns left):
+    each output's tokens, the next turns' cached tokens, and every step's logits and chunk kinds."""
     step_logits: list[torch.Tensor] = []
-    runner = llm.engine.runner
-    run: Callable[..., Any] = runner.run
+    step_kinds: list[tuple[str, ...]] = []
+    engine = llm.engine
+    run: Callable[..., Any] = engine.runner.run
 
     def recording(plan: Any) -> Any:
         chunks, logits = run(plan)
         step_logits.append(logits.cpu().clone())
+        step_kinds.append(tuple(sorted(c.kind for c in plan.chunks)))
         return chunks, logits
 
-    runner.run = recording  # type: ignore[method-assign]
+    engine.runner.run = recording  # type: ignore[method-assign]
     head = [(7 * i + 3) % 300 for i in range(40)]
-    prompts = [head + [300 + i, 301, 302 + i] for i in range(3)]
-    first = llm.generate(prompts, GREEDY)
-    second = llm.generate([prompts[0] + first[0].token_ids + [11, 12], list(range(20, 45))], GREEDY)
-    llm.engine.check_integrity()
-    outputs = first + second
-    return [o.token_ids for o in outputs], [o.num_cached_tokens for o in outputs], step_logits
+    prompts = {f"r{i}": head + [300 + i, 301, 302 + i] for i in range(3)}
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, GREEDY)
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in prompts}
+    while engine.has_unfinished():
+        if "late" not in tokens and all(tokens[r] for r in prompts):  # all three decode next
+            prompts["late"] = list(range(20, 65))
+            engine.add_request("late", prompts["late"], GREEDY)
+            tokens["late"] = []
+        for delta in engine.step():
+            tokens[delta.request_id].extend(delta.new_token_ids)
+        engine.check_integrity()
+    next_turns = llm.generate([prompts[f"r{i}"] + tokens[f"r{i}"] + [11, 12] for i in range(3)], GREEDY)
+    engine.check_integrity()
+    return Workload(
+        [*tokens.values(), *(o.token_ids for o in next_turns)],
+        [o.num_cached_tokens for o in next_turns],
+        step_logits,
+        step_kinds,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -185,13 +210,15 @@ def torch_reference(loaded: LoadedModel) -> Workload:
 
 
 def _assert_same(got: Workload, expected: Workload) -> None:
-    tokens, cached, logits = got
-    assert tokens == expected[0]
+    assert got.tokens == expected.tokens
+    assert got.cached == expected.cached
     assert (
-        cached == expected[1] and cached[3] == 40 + 3 + GREEDY.max_tokens - 1
-    )  # a hit on the first turn's end
-    assert len(logits) == len(expected[2])
-    for step, (ours, theirs) in enumerate(zip(logits, expected[2], strict=True)):
+        got.cached == [40 + 3 + GREEDY.max_tokens - 1] * 3
+    )  # hits on the snapshots at the first turns' ends
+    assert any(len(set(kinds)) == 2 for kinds in got.step_kinds)  # prefill chunks beside decodes in a step
+    assert ("decode",) * 3 in got.step_kinds  # three decodes alone: a graph bucket of 4 with a padding row
+    assert got.step_kinds == expected.step_kinds
+    for step, (ours, theirs) in enumerate(zip(got.step_logits, expected.step_logits, strict=True)):
         torch.testing.assert_close(
             ours, theirs, rtol=LOGITS_TOLERANCE, atol=LOGITS_TOLERANCE, msg=f"step {step}"
         )
@@ -202,9 +229,8 @@ def test_triton_hybrid_matches_the_torch_backend(loaded: LoadedModel, torch_refe
     llm = _llm(loaded, "triton", enforce_eager=True)
     assert llm.engine.attention_backend == "triton"
     _assert_same(_workload(llm), torch_reference)
-    assert all(
-        len(set(tokens)) > 1 for tokens in torch_reference[0]
-    )  # a stuck model would hide a wrong state
+    # A stuck model would hide a wrong state.
+    assert all(len(set(tokens)) > 1 for tokens in torch_reference.tokens)
 
 
 @pytest.mark.slow
@@ -237,4 +263,4 @@ def test_cuda_graphs_of_hybrid_decodes_equal_eager_on_the_gpu(loaded: LoadedMode
     graphed = _workload(llm)
     runner = llm.engine.runner.triton
     assert runner is not None and runner.graphs is not None and runner.graphs.replays > 0
-    assert graphed[:2] == eager[:2]
+    assert (graphed.tokens, graphed.cached) == (eager.tokens, eager.cached)
