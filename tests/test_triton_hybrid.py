@@ -46,7 +46,10 @@ def _layout() -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]:
     return starts.to(DEVICE), torch.tensor(SLOTS, device=DEVICE), spans
 
 
-def test_conv_kernel_matches_torch_and_updates_windows_in_place() -> None:
+@pytest.mark.parametrize(
+    "max_tokens", [1, 19, 40]
+)  # one program per sequence, or its tokens spread over 2 or 3
+def test_conv_kernel_matches_torch_and_updates_windows_in_place(max_tokens: int) -> None:
     torch.manual_seed(0)
     channels, kernel_size = 40, 4
     starts, slots, spans = _layout()
@@ -62,7 +65,7 @@ def test_conv_kernel_matches_torch_and_updates_windows_in_place() -> None:
         if slot >= 0:
             expected_windows[slot] = new_window
 
-    got = kernels.causal_conv(x, windows, weight, starts, slots)
+    got = kernels.causal_conv(x, windows, weight, starts, slots, max_tokens)
 
     torch.testing.assert_close(got, torch.cat(expected), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(windows, expected_windows, rtol=0, atol=0)  # slot 2 and 5 untouched too

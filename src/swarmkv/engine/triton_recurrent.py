@@ -42,7 +42,12 @@ class TritonRecurrentStep:
     def conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The causal conv of every sequence's new inputs in one launch, windows updated in their slots."""
         return gated_delta.causal_conv(
-            x, self.states.conv[layer], weight, self.meta.state_starts, self.meta.state_slots
+            x,
+            self.states.conv[layer],
+            weight,
+            self.meta.state_starts,
+            self.meta.state_slots,
+            max(self.prefill_tokens, default=1),
         )
 
     def delta_rule(

@@ -17,8 +17,45 @@ import triton.language as tl
 # The FLA kernels and the torch reference normalise q and k with this epsilon added to the squared norm.
 L2_NORM_EPS = 1e-6
 CONV_BLOCK_CHANNELS = 64
-CONV_BLOCK_TOKENS = 16
+CONV_BLOCK_TOKENS = 16  # at most: a decode step's programs take one token each
 DELTA_BLOCK_V = 16  # value columns per program: the state tile is [Dk, DELTA_BLOCK_V] in registers
+
+
+@triton.jit
+def _window_of(windows_ptr, slot, channels, num_channels, WINDOW_LEN: tl.constexpr):
+    """Pointers to `channels`' windows in `slot` (slot 0's for a padding row, whose accesses are masked):
+    windows [slots, C, K-1], oldest input first, stand for the K-1 inputs before a sequence's new rows."""
+    return windows_ptr + tl.maximum(slot, 0).to(tl.int64) * num_channels * WINDOW_LEN + channels * WINDOW_LEN
+
+
+@triton.jit
+def _store_new_window(
+    x_ptr,
+    x_row_stride,
+    window,
+    start,
+    length,
+    channels,
+    keep_channels,
+    WINDOW_LEN: tl.constexpr,
+    WINDOW_POW2: tl.constexpr,
+):
+    """Overwrite the window with the last K-1 inputs of window ++ x[start : start + length]."""
+    index = tl.arange(0, WINDOW_POW2)
+    source = length - WINDOW_LEN + index
+    keep = (index < WINDOW_LEN)[None, :] & keep_channels[:, None]
+    from_x = tl.load(
+        x_ptr + (start + source)[None, :] * x_row_stride + channels[:, None],
+        mask=keep & (source >= 0)[None, :],
+        other=0.0,
+    )
+    from_window = tl.load(
+        window[:, None] + (source + WINDOW_LEN)[None, :], mask=keep & (source < 0)[None, :], other=0.0
+    )
+    new_window = from_x.to(window.dtype.element_ty) + from_window.to(window.dtype.element_ty)
+    # Entries move within a window: every thread's reads finish before any thread writes.
+    tl.debug_barrier()
+    tl.store(window[:, None] + index[None, :], new_window, mask=keep)
 
 
 @triton.jit
@@ -36,8 +73,10 @@ def _causal_conv_kernel(
     WINDOW_POW2: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    STORE_WINDOWS: tl.constexpr,
 ):
-    """One program per (sequence, channel block): its tokens' conv + SiLU, then its new window."""
+    """One program per (sequence, channel block, token program): conv + SiLU of every num_programs(2)-th
+    block of the sequence's tokens; with STORE_WINDOWS (one token program), then its new window."""
     seq = tl.program_id(0)
     channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     channel_mask = channels < num_channels
@@ -45,12 +84,9 @@ def _causal_conv_kernel(
     length = tl.load(starts_ptr + seq + 1) - start
     slot = tl.load(slots_ptr + seq)
     has_state = slot >= 0
-    window_len = KERNEL - 1
-    # windows [slots, C, K-1], oldest input first; the window stands for the K-1 inputs before row `start`.
-    window = (
-        windows_ptr + tl.maximum(slot, 0).to(tl.int64) * num_channels * window_len + channels * window_len
-    )
-    for t0 in range(0, length, BLOCK_T):
+    window_len: tl.constexpr = KERNEL - 1
+    window = _window_of(windows_ptr, slot, channels, num_channels, window_len)
+    for t0 in range(tl.program_id(2) * BLOCK_T, length, tl.num_programs(2) * BLOCK_T):
         tokens = t0 + tl.arange(0, BLOCK_T)
         live = (tokens < length)[:, None] & channel_mask[None, :]
         acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
@@ -74,39 +110,70 @@ def _causal_conv_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=live,
         )
-    # The new window is the last K-1 inputs of window ++ x. Every read of the old window above and below must
-    # finish before any thread overwrites it: a barrier each side of the loads.
-    tl.debug_barrier()
-    index = tl.arange(0, WINDOW_POW2)
-    source = length - window_len + index
-    keep = (index < window_len)[None, :] & channel_mask[:, None] & has_state
-    new_from_x = tl.load(
-        x_ptr + (start + source)[None, :] * x_row_stride + channels[:, None],
-        mask=keep & (source >= 0)[None, :],
-        other=0.0,
+    if STORE_WINDOWS:
+        # This program alone read these windows above: once its threads are done, it may overwrite them.
+        tl.debug_barrier()
+        _store_new_window(
+            x_ptr,
+            x_row_stride,
+            window,
+            start,
+            length,
+            channels,
+            channel_mask & has_state,
+            window_len,
+            WINDOW_POW2,
+        )
+
+
+@triton.jit
+def _conv_windows_kernel(
+    x_ptr,
+    x_row_stride,
+    windows_ptr,
+    starts_ptr,
+    slots_ptr,
+    num_channels,
+    KERNEL: tl.constexpr,
+    WINDOW_POW2: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """One program per (sequence, channel block): the new windows, after a conv launch that left them."""
+    seq = tl.program_id(0)
+    channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    start = tl.load(starts_ptr + seq)
+    length = tl.load(starts_ptr + seq + 1) - start
+    slot = tl.load(slots_ptr + seq)
+    window = _window_of(windows_ptr, slot, channels, num_channels, KERNEL - 1)
+    keep_channels = (channels < num_channels) & (slot >= 0)
+    _store_new_window(
+        x_ptr, x_row_stride, window, start, length, channels, keep_channels, KERNEL - 1, WINDOW_POW2
     )
-    new_from_window = tl.load(
-        window[:, None] + (source + window_len)[None, :], mask=keep & (source < 0)[None, :], other=0.0
-    )
-    new_window = new_from_x.to(windows_ptr.dtype.element_ty) + new_from_window.to(
-        windows_ptr.dtype.element_ty
-    )
-    tl.debug_barrier()
-    tl.store(window[:, None] + index[None, :], new_window, mask=keep)
 
 
 def causal_conv(
-    x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor
+    x: torch.Tensor,
+    windows: torch.Tensor,
+    weight: torch.Tensor,
+    starts: torch.Tensor,
+    slots: torch.Tensor,
+    max_tokens: int = 1,
 ) -> torch.Tensor:
     """Depthwise causal conv + SiLU of x [T, C] (rows contiguous, any row stride) per sequence, continuing
-    from and updating `windows` [slots, C, K-1] in place; weight [C, K]. Returns [T, C] in x.dtype."""
+    from and updating `windows` [slots, C, K-1] in place; weight [C, K]. `max_tokens`, the longest sequence's
+    rows if the host knows them, spreads long sequences over programs (any value computes the same): then a
+    second launch stores the windows, which other programs of the first may still be reading; a decode step
+    is one launch. Returns [T, C] in x.dtype."""
     num_tokens, num_channels = x.shape
     kernel_size = weight.shape[1]
     assert x.stride(1) == 1 and weight.stride(1) == 1 and windows.is_contiguous()
     assert windows.shape[1:] == (num_channels, kernel_size - 1) and kernel_size >= 2
     out = torch.empty(num_tokens, num_channels, dtype=x.dtype, device=x.device)
-    grid = (slots.shape[0], triton.cdiv(num_channels, CONV_BLOCK_CHANNELS))
-    _causal_conv_kernel[grid](
+    block_tokens = min(CONV_BLOCK_TOKENS, triton.next_power_of_2(max(1, max_tokens)))
+    token_programs = triton.cdiv(max(1, max_tokens), block_tokens)
+    channel_blocks = triton.cdiv(num_channels, CONV_BLOCK_CHANNELS)
+    window_pow2 = triton.next_power_of_2(kernel_size - 1)
+    _causal_conv_kernel[(slots.shape[0], channel_blocks, token_programs)](
         x,
         x.stride(0),
         weight,
@@ -117,10 +184,23 @@ def causal_conv(
         slots,
         num_channels,
         KERNEL=kernel_size,
-        WINDOW_POW2=triton.next_power_of_2(kernel_size - 1),
-        BLOCK_T=CONV_BLOCK_TOKENS,
+        WINDOW_POW2=window_pow2,
+        BLOCK_T=block_tokens,
         BLOCK_C=CONV_BLOCK_CHANNELS,
+        STORE_WINDOWS=token_programs == 1,
     )
+    if token_programs > 1:
+        _conv_windows_kernel[(slots.shape[0], channel_blocks)](
+            x,
+            x.stride(0),
+            windows,
+            starts,
+            slots,
+            num_channels,
+            KERNEL=kernel_size,
+            WINDOW_POW2=window_pow2,
+            BLOCK_C=CONV_BLOCK_CHANNELS,
+        )
     return out
 
 
