@@ -29,9 +29,9 @@ class TritonRecurrentStep:
         self.states = states
         self.meta = meta
         self.prefill_tokens = prefill_tokens
-        self.chunked_prefill = chunked_prefill and bool(prefill_tokens)
-        if self.chunked_prefill:
-            # fla's kernels take the prefill chunks' boundaries on the host too: no copy back mid-forward.
+        # fla's kernels take the prefill chunks' boundaries on the host too: no copy back mid-forward.
+        self.prefill_starts_host: torch.Tensor | None = None
+        if chunked_prefill and prefill_tokens:
             ends = torch.tensor(prefill_tokens, dtype=torch.int64).cumsum(0)
             self.prefill_starts_host = torch.cat([ends.new_zeros(1), ends])
 
@@ -40,7 +40,8 @@ class TritonRecurrentStep:
         return self.attention.attend(layer, q, k, v)
 
     def conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The causal conv of every sequence's new inputs in one launch, windows updated in their slots."""
+        """The causal conv of every sequence's new inputs, windows updated in their slots (one launch for a
+        decode step, a second for the windows where prefill chunks spread over programs)."""
         return gated_delta.causal_conv(
             x,
             self.states.conv[layer],
@@ -62,7 +63,7 @@ class TritonRecurrentStep:
         """The gated delta rule: decodes (and, without chunking, prefills) by the recurrent kernel, prefill
         chunks by fla's chunked kernel where `chunked_prefill`."""
         states, starts, slots = self.states.ssm[layer], self.meta.state_starts, self.meta.state_slots
-        if not self.chunked_prefill:
+        if self.prefill_starts_host is None:
             return gated_delta.gated_delta_recurrent(q, k, v, g, beta, states, starts, slots)
         num_prefills, num_rows = len(self.prefill_tokens), sum(self.prefill_tokens)
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
