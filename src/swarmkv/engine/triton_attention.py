@@ -25,6 +25,7 @@ from swarmkv.kernels.attention import (
     store_kv,
     tile_tokens,
 )
+from swarmkv.models.attention import KVSlabs
 
 # q_start, q_count, table_row, kv_start, kv_end, q_pos0, column: see swarmkv.kernels.attention
 Tile = tuple[int, int, int, int, int, int, int]
@@ -231,13 +232,30 @@ class TritonAttention:
             )
             self.partials = (part_out, part_lse)
 
+    def kv_slabs(self, layer: int) -> KVSlabs:
+        """Where `layer`'s new keys and values go: its cache slabs at the step's slots."""
+        cache = self.cache
+        return KVSlabs(
+            cache.k[layer],
+            cache.v[layer],
+            self.meta.slot_mapping,
+            cache.k_scales[layer],
+            cache.v_scales[layer],
+        )
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store k, v at the step's slots, then attend every row over its page-table row."""
+        slabs = self.kv_slabs(layer)
+        store_kv(k, v, slabs.k, slabs.v, slabs.slots, slabs.k_scale, slabs.v_scale)
+        return self.attend_stored(layer, q)
+
+    def attend_stored(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attend every row over its page-table row, the step's keys and values already stored."""
         meta, shape = self.meta, self.meta.shape
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         k_scale, v_scale = self.cache.k_scales[layer], self.cache.v_scales[layer]
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-        out = torch.empty_like(q)
+        # contiguous whatever q's strides (q may be a view of the fused QKV output)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         page_size = self.cache.block_size
         attend_tiles(
             q,

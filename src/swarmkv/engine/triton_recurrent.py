@@ -10,6 +10,7 @@ import torch
 from swarmkv.engine.state_cache import StateCache
 from swarmkv.engine.triton_attention import StepMetadata, TritonAttention
 from swarmkv.kernels import gated_delta
+from swarmkv.models.attention import KVSlabs
 
 
 class TritonRecurrentStep:
@@ -38,6 +39,14 @@ class TritonRecurrentStep:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention layers: TritonAttention's business."""
         return self.attention.attend(layer, q, k, v)
+
+    def kv_slabs(self, layer: int) -> KVSlabs:
+        """Attention layers store their own K and V, fused with the rotary (models/attention.StoresKV)."""
+        return self.attention.kv_slabs(layer)
+
+    def attend_stored(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention over the K and V the layer stored: TritonAttention's business."""
+        return self.attention.attend_stored(layer, q)
 
     def conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The causal conv of every sequence's new inputs, windows updated in their slots (one launch for a
