@@ -82,7 +82,17 @@ from swarmkv.tokenizer import Tokenizer  # noqa: E402
 
 INIT_STD = 0.02  # small enough that float16 activations stay finite through 40 random layers
 ROPE_THETA = 1_000_000.0  # Qwen3's
-SECTIONS = ("bandwidth", "kernels", "decode", "prefill", "sharing", "transformers", "swarm", "hybrid")
+SECTIONS = (
+    "bandwidth",
+    "kernels",
+    "launches",
+    "decode",
+    "prefill",
+    "sharing",
+    "transformers",
+    "swarm",
+    "hybrid",
+)
 
 # Nominal peak memory bandwidth in bytes/s, by a substring of the device's name; the first match wins.
 NOMINAL_PEAK_BYTES_PER_S: tuple[tuple[str, float], ...] = (
@@ -714,6 +724,87 @@ def measure_hybrid(
     }
 
 
+def decoding_engine(loaded: LoadedModel, options: dict[str, Any], batch: int, **extra: Any) -> LLMEngine:
+    """An engine whose `batch` short requests all decode from its next step on (cascade off: one layout)."""
+    llm = LLM(
+        loaded=loaded,
+        **{
+            **options,
+            "kv_cache_memory": 64 << 20,
+            "max_num_seqs": batch,
+            "cascade_attention": "off",
+            **extra,
+        },
+    )
+    engine = llm.engine
+    high = min(loaded.config.vocab_size, loaded.tokenizer.vocab_size)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"launch-{i}", random_ids(24, high, seed=200 + i), params)
+    for _ in range(8):
+        engine.step()
+        if all(s.num_computed_tokens >= len(s.prompt_token_ids) for s in engine.scheduler.running):
+            break
+    engine.step()  # a first decode step: graphs captured, kernels compiled
+    return engine
+
+
+def profiled_kernels(device: torch.device, step: Callable[[], object], steps: int) -> dict[str, Any]:
+    """Device kernels of `steps` calls of `step` from torch's profiler: how many a step, and the share of the
+    span from the first kernel's start to the last one's end in which the device ran none (idle)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync(device)
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    busy, end = 0.0, -math.inf
+    for start, stop in spans:  # the union of the kernels' intervals
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    total = spans[-1][1] - spans[0][0] if spans else 0.0
+    return {
+        "kernels_per_step": len(spans) / steps,
+        "device_idle_fraction": 1 - busy / total if total else None,
+    }
+
+
+def measure_launches(loaded: LoadedModel, options: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
+    """Device operations of one decode-only step at batch 8 (cascade off), per layer, eager: counted by
+    engine/launch_count.py (Triton launches plus torch ops that launch a kernel). On a GPU also the profiler's
+    kernel count of eager and graphed steps, and the device's idle share between graphed decode steps."""
+    from swarmkv.engine.launch_count import launches_per_layer
+
+    batch = min(8, max(sizes.decode_batches))
+    device = loaded.device
+    eager = decoding_engine(loaded, options, batch, enforce_eager=True)
+    per_layer, launches = launches_per_layer(
+        loaded.model, eager.step, device if device.type == "cuda" else None
+    )
+    result: dict[str, Any] = {
+        "batch": batch,
+        "attention_backend": eager.attention_backend,
+        "per_layer": per_layer,
+        "max_per_layer": max(per_layer),
+        "step_total": len(launches.names),
+        "layer_ops": launches.layer_names(0),
+    }
+    if device.type == "cuda":
+        result["profiled_eager"] = profiled_kernels(device, eager.step, 3)
+        del eager
+        free_memory(device)
+        graphed = decoding_engine(loaded, options, batch)
+        result["profiled_graphed"] = profiled_kernels(device, graphed.step, 8)
+    return result
+
+
 def measure_prefill(loaded: LoadedModel, options: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     """Section 2: one long prompt to its first token, best of two, after a warm-up of the same length."""
     num_tokens = sizes.prefill_tokens
@@ -1005,6 +1096,18 @@ def targets(sections: dict[str, Any], sizes: Sizes) -> list[dict[str, Any]]:
             0.7,
         ),
         (
+            "at most 9 launches per layer in a decode-only step, cascade off (eager, counted)",
+            get("launches", lambda r: float(r["max_per_layer"])),
+            "<=",
+            9.0,
+        ),
+        (
+            "device idle between graphed decode steps under 10% (profiler; GPU only)",
+            get("launches", lambda r: r.get("profiled_graphed", {}).get("device_idle_fraction")),
+            "<=",
+            0.1,
+        ),
+        (
             f"the hybrid's decode step at batch {sizes.hybrid_batch}, shared, within 2x of its bandwidth limit",
             get("hybrid", lambda r: r["shared"]["ratio_to_limit"]),
             "<=",
@@ -1054,6 +1157,23 @@ def print_report(record: dict[str, Any]) -> None:
                     f"{p['bytes_per_s'] / 1e9:8.3g} ({p['fraction_of_copy_bandwidth']:4.2f}x)" for p in row
                 )
                 print(f"  {fmt:6} {proj:10} {cells}")
+        elif name == "launches":
+            print(
+                f"\nlaunches, one decode-only step of {r['batch']} ({r['attention_backend']} backend, eager, cascade"
+                f" off): {r['max_per_layer']} a layer at most ({r['step_total']} in all); layer 0: "
+                + ", ".join(r["layer_ops"][:24])
+                + (" ..." if len(r["layer_ops"]) > 24 else "")
+            )
+            for kind in ("profiled_eager", "profiled_graphed"):
+                if kind in r:
+                    p = r[kind]
+                    idle = p["device_idle_fraction"]
+                    print(
+                        f"  {kind.removeprefix('profiled_')}: {p['kernels_per_step']:.0f} kernels a step, device"
+                        f" idle {idle:.1%} of the span"
+                        if idle is not None
+                        else f"  {kind}: no kernels seen"
+                    )
         elif name == "hybrid":
             print(
                 f"\n{r['model']} ({r['attention_backend']} backend), decode step by layout; state "
@@ -1215,6 +1335,7 @@ def main(argv: list[str] | None = None) -> int:
         "kernels": lambda: measure_kernels(
             sizes, device, float(record["sections"]["bandwidth"]["measured_copy_bytes_per_s"])
         ),
+        "launches": lambda: measure_launches(loaded, options, sizes),
         "decode": lambda: measure_decode(loaded, options, sizes, peak()),
         "prefill": lambda: measure_prefill(loaded, options, sizes),
         "sharing": lambda: measure_sharing(loaded, options, sizes, peak()),
