@@ -237,13 +237,16 @@ def cases(dtype: torch.dtype) -> dict[str, list[tuple[str, Callable[[], None]]]]
     }
 
 
-def collect_launches(names: list[str], dtype: torch.dtype) -> list[Launch]:
-    """Run the named cases' wrappers with launches intercepted; one Launch per distinct kernel and config."""
+def collect_launches(names: list[str], dtype: torch.dtype, configs: list[str] | None = None) -> list[Launch]:
+    """Run the named cases' wrappers (the configurations whose label contains one of `configs`, default all)
+    with launches intercepted: a Launch per kernel launched."""
     launches: list[Launch] = []
-    for case, configs in cases(dtype).items():
+    for case, configs_of in cases(dtype).items():
         if case not in names:
             continue
-        for config, call in configs:
+        for config, call in configs_of:
+            if configs is not None and not any(c in config for c in configs):
+                continue
             raw: list[tuple[JITFunction, tuple[Any, ...], dict[str, Any]]] = []
             with captured_launches(raw):
                 call()
@@ -403,9 +406,11 @@ def kernel_stats(launch: Launch, target_name: str) -> KernelStats:
     )
 
 
-def collect(names: list[str], targets: list[str], dtype: torch.dtype) -> list[KernelStats]:
-    """Statistics of every launch of the named cases on every target (an error names what failed)."""
-    return [kernel_stats(launch, t) for launch in collect_launches(names, dtype) for t in targets]
+def collect(
+    names: list[str], targets: list[str], dtype: torch.dtype, configs: list[str] | None = None
+) -> list[KernelStats]:
+    """Statistics of every launch of the named cases (and configurations) on every target."""
+    return [kernel_stats(launch, t) for launch in collect_launches(names, dtype, configs) for t in targets]
 
 
 def table(stats: list[KernelStats]) -> str:
@@ -451,10 +456,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS), help="GPU targets"
     )
+    parser.add_argument("--configs", nargs="+", help="only configurations whose label contains one of these")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--json", metavar="F", help="also write the figures to F as JSON")
     args = parser.parse_args(argv)
-    stats = collect(args.cases, args.targets, getattr(torch, args.dtype))
+    stats = collect(args.cases, args.targets, getattr(torch, args.dtype), args.configs)
     print(
         f"Triton {triton.__version__}, activations {args.dtype}; load B = per-lane global load widths, bytes"
     )

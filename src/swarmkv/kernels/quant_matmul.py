@@ -5,9 +5,10 @@ Layouts (produced by the weight loaders):
 - int8: qweight int8 [N, K], scales [N]; W[n, k] = qweight[n, k] * scales[n].
 - int4: qweight uint8 [N, K // 2], element k of row n in byte k // 2, low nibble for even k, high nibble
   for odd k; scales and mins [N, K // G]; W[n, k] = q[n, k] * scales[n, k // G] + mins[n, k // G].
-One program computes a BLOCK_M x BLOCK_N tile of the output, walking K in BLOCK_K steps and accumulating
-in float32. Decode (a GEMV padded to 16 rows) and prefill (a GEMM) differ only in the block sizes. Nothing
-assumes a warp width and every dot is "ieee", so the same code runs on NVIDIA and AMD.
+Up to GEMV_MAX_ROWS rows of x (decode) run the GEMV of `quant_gemv.py`, which reads each weight byte once along
+K and splits K when the output has too few tiles to fill the device. More rows (prefill) run the tiled GEMM
+here: one program computes a BLOCK_M x BLOCK_N tile of the output, walking K in BLOCK_K steps and accumulating
+in float32. Nothing assumes a warp width and every dot is "ieee", so the same code runs on NVIDIA and AMD.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from swarmkv.kernels.quant_gemv import GEMV_MAX_ROWS, gemv_supports, quant_gemv
 from swarmkv.kernels.reference import pack_int4, unpack_int4
 
 __all__ = [
@@ -30,7 +32,6 @@ __all__ = [
 ]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-DECODE_MAX_ROWS = 16  # up to this many rows of x, one BLOCK_M = 16 tile covers them (tl.dot's minimum)
 
 
 class _Blocks(NamedTuple):
@@ -40,13 +41,13 @@ class _Blocks(NamedTuple):
     num_warps: int
 
 
-def _blocks_for(num_rows: int) -> _Blocks:
-    """Tile sizes by the number of rows of x: decode reads each weight once, prefill reuses it."""
-    if num_rows <= DECODE_MAX_ROWS:
-        # Memory bound: narrow N tiles give more programs to stream the weight; a long K step per program.
-        return _Blocks(block_m=16, block_n=64, block_k=128, num_warps=4)
-    # A 64 x 128 float32 accumulator wants the registers of 8 warps.
-    return _Blocks(block_m=64, block_n=128, block_k=64, num_warps=8)
+# The GEMM's tiles (more than GEMV_MAX_ROWS rows): a 64 x 128 float32 accumulator wants the registers of 8 warps.
+_GEMM_BLOCKS = _Blocks(block_m=64, block_n=128, block_k=64, num_warps=8)
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors (CUs on AMD) of a GPU; 1 elsewhere (the interpreter: no split is needed)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 @triton.jit
@@ -149,18 +150,29 @@ def _check_x(x: torch.Tensor) -> None:
     assert x.dtype in _FLOAT_DTYPES, f"unsupported activation dtype {x.dtype}"
 
 
-def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ W.T for W = qweight int8 [N, K] * scales [N] per output channel, as [M, N] in x's dtype."""
+def int8_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    num_sms: int | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ W.T for W = qweight int8 [N, K] * scales [N] per output channel, as [M, N] in x's dtype.
+    `num_sms` (default: the device's) sizes a decode GEMV's K split; `splits` forces it."""
     _check_x(x)
     num_rows, k = x.shape
     n = qweight.shape[0]
     assert qweight.dtype == torch.int8 and qweight.shape == (n, k), f"qweight must be int8 [{n}, {k}]"
     assert qweight.stride(1) == 1, "qweight must have a contiguous last dim"
     assert scales.shape == (n,) and scales.dtype in _FLOAT_DTYPES and scales.is_contiguous()
+    if 0 < num_rows <= GEMV_MAX_ROWS and n > 0 and gemv_supports(k, 8, 0):
+        sms = num_sms if num_sms is not None else _sm_count(x.device)
+        return quant_gemv(x, qweight, scales, None, bits=8, group=0, num_sms=sms, splits=splits)
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0 or n == 0:
         return out
-    blocks = _blocks_for(num_rows)
+    blocks = _GEMM_BLOCKS
     grid = (triton.cdiv(num_rows, blocks.block_m), triton.cdiv(n, blocks.block_n))
     _int8_matmul_kernel[grid](
         x,
@@ -182,10 +194,18 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
 
 
 def int4_matmul(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    group_size: int,
+    *,
+    num_sms: int | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W.T for W = q * scales + mins per group of `group_size` along K, q packed two to a byte in
-    qweight uint8 [N, K // 2] (scales, mins [N, K // group_size]), as [M, N] in x's dtype."""
+    qweight uint8 [N, K // 2] (scales, mins [N, K // group_size]), as [M, N] in x's dtype. `num_sms` (default:
+    the device's) sizes a decode GEMV's K split; `splits` forces it."""
     _check_x(x)
     num_rows, k = x.shape
     n = qweight.shape[0]
@@ -198,10 +218,13 @@ def int4_matmul(
     assert scales.shape == groups and mins.shape == groups, f"scales and mins must be {list(groups)}"
     assert scales.dtype in _FLOAT_DTYPES and mins.dtype == scales.dtype
     assert scales.stride(1) == 1 and mins.stride(1) == 1, "scales and mins must have a contiguous last dim"
+    if 0 < num_rows <= GEMV_MAX_ROWS and n > 0 and gemv_supports(k, 4, group_size):
+        sms = num_sms if num_sms is not None else _sm_count(x.device)
+        return quant_gemv(x, qweight, scales, mins, bits=4, group=group_size, num_sms=sms, splits=splits)
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0 or n == 0:
         return out
-    blocks = _blocks_for(num_rows)
+    blocks = _GEMM_BLOCKS
     grid = (triton.cdiv(num_rows, blocks.block_m), triton.cdiv(n, blocks.block_n))
     _int4_matmul_kernel[grid](
         x,

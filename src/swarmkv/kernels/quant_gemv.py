@@ -1,0 +1,266 @@
+"""The decode-side quantized matmul in Triton: x [M, K] @ W.T for a few rows of x (M up to GEMV_MAX_ROWS), reading
+each weight byte once, along K, in 16-byte chunks per lane.
+
+The weight layouts are those of docs/quantized-layouts.md: codes q row-major along K, two to a byte (element k in
+byte k // 2, the low nibble for even k) or one signed byte each, and W[n, k] = S[n, g] * (q[n, k] - OFFSET)
++ M[n, g] with g = k // GROUP (GROUP = 0: one scale per row, no minimum). Bits, group, offset and minimums are
+compile-time parameters.
+
+A program owns BLOCK_N weight rows and one K split. Each K step loads a [BLOCK_N, BLOCK_C, CHUNK_BYTES] tile of
+bytes, a chunk holding codes of one group only, so each lane reads its chunk's scale and minimum once. With few
+rows of x (BLOCK_M <= 2) the products are summed on the vector units per chunk,
+`S * (q . x) + (M - S * OFFSET) * sum(x)`; with more, the chunk is dequantised and fed to tl.dot. A split
+writes float32 partials that a second small kernel sums in split order, so results do not depend on timing.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from swarmkv.kernels.reference import unpack_int4
+
+GEMV_MAX_ROWS = 32  # rows of x up to which the GEMV runs; above, the tiled GEMM reuses each weight tile
+FMA_MAX_ROWS = (
+    2  # up to this many rows the vector units keep up with the weight stream (4 spill); above, tl.dot
+)
+CHUNK_BYTES = 16  # bytes a lane loads at once: one 128-bit load on every target
+STEPS_PER_SPLIT_MIN = (
+    4  # K steps a split must have at least, so a split's setup stays small against its loads
+)
+PROGRAMS_PER_SM = (
+    8  # split K until about this many programs per SM (CU) keep enough bytes in flight (unmeasured)
+)
+
+
+class GemvPlan(NamedTuple):
+    """The launch of one GEMV: tile sizes and the K split."""
+
+    block_m: int
+    block_n: int
+    block_c: int
+    chunk_bytes: int
+    num_warps: int
+    use_dot: bool
+    splits: int
+    steps_per_split: int
+
+
+def gemv_supports(k: int, bits: int, group: int) -> bool:
+    """Whether quant_gemv takes this K: a whole number of chunks per row."""
+    return k % (_chunk_bytes(bits, group) * 8 // bits) == 0
+
+
+def _chunk_bytes(bits: int, group: int) -> int:
+    """A lane's load: 16 bytes, or one group's codes where a group is shorter (a chunk never spans two)."""
+    return CHUNK_BYTES if group == 0 else min(CHUNK_BYTES, group * bits // 8)
+
+
+def plan_gemv(
+    num_rows: int, n: int, k: int, bits: int, group: int, num_sms: int, splits: int | None = None
+) -> GemvPlan:
+    """Tiles for `num_rows` <= GEMV_MAX_ROWS rows, and a K split that gives about PROGRAMS_PER_SM programs per SM
+    (`splits` forces one)."""
+    assert num_rows <= GEMV_MAX_ROWS
+    chunk_bytes = _chunk_bytes(bits, group)
+    use_dot = num_rows > FMA_MAX_ROWS
+    block_m = triton.next_power_of_2(num_rows) if not use_dot else max(16, triton.next_power_of_2(num_rows))
+    # A K step reads a 128-byte line of each of 32 rows: two 16-byte chunks in flight per lane of 4 warps of 32,
+    # one per lane of 4 waves of 64.
+    block_n, num_warps = 32, 4
+    block_c = 128 // chunk_bytes
+    codes_per_step = block_c * chunk_bytes * 8 // bits
+    num_steps = triton.cdiv(k, codes_per_step)
+    programs = triton.cdiv(n, block_n) * triton.cdiv(num_rows, block_m)
+    if splits is None:
+        wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)
+        splits = max(1, min(wanted, num_steps // STEPS_PER_SPLIT_MIN))
+    splits = max(1, min(splits, num_steps))
+    steps_per_split = triton.cdiv(num_steps, splits)
+    splits = triton.cdiv(num_steps, steps_per_split)  # no empty split
+    return GemvPlan(block_m, block_n, block_c, chunk_bytes, num_warps, use_dot, splits, steps_per_split)
+
+
+@triton.jit
+def _gemv_kernel(
+    X,
+    W,
+    Scales,
+    Mins,
+    Out,
+    M,
+    N,
+    K,
+    steps_per_split,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_mn,
+    stride_om,
+    stride_os,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    OFFSET: tl.constexpr,
+    HAS_MINS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    CHUNK_BYTES: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    CODES: tl.constexpr = CHUNK_BYTES * 8 // BITS  # codes per chunk
+    STEP_BYTES: tl.constexpr = BLOCK_C * CHUNK_BYTES
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    # int64 rows: N * K passes 2**31 for a big vocab head.
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    m_ok = rm < M
+    n_ok = rn < N
+    chunk = tl.arange(0, BLOCK_C)
+    row_bytes = K * BITS // 8
+    compute_ty = X.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    step_lo = split * steps_per_split
+    step_hi = tl.minimum(step_lo + steps_per_split, tl.cdiv(row_bytes, STEP_BYTES))
+    for step in range(step_lo, step_hi):
+        # K is a multiple of CODES, so a chunk is wholly inside K or wholly past it.
+        chunk_byte = step * STEP_BYTES + chunk * CHUNK_BYTES  # [C]
+        c_ok = chunk_byte < row_bytes
+        chunk_k = chunk_byte * 8 // BITS  # first code of each chunk
+        w_ptrs = W + rn[:, None, None] * stride_wn + chunk_byte[None, :, None] + tl.arange(0, CHUNK_BYTES)
+        w_ok = n_ok[:, None, None] & c_ok[None, :, None]
+        packed = tl.load(w_ptrs, mask=w_ok, other=0)
+        if BITS == 4:
+            # even k: the low nibble; join puts each byte's two codes side by side, in k order.
+            q = tl.join(packed & 0xF, packed >> 4).reshape(BLOCK_N, BLOCK_C, CODES).to(tl.float32)
+        else:
+            q = packed.to(tl.float32)
+        x_ptrs = X + rm[:, None, None] * stride_xm + chunk_k[None, :, None] + tl.arange(0, CODES)
+        x = tl.load(x_ptrs, mask=m_ok[:, None, None] & c_ok[None, :, None], other=0.0).to(tl.float32)
+        if GROUP == 0:
+            scale = tl.full([BLOCK_N, BLOCK_C], 1.0, tl.float32)
+        else:
+            group = chunk_k // GROUP
+            s_ok = n_ok[:, None] & c_ok[None, :]
+            scale_ptrs = Scales + rn[:, None] * stride_sn + group[None, :]
+            scale = tl.load(scale_ptrs, mask=s_ok, other=0.0).to(tl.float32)
+        # Per chunk, W . x = S * (q . x) + (M - S * OFFSET) * sum(x): the offset and minimum once a chunk.
+        low = -OFFSET * scale
+        if HAS_MINS:
+            low += tl.load(Mins + rn[:, None] * stride_mn + group[None, :], mask=s_ok, other=0.0).to(
+                tl.float32
+            )
+        if USE_DOT:
+            w = (q * scale[:, :, None] + low[:, :, None]).to(compute_ty).reshape(BLOCK_N, BLOCK_C * CODES)
+            xs = x.to(compute_ty).reshape(BLOCK_M, BLOCK_C * CODES)
+            acc += tl.dot(xs, tl.trans(w), input_precision="ieee")
+        else:
+            qx = tl.sum(x[:, None, :, :] * q[None, :, :, :], axis=3)  # [M, N, C]
+            x_sum = tl.sum(x, axis=2)  # [M, C]
+            acc += tl.sum(qx * scale[None, :, :] + x_sum[:, None, :] * low[None, :, :], axis=2)
+    if GROUP == 0:
+        # One scale per row, constant along K: applied once to the float32 sums.
+        acc *= tl.load(Scales + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = Out + split * stride_os + rm[:, None] * stride_om + rn[None, :]
+    out_ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT:
+        tl.store(out_ptrs, acc, mask=out_ok)
+    else:
+        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=out_ok)
+
+
+@triton.jit
+def _sum_splits_kernel(Partials, Out, N, splits, stride_ps, stride_pm, stride_om, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, splits):  # in split order: the same sums, bit for bit, on every run
+        total += tl.load(Partials + s * stride_ps + row * stride_pm + cols, mask=ok, other=0.0)
+    tl.store(Out + row * stride_om + cols, total.to(Out.dtype.element_ty), mask=ok)
+
+
+def quant_gemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    *,
+    bits: int,
+    group: int,
+    offset: int = 0,
+    num_sms: int,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ W.T as [M, N] in x's dtype, for W in the layout above: qweight uint8 [N, K // 2] (bits 4) or
+    int8 [N, K] (bits 8); scales (and mins) [N, K // group], or scales [N] when group is 0. The caller checks
+    shapes; `num_sms` sizes the K split, `splits` forces it."""
+    num_rows, k = x.shape
+    n = qweight.shape[0]
+    assert gemv_supports(k, bits, group), f"K={k} must be a multiple of a chunk's codes"
+    plan = plan_gemv(num_rows, n, k, bits, group, num_sms, splits)
+    out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    split = plan.splits > 1
+    target = torch.empty((plan.splits, num_rows, n), dtype=torch.float32, device=x.device) if split else out
+    grid = (triton.cdiv(n, plan.block_n), plan.splits, triton.cdiv(num_rows, plan.block_m))
+    _gemv_kernel[grid](
+        x,
+        qweight,
+        scales,
+        mins if mins is not None else scales,  # never read without HAS_MINS
+        target,
+        num_rows,
+        n,
+        k,
+        plan.steps_per_split,
+        x.stride(0),
+        qweight.stride(0),
+        scales.stride(0),
+        mins.stride(0) if mins is not None else 0,
+        target.stride(-2),
+        target.stride(0) if split else 0,
+        BITS=bits,
+        GROUP=group,
+        OFFSET=offset,
+        HAS_MINS=mins is not None,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        BLOCK_C=plan.block_c,
+        CHUNK_BYTES=plan.chunk_bytes,
+        USE_DOT=plan.use_dot,
+        SPLIT=split,
+        num_warps=plan.num_warps,
+    )
+    if split:
+        block = min(1024, triton.next_power_of_2(n))
+        _sum_splits_kernel[(num_rows, triton.cdiv(n, block))](
+            target, out, n, plan.splits, target.stride(0), target.stride(1), out.stride(0), BLOCK=block
+        )
+    return out
+
+
+def quant_gemv_reference(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    *,
+    bits: int,
+    group: int,
+    offset: int = 0,
+) -> torch.Tensor:
+    """What quant_gemv computes, in float32 torch, cast to x's dtype."""
+    q = (unpack_int4(qweight) if bits == 4 else qweight).float() - offset
+    if group == 0:
+        weight = q * scales.float()[:, None]
+    else:
+        weight = q * scales.float().repeat_interleave(group, dim=1)
+        if mins is not None:
+            weight += mins.float().repeat_interleave(group, dim=1)
+    return (x.float() @ weight.T).to(x.dtype)
