@@ -72,6 +72,7 @@ class Launch:
 class LoadSite:
     """The global loads compiled from one source line: per-lane widths in bytes, and how many instructions."""
 
+    file: str
     line: int
     source: str
     min_bytes: int
@@ -303,7 +304,8 @@ _AMD_WIDTHS = [
     ("u8", 1),
     ("i8", 1),
 ]
-_LOC = re.compile(r"^\s*\.loc\s+\d+\s+(\d+)\s")
+_LOC = re.compile(r"^\s*\.loc\s+(\d+)\s+(\d+)\s")
+_FILE = re.compile(r'^\s*\.file\s+(\d+)\s+"([^"]*)"(?:\s+"([^"]*)")?')
 
 
 def _ptx_width(token: str) -> int:
@@ -320,14 +322,22 @@ def _amd_width(suffix: str) -> int:
     raise AssertionError(f"unparsed AMDGCN load {suffix}")
 
 
-def load_sites(asm: str, is_ptx: bool, source_file: str) -> tuple[LoadSite, ...]:
-    """Every global load in the assembly, grouped by the source line its `.loc` names."""
-    widths: dict[int, list[int]] = {}
-    line = 0
+def load_sites(asm: str, is_ptx: bool) -> tuple[LoadSite, ...]:
+    """Every global load in the assembly, grouped by the source file and line its `.loc` names (a load in an
+    inlined helper is named by the helper's line)."""
+    files: dict[str, str] = {}  # PTX lists its files after the code
+    widths: dict[tuple[str, int], list[int]] = {}
+    where = ("", 0)
     for text in asm.splitlines():
+        file = _FILE.match(text)
+        if file:  # PTX: .file 1 "path"; AMDGCN: .file 1 "dir" "name"
+            files[file.group(1)] = (
+                os.path.join(file.group(2), file.group(3)) if file.group(3) else file.group(2)
+            )
+            continue
         loc = _LOC.match(text)
         if loc:
-            line = int(loc.group(1))
+            where = (loc.group(1), int(loc.group(2)))
             continue
         code = text.split("//")[0] if is_ptx else text.split(";")[0]
         found: list[int] = []
@@ -336,11 +346,11 @@ def load_sites(asm: str, is_ptx: bool, source_file: str) -> tuple[LoadSite, ...]
             found += [int(m.group(1), 0) for m in _PTX_ASYNC.finditer(code)]
         else:
             found += [_amd_width(m.group(1)) for m in _AMD_LOAD.finditer(code)]
-        widths.setdefault(line, []).extend(found)
+        widths.setdefault(where, []).extend(found)
+    paths = {(files.get(index, ""), line): w for (index, line), w in widths.items() if w}
     return tuple(
-        LoadSite(line, linecache.getline(source_file, line).strip(), min(w), max(w), len(w))
-        for line, w in sorted(widths.items())
-        if w
+        LoadSite(os.path.basename(path), line, linecache.getline(path, line).strip(), min(w), max(w), len(w))
+        for (path, line), w in sorted(paths.items())
     )
 
 
@@ -378,19 +388,18 @@ def kernel_stats(launch: Launch, target_name: str) -> KernelStats:
     """Compile `launch` for one target and read its resource use."""
     target = TARGETS[target_name]
     compiled = compile_for(launch, target)
-    source_file = launch.fn.fn.__code__.co_filename
     if target.backend == "cuda":
         ptx = compiled.asm["ptx"]
         registers, spilled, scratch = _ptxas_stats(ptx, int(target.arch))
         sgpr_spills = 0
-        loads = load_sites(ptx, True, source_file)
+        loads = load_sites(ptx, True)
     else:
         asm = compiled.asm["amdgcn"]
         registers = _amd_field(asm, "vgpr_count")
         spilled = _amd_field(asm, "vgpr_spill_count")
         sgpr_spills = _amd_field(asm, "sgpr_spill_count")
         scratch = _amd_field(asm, "private_segment_fixed_size")
-        loads = load_sites(asm, False, source_file)
+        loads = load_sites(asm, False)
     return KernelStats(
         case=launch.case,
         config=launch.config,

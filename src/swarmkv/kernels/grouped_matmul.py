@@ -1,20 +1,23 @@
-"""The decode-side quantized matmul in Triton: x [M, K] @ W.T for a few rows of x (M up to GEMV_MAX_ROWS), reading
-each weight byte once, along K, in 16-byte chunks per lane.
+"""The quantized matmul over the grouped layout in Triton: x [M, K] @ W.T, each lane loading its weight bytes along
+K in 16-byte chunks, so a decode step (M up to GEMV_MAX_ROWS: a GEMV) reads each weight byte once.
 
 The weight layouts are those of docs/quantized-layouts.md: codes q row-major along K, two to a byte (element k in
 byte k // 2, the low nibble for even k) or one signed byte each, and W[n, k] = S[n, g] * (q[n, k] - OFFSET)
 + M[n, g] with g = k // GROUP (GROUP = 0: one scale per row, no minimum). Bits, group, offset and minimums are
 compile-time parameters.
 
-A program owns BLOCK_N weight rows and one K split. Each K step loads a [BLOCK_N, BLOCK_C, CHUNK_BYTES] tile of
-bytes, a chunk holding codes of one group only, so each lane reads its chunk's scale and minimum once. With few
-rows of x (BLOCK_M <= 2) the products are summed on the vector units per chunk,
-`S * (q . x) + (M - S * OFFSET) * sum(x)`; with more, the chunk is dequantised and fed to tl.dot. A split
-writes float32 partials that a second small kernel sums in split order, so results do not depend on timing.
+A program owns BLOCK_M rows of x, BLOCK_N weight rows and one K split. Each K step loads a
+[BLOCK_N, BLOCK_C, CHUNK_BYTES] tile of bytes, a chunk holding codes of one group only, so each lane reads its
+chunk's scale and minimum once. With one or two rows of x the products are summed on the vector units per chunk,
+`S * (q . x) + (M - S * OFFSET) * sum(x)`; with more, the chunk is dequantised and fed to tl.dot. Decode tiles are
+narrow with a long K step and split K when the output has too few tiles to fill the device; a split writes float32
+partials that a second small kernel sums in split order, so results do not depend on timing. Prefill tiles are
+64 x 128 with a short K step, reusing each weight tile for 64 rows of x.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -23,21 +26,21 @@ import triton.language as tl
 
 from swarmkv.kernels.reference import unpack_int4
 
-GEMV_MAX_ROWS = 32  # rows of x up to which the GEMV runs; above, the tiled GEMM reuses each weight tile
+GEMV_MAX_ROWS = 32  # rows of x up to which decode tiles run; above, prefill tiles reuse each weight tile
 FMA_MAX_ROWS = (
-    2  # up to this many rows the vector units keep up with the weight stream (4 spill); above, tl.dot
+    2  # rows the vector units take without tl.dot (at 4 the decode tile spills on gfx1201 and sm_90)
 )
 CHUNK_BYTES = 16  # bytes a lane loads at once: one 128-bit load on every target
 STEPS_PER_SPLIT_MIN = (
-    4  # K steps a split must have at least, so a split's setup stays small against its loads
+    4  # K steps a split keeps at least, so its setup and partial stay small against its loads
 )
 PROGRAMS_PER_SM = (
-    8  # split K until about this many programs per SM (CU) keep enough bytes in flight (unmeasured)
+    8  # split K until about this many programs per SM (CU) keep bytes in flight (a guess: unmeasured)
 )
 
 
-class GemvPlan(NamedTuple):
-    """The launch of one GEMV: tile sizes and the K split."""
+class GroupedPlan(NamedTuple):
+    """The launch of one grouped matmul: tile sizes and the K split."""
 
     block_m: int
     block_n: int
@@ -49,29 +52,40 @@ class GemvPlan(NamedTuple):
     steps_per_split: int
 
 
-def gemv_supports(k: int, bits: int, group: int) -> bool:
-    """Whether quant_gemv takes this K: a whole number of chunks per row."""
-    return k % (_chunk_bytes(bits, group) * 8 // bits) == 0
+def grouped_supports(k: int, bits: int, group: int) -> bool:
+    """Whether grouped_matmul takes this K and group: whole bytes per chunk, whole chunks per row."""
+    codes = _chunk_codes(bits, group)
+    return codes * bits % 8 == 0 and k % codes == 0
+
+
+def _chunk_codes(bits: int, group: int) -> int:
+    """Codes a lane loads at once: 16 bytes' worth, fewer where they would span two groups."""
+    full = CHUNK_BYTES * 8 // bits
+    return full if group == 0 else math.gcd(group, full)
 
 
 def _chunk_bytes(bits: int, group: int) -> int:
-    """A lane's load: 16 bytes, or one group's codes where a group is shorter (a chunk never spans two)."""
-    return CHUNK_BYTES if group == 0 else min(CHUNK_BYTES, group * bits // 8)
+    return _chunk_codes(bits, group) * bits // 8
 
 
-def plan_gemv(
+def plan_grouped_matmul(
     num_rows: int, n: int, k: int, bits: int, group: int, num_sms: int, splits: int | None = None
-) -> GemvPlan:
-    """Tiles for `num_rows` <= GEMV_MAX_ROWS rows, and a K split that gives about PROGRAMS_PER_SM programs per SM
-    (`splits` forces one)."""
-    assert num_rows <= GEMV_MAX_ROWS
+) -> GroupedPlan:
+    """Tiles for `num_rows` rows of x, and a K split that gives about PROGRAMS_PER_SM programs per SM (`splits`
+    forces one)."""
     chunk_bytes = _chunk_bytes(bits, group)
     use_dot = num_rows > FMA_MAX_ROWS
-    block_m = triton.next_power_of_2(num_rows) if not use_dot else max(16, triton.next_power_of_2(num_rows))
-    # A K step reads a 128-byte line of each of 32 rows: two 16-byte chunks in flight per lane of 4 warps of 32,
-    # one per lane of 4 waves of 64.
-    block_n, num_warps = 32, 4
-    block_c = 128 // chunk_bytes
+    if num_rows <= GEMV_MAX_ROWS:
+        block_m = (
+            triton.next_power_of_2(num_rows) if not use_dot else max(16, triton.next_power_of_2(num_rows))
+        )
+        # A K step reads a 128-byte line of each of 32 rows: two 16-byte chunks in flight per lane of 4 warps
+        # of 32, one per lane of 4 waves of 64.
+        block_n, num_warps, step_bytes = 32, 4, 128
+    else:
+        # 32 bytes a row per K step: a 128-byte step held 256 VGPRs and spilled on gfx1201 at these tiles.
+        block_m, block_n, num_warps, step_bytes = 64, 128, 8, 32
+    block_c = max(1, step_bytes // chunk_bytes)
     codes_per_step = block_c * chunk_bytes * 8 // bits
     num_steps = triton.cdiv(k, codes_per_step)
     programs = triton.cdiv(n, block_n) * triton.cdiv(num_rows, block_m)
@@ -81,11 +95,11 @@ def plan_gemv(
     splits = max(1, min(splits, num_steps))
     steps_per_split = triton.cdiv(num_steps, splits)
     splits = triton.cdiv(num_steps, steps_per_split)  # no empty split
-    return GemvPlan(block_m, block_n, block_c, chunk_bytes, num_warps, use_dot, splits, steps_per_split)
+    return GroupedPlan(block_m, block_n, block_c, chunk_bytes, num_warps, use_dot, splits, steps_per_split)
 
 
 @triton.jit
-def _gemv_kernel(
+def _grouped_matmul_kernel(
     X,
     W,
     Scales,
@@ -114,9 +128,10 @@ def _gemv_kernel(
 ):
     CODES: tl.constexpr = CHUNK_BYTES * 8 // BITS  # codes per chunk
     STEP_BYTES: tl.constexpr = BLOCK_C * CHUNK_BYTES
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    # M blocks vary fastest, so the programs sharing a weight tile run together and hit the same cache lines.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
     # int64 rows: N * K passes 2**31 for a big vocab head.
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -186,7 +201,7 @@ def _sum_splits_kernel(Partials, Out, N, splits, stride_ps, stride_pm, stride_om
     tl.store(Out + row * stride_om + cols, total.to(Out.dtype.element_ty), mask=ok)
 
 
-def quant_gemv(
+def grouped_matmul(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
@@ -203,13 +218,13 @@ def quant_gemv(
     shapes; `num_sms` sizes the K split, `splits` forces it."""
     num_rows, k = x.shape
     n = qweight.shape[0]
-    assert gemv_supports(k, bits, group), f"K={k} must be a multiple of a chunk's codes"
-    plan = plan_gemv(num_rows, n, k, bits, group, num_sms, splits)
+    assert grouped_supports(k, bits, group), f"K={k} must be a multiple of a chunk's codes"
+    plan = plan_grouped_matmul(num_rows, n, k, bits, group, num_sms, splits)
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     split = plan.splits > 1
     target = torch.empty((plan.splits, num_rows, n), dtype=torch.float32, device=x.device) if split else out
-    grid = (triton.cdiv(n, plan.block_n), plan.splits, triton.cdiv(num_rows, plan.block_m))
-    _gemv_kernel[grid](
+    grid = (triton.cdiv(num_rows, plan.block_m), triton.cdiv(n, plan.block_n), plan.splits)
+    _grouped_matmul_kernel[grid](
         x,
         qweight,
         scales,
@@ -245,7 +260,7 @@ def quant_gemv(
     return out
 
 
-def quant_gemv_reference(
+def grouped_matmul_reference(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
@@ -255,7 +270,7 @@ def quant_gemv_reference(
     group: int,
     offset: int = 0,
 ) -> torch.Tensor:
-    """What quant_gemv computes, in float32 torch, cast to x's dtype."""
+    """What grouped_matmul computes, in float32 torch, cast to x's dtype."""
     q = (unpack_int4(qweight) if bits == 4 else qweight).float() - offset
     if group == 0:
         weight = q * scales.float()[:, None]
