@@ -425,6 +425,7 @@ def collect(
 def table(stats: list[KernelStats]) -> str:
     """A fixed-width table, one row per kernel, configuration and target."""
     head = (
+        "case",
         "kernel",
         "config",
         "target",
@@ -434,10 +435,11 @@ def table(stats: list[KernelStats]) -> str:
         "sgpr_spill",
         "scratch",
         "shared",
-        "load B",
     )
+    head = (*head, "load B")
     rows = [
         (
+            s.case,
             s.kernel,
             s.config,
             s.target,

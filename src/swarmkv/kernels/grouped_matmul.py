@@ -91,7 +91,10 @@ def plan_grouped_matmul(
     programs = triton.cdiv(n, block_n) * triton.cdiv(num_rows, block_m)
     if splits is None:
         wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)
-        splits = max(1, min(wanted, num_steps // STEPS_PER_SPLIT_MIN))
+        # float32 partials, written and read back (8 bytes an output a split), stay within a quarter of the
+        # weight's bytes: this keeps prefill and wide decodes unsplit.
+        by_traffic = k * bits // (4 * 8 * 8 * num_rows)
+        splits = max(1, min(wanted, num_steps // STEPS_PER_SPLIT_MIN, by_traffic))
     splits = max(1, min(splits, num_steps))
     steps_per_split = triton.cdiv(num_steps, splits)
     splits = triton.cdiv(num_steps, steps_per_split)  # no empty split
