@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import linecache
 import os
@@ -354,6 +355,7 @@ def load_sites(asm: str, is_ptx: bool) -> tuple[LoadSite, ...]:
     )
 
 
+@functools.cache  # the same kernel recurs across configurations (a split's reduce): ptxas runs once for it
 def _ptxas_stats(ptx: str, arch: int) -> tuple[int, int, int]:
     """Registers, spill-store bytes and stack bytes from `ptxas -v` on the kernel's PTX."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability

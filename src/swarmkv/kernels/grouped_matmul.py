@@ -69,10 +69,17 @@ def _chunk_bytes(bits: int, group: int) -> int:
 
 
 def plan_grouped_matmul(
-    num_rows: int, n: int, k: int, bits: int, group: int, num_sms: int, splits: int | None = None
+    num_rows: int,
+    n: int,
+    k: int,
+    bits: int,
+    group: int,
+    num_sms: int,
+    splits: int | None = None,
+    x_bytes: int = 2,
 ) -> GroupedPlan:
-    """Tiles for `num_rows` rows of x, and a K split that gives about PROGRAMS_PER_SM programs per SM (`splits`
-    forces one)."""
+    """Tiles for `num_rows` rows of x (`x_bytes` an element), and a K split that gives about PROGRAMS_PER_SM
+    programs per SM (`splits` forces one)."""
     chunk_bytes = _chunk_bytes(bits, group)
     use_dot = num_rows > FMA_MAX_ROWS
     if num_rows <= GEMV_MAX_ROWS:
@@ -81,13 +88,14 @@ def plan_grouped_matmul(
         )
         # A K step reads a 128-byte line of each of 32 rows: two 16-byte chunks in flight per lane of 4 warps
         # of 32, one per lane of 4 waves of 64.
-        block_n, num_warps, step_bytes = 32, 4, 128
+        # float32 x takes the prefill step: its tl.dot has no matrix instruction on RDNA4 and runs on registers.
+        block_n, num_warps, step_bytes = 32, 4, 128 if x_bytes < 4 or not use_dot else 32
     else:
         # 32 bytes a row per K step: a 128-byte step held 256 VGPRs and spilled on gfx1201 at these tiles.
         block_m, block_n, num_warps, step_bytes = 64, 128, 8, 32
     block_c = max(1, step_bytes // chunk_bytes)
     codes_per_step = block_c * chunk_bytes * 8 // bits
-    num_steps = triton.cdiv(k, codes_per_step)
+    num_steps = max(1, triton.cdiv(k, codes_per_step))
     programs = triton.cdiv(n, block_n) * triton.cdiv(num_rows, block_m)
     if splits is None:
         wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)
@@ -159,8 +167,6 @@ def _grouped_matmul_kernel(
             q = tl.join(packed & 0xF, packed >> 4).reshape(BLOCK_N, BLOCK_C, CODES).to(tl.float32)
         else:
             q = packed.to(tl.float32)
-        x_ptrs = X + rm[:, None, None] * stride_xm + chunk_k[None, :, None] + tl.arange(0, CODES)
-        x = tl.load(x_ptrs, mask=m_ok[:, None, None] & c_ok[None, :, None], other=0.0).to(tl.float32)
         if GROUP == 0:
             scale = tl.full([BLOCK_N, BLOCK_C], 1.0, tl.float32)
         else:
@@ -175,13 +181,21 @@ def _grouped_matmul_kernel(
                 tl.float32
             )
         if USE_DOT:
+            rk = step * (STEP_BYTES * 8 // BITS) + tl.arange(0, BLOCK_C * CODES)
+            x_ptrs = X + rm[:, None] * stride_xm + rk[None, :]
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & (rk < K)[None, :], other=0.0).to(compute_ty)
             w = (q * scale[:, :, None] + low[:, :, None]).to(compute_ty).reshape(BLOCK_N, BLOCK_C * CODES)
-            xs = x.to(compute_ty).reshape(BLOCK_M, BLOCK_C * CODES)
-            acc += tl.dot(xs, tl.trans(w), input_precision="ieee")
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
-            qx = tl.sum(x[:, None, :, :] * q[None, :, :, :], axis=3)  # [M, N, C]
-            x_sum = tl.sum(x, axis=2)  # [M, C]
-            acc += tl.sum(qx * scale[None, :, :] + x_sum[:, None, :] * low[None, :, :], axis=2)
+            # A row of x at a time keeps the products in q's layout, each lane's chunk against its own codes' x:
+            # a [M, N, C, CODES] product would be laid out along CODES and move q through shared memory.
+            for r in tl.static_range(BLOCK_M):
+                row = pid_m * BLOCK_M + r
+                xr_ptrs = X + row.to(tl.int64) * stride_xm + chunk_k[:, None] + tl.arange(0, CODES)[None, :]
+                xr = tl.load(xr_ptrs, mask=(row < M) & c_ok[:, None], other=0.0).to(tl.float32)  # [C, CODES]
+                qx = tl.sum(q * xr[None, :, :], axis=2)  # [N, C]
+                part = tl.sum(qx * scale + tl.sum(xr, axis=1)[None, :] * low, axis=1)  # [N]
+                acc += tl.where(tl.arange(0, BLOCK_M)[:, None] == r, part[None, :], 0.0)
     if GROUP == 0:
         # One scale per row, constant along K: applied once to the float32 sums.
         acc *= tl.load(Scales + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -222,7 +236,8 @@ def grouped_matmul(
     num_rows, k = x.shape
     n = qweight.shape[0]
     assert grouped_supports(k, bits, group), f"K={k} must be a multiple of a chunk's codes"
-    plan = plan_grouped_matmul(num_rows, n, k, bits, group, num_sms, splits)
+    assert group > 0 or mins is None, "minimums need groups"
+    plan = plan_grouped_matmul(num_rows, n, k, bits, group, num_sms, splits, x.element_size())
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     split = plan.splits > 1
     target = torch.empty((plan.splits, num_rows, n), dtype=torch.float32, device=x.device) if split else out
