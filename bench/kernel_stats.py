@@ -138,7 +138,7 @@ def _int4_case(rows: int, dtype: torch.dtype) -> None:
     x = _empty(rows, HIDDEN, dtype=dtype)
     qweight = _empty(HIDDEN, HIDDEN // 2, dtype=torch.uint8)  # o_proj
     scales = _empty(HIDDEN, HIDDEN // 32, dtype=dtype)
-    int4_matmul(x, qweight, scales, scales.clone(), 32, **_gemv_options())
+    int4_matmul(x, qweight, scales, scales.clone(), 32, **_split_options())
 
 
 def _int8_case(rows: int, dtype: torch.dtype) -> None:
@@ -146,11 +146,11 @@ def _int8_case(rows: int, dtype: torch.dtype) -> None:
 
     x = _empty(rows, HIDDEN, dtype=dtype)
     qweight = _empty(HIDDEN, HIDDEN, dtype=torch.int8)
-    int8_matmul(x, qweight, _empty(HIDDEN, dtype=dtype), **_gemv_options())
+    int8_matmul(x, qweight, _empty(HIDDEN, dtype=dtype), **_split_options())
 
 
-def _gemv_options() -> dict[str, int]:
-    """The SM count, for wrappers that take it (the GEMV's split-K); none before the GEMV existed."""
+def _split_options() -> dict[str, int]:
+    """The SM count, for wrappers that take it (it sizes the K split); the matmuls before issue 27 took none."""
     import inspect
 
     from swarmkv.kernels.quant_matmul import int4_matmul
