@@ -1,6 +1,6 @@
 """The compiled kernels' resource use, read by bench/kernel_stats.py for sm_90 and gfx1201 without a GPU: the
-quantized matmuls (the decode GEMV, and the prefill tiles) and the attention kernels spill nothing, and the grouped
-matmul's weight loads are at least 8 bytes a lane."""
+int4/int8 matmuls (the decode GEMV, and the prefill tiles) and the attention kernels spill nothing, and the GEMV
+kernel's weight loads are at least 8 bytes a lane."""
 
 from __future__ import annotations
 
@@ -15,9 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"sm_90": "nvidia", "gfx1201": "amd"}  # target -> the triton backend that compiles for it
-WEIGHT_LOAD = (
-    "packed = tl.load(w_ptrs"  # the source line of the GEMV's weight load (kernels/grouped_matmul.py)
-)
+WEIGHT_LOAD = "packed = tl.load(w_ptrs"  # the source line of the GEMV's weight load (kernels/quant_gemv.py)
 
 
 def _backends() -> set[str]:
@@ -51,13 +49,11 @@ def _spills(records: list[dict[str, Any]]) -> list[str]:
 
 def test_quantized_matmuls_spill_nothing_and_load_weights_wide(tmp_path: Path) -> None:
     records = _stats(tmp_path, ["int4", "int8"])
-    grouped = [r for r in records if r["kernel"] == "_grouped_matmul_kernel"]
+    gemv = [r for r in records if r["kernel"] == "_quant_gemv_kernel"]
     # int4 and int8 at decode (M = 1, 8, 32) and int4 at prefill, each on both targets
-    assert len(grouped) == (2 * 3 + 1) * len(TARGETS), [
-        (r["kernel"], r["config"], r["target"]) for r in records
-    ]
+    assert len(gemv) == (2 * 3 + 1) * len(TARGETS), [(r["kernel"], r["config"], r["target"]) for r in records]
     assert not _spills(records), _spills(records)
-    for r in grouped:
+    for r in gemv:
         weight = [s for s in r["loads"] if s["source"].startswith(WEIGHT_LOAD)]
         assert weight, (r["config"], r["target"], r["loads"])
         assert min(s["min_bytes"] for s in weight) >= 8, (r["config"], r["target"], weight)

@@ -13,12 +13,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from swarmkv.kernels.grouped_matmul import (
+from swarmkv.kernels.quant_gemv import (  # noqa: E402
     GEMV_MAX_ROWS,
-    grouped_matmul,
-    grouped_matmul_reference,
-    plan_grouped_matmul,
-)  # noqa: E402
+    plan_quant_gemv,
+    quant_gemv,
+    quant_gemv_reference,
+)
 from swarmkv.kernels.quant_matmul import (  # noqa: E402
     int4_matmul,
     int4_matmul_reference,
@@ -202,7 +202,7 @@ def test_empty_batch() -> None:
     assert int4_matmul(x, qweight4, scales4, mins4, 32).shape == (0, 48)
 
 
-# --- the grouped matmul (kernels/grouped_matmul.py) over the general layout --------------------------------------
+# --- kernels/quant_gemv.py over the general layout (bits, group, offset, minimums) ------------------------
 # Decode tiles: the vector-unit path (M = 1, 2) and the tl.dot path (3, 16: a 16-row tile; 17, 32: a 32-row
 # tile, partly masked); prefill tiles: 40 (one 64-row tile), 70 (two). K = 320 and 576 leave a partial last K
 # step, and every K spans at least two steps (a split each); N = 40 and 72 leave a partial row tile.
@@ -250,7 +250,7 @@ def _group_constants(
     ],
 )
 @pytest.mark.parametrize("splits", [1, 2])
-def test_grouped_matches_reference(
+def test_gemv_matches_reference(
     m: int, n: int, k: int, bits: int, group: int, offset: int, with_mins: bool, splits: int
 ) -> None:
     dtype = torch.float16
@@ -259,15 +259,15 @@ def test_grouped_matches_reference(
     scales, mins = _group_constants(n, k, group, dtype, seed=group + n)
     low = mins if with_mins else None
     options = dict(bits=bits, group=group, offset=offset)
-    assert plan_grouped_matmul(m, n, k, bits, group, num_sms=1, splits=splits).splits == splits
-    out = grouped_matmul(x, qweight, scales, low, num_sms=1, splits=splits, **options)
-    ref = grouped_matmul_reference(x, qweight, scales, low, **options)
+    assert plan_quant_gemv(m, n, k, bits, group, num_sms=1, splits=splits).splits == splits
+    out = quant_gemv(x, qweight, scales, low, num_sms=1, splits=splits, **options)
+    ref = quant_gemv_reference(x, qweight, scales, low, **options)
     assert _relative_error(out, ref) <= TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 8])
-def test_grouped_other_dtypes(m: int, dtype: torch.dtype) -> None:
+def test_gemv_other_dtypes(m: int, dtype: torch.dtype) -> None:
     x = _activations(m, 320, dtype, seed=5)
     qweight, scales, mins = _int4_weight(40, 320, 32, dtype, seed=6)
     out = int4_matmul(x, qweight, scales, mins, 32, splits=2)
@@ -279,11 +279,11 @@ def test_grouped_other_dtypes(m: int, dtype: torch.dtype) -> None:
 
 def test_split_k_is_sized_from_the_sm_count_and_reproducible() -> None:
     """Few output tiles on many SMs split K (never into empty splits); the split sums are the same every run."""
-    few_tiles = plan_grouped_matmul(1, 64, 4096, bits=4, group=32, num_sms=132)
+    few_tiles = plan_quant_gemv(1, 64, 4096, bits=4, group=32, num_sms=132)
     assert few_tiles.splits > 1
     assert (few_tiles.splits - 1) * few_tiles.steps_per_split < 4096 // 256  # the last split has a step
-    assert plan_grouped_matmul(1, 1024, 4096, bits=4, group=32, num_sms=1).splits == 1  # 32 tiles fill one SM
-    assert plan_grouped_matmul(GEMV_MAX_ROWS, 65536, 4096, bits=4, group=32, num_sms=132).splits == 1
+    assert plan_quant_gemv(1, 1024, 4096, bits=4, group=32, num_sms=1).splits == 1  # 32 tiles fill one SM
+    assert plan_quant_gemv(GEMV_MAX_ROWS, 65536, 4096, bits=4, group=32, num_sms=132).splits == 1
     x = _activations(2, 1024, torch.float32, seed=8)
     qweight, scales, mins = _int4_weight(40, 1024, 32, torch.float32, seed=9)
     runs = [int4_matmul(x, qweight, scales, mins, 32, splits=3) for _ in range(2)]

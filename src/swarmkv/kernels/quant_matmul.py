@@ -5,7 +5,7 @@ Layouts (produced by the weight loaders):
 - int8: qweight int8 [N, K], scales [N]; W[n, k] = qweight[n, k] * scales[n].
 - int4: qweight uint8 [N, K // 2], element k of row n in byte k // 2, low nibble for even k, high nibble
   for odd k; scales and mins [N, K // G]; W[n, k] = q[n, k] * scales[n, k // G] + mins[n, k // G].
-int4 runs `grouped_matmul.py` at every row count (decode tiles up to GEMV_MAX_ROWS rows of x, prefill tiles
+int4 runs `quant_gemv.py` at every row count (decode tiles up to GEMV_MAX_ROWS rows of x, prefill tiles
 above); int8 runs it at decode, and above runs the tiled GEMM here, whose weight tiles already load as 16-byte
 copies: one program computes a BLOCK_M x BLOCK_N tile of the output, walking K in BLOCK_K steps and accumulating
 in float32. Nothing assumes a warp width and every dot is "ieee", so the same code runs on NVIDIA and AMD.
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from swarmkv.kernels.grouped_matmul import GEMV_MAX_ROWS, grouped_matmul, grouped_supports
+from swarmkv.kernels.quant_gemv import GEMV_MAX_ROWS, quant_gemv, quant_gemv_supports
 from swarmkv.kernels.reference import pack_int4, unpack_int4
 
 __all__ = [
@@ -116,9 +116,9 @@ def int8_matmul(
     assert qweight.dtype == torch.int8 and qweight.shape == (n, k), f"qweight must be int8 [{n}, {k}]"
     assert qweight.stride(1) == 1, "qweight must have a contiguous last dim"
     assert scales.shape == (n,) and scales.dtype in _FLOAT_DTYPES and scales.is_contiguous()
-    if 0 < num_rows <= GEMV_MAX_ROWS and n > 0 and grouped_supports(k, 8, 0):
+    if 0 < num_rows <= GEMV_MAX_ROWS and n > 0 and quant_gemv_supports(k, 8, 0):
         sms = num_sms if num_sms is not None else _sm_count(x.device)
-        return grouped_matmul(x, qweight, scales, None, bits=8, group=0, num_sms=sms, splits=splits)
+        return quant_gemv(x, qweight, scales, None, bits=8, group=0, num_sms=sms, splits=splits)
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0 or n == 0:
         return out
@@ -159,7 +159,9 @@ def int4_matmul(
     _check_x(x)
     num_rows, k = x.shape
     n = qweight.shape[0]
-    assert k % group_size == 0 and grouped_supports(k, 4, group_size), f"K={k}: not a whole number of groups"
+    assert k % group_size == 0 and quant_gemv_supports(k, 4, group_size), (
+        f"K={k}: not a whole number of groups"
+    )
     assert qweight.dtype == torch.uint8 and qweight.shape == (n, k // 2), (
         f"qweight must be uint8 [{n}, {k // 2}]"
     )
@@ -171,7 +173,7 @@ def int4_matmul(
     if num_rows == 0 or n == 0:
         return torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     sms = num_sms if num_sms is not None else _sm_count(x.device)
-    return grouped_matmul(x, qweight, scales, mins, bits=4, group=group_size, num_sms=sms, splits=splits)
+    return quant_gemv(x, qweight, scales, mins, bits=4, group=group_size, num_sms=sms, splits=splits)
 
 
 def int8_matmul_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The quantized matmul over the grouped layout in Triton: x [M, K] @ W.T, each lane loading its weight bytes along
-K in 16-byte chunks, so a decode step (M up to GEMV_MAX_ROWS: a GEMV) reads each weight byte once.
+"""The int4 / int8 matmul in Triton: x [M, K] @ W.T, each lane loading its weight bytes along K in 16-byte chunks,
+so a decode step (M up to GEMV_MAX_ROWS: a GEMV) reads each weight byte once.
 
 The weight layouts are those of docs/quantized-layouts.md: codes q row-major along K, two to a byte (element k in
 byte k // 2, the low nibble for even k) or one signed byte each, and W[n, k] = S[n, g] * (q[n, k] - OFFSET)
@@ -39,8 +39,8 @@ PROGRAMS_PER_SM = (
 )
 
 
-class GroupedPlan(NamedTuple):
-    """The launch of one grouped matmul: tile sizes and the K split."""
+class GemvPlan(NamedTuple):
+    """The launch of one quantized matmul: tile sizes and the K split."""
 
     block_m: int
     block_n: int
@@ -52,8 +52,8 @@ class GroupedPlan(NamedTuple):
     steps_per_split: int
 
 
-def grouped_supports(k: int, bits: int, group: int) -> bool:
-    """Whether grouped_matmul takes this K and group: whole bytes per chunk, whole chunks per row."""
+def quant_gemv_supports(k: int, bits: int, group: int) -> bool:
+    """Whether quant_gemv takes this K and group: whole bytes per chunk, whole chunks per row."""
     codes = _chunk_codes(bits, group)
     return codes * bits % 8 == 0 and k % codes == 0
 
@@ -68,7 +68,7 @@ def _chunk_bytes(bits: int, group: int) -> int:
     return _chunk_codes(bits, group) * bits // 8
 
 
-def plan_grouped_matmul(
+def plan_quant_gemv(
     num_rows: int,
     n: int,
     k: int,
@@ -77,7 +77,7 @@ def plan_grouped_matmul(
     num_sms: int,
     splits: int | None = None,
     x_bytes: int = 2,
-) -> GroupedPlan:
+) -> GemvPlan:
     """Tiles for `num_rows` rows of x (`x_bytes` an element), and a K split that gives about PROGRAMS_PER_SM
     programs per SM (`splits` forces one)."""
     chunk_bytes = _chunk_bytes(bits, group)
@@ -106,11 +106,11 @@ def plan_grouped_matmul(
     splits = max(1, min(splits, num_steps))
     steps_per_split = triton.cdiv(num_steps, splits)
     splits = triton.cdiv(num_steps, steps_per_split)  # no empty split
-    return GroupedPlan(block_m, block_n, block_c, chunk_bytes, num_warps, use_dot, splits, steps_per_split)
+    return GemvPlan(block_m, block_n, block_c, chunk_bytes, num_warps, use_dot, splits, steps_per_split)
 
 
 @triton.jit
-def _grouped_matmul_kernel(
+def _quant_gemv_kernel(
     X,
     W,
     Scales,
@@ -218,7 +218,7 @@ def _sum_splits_kernel(Partials, Out, N, splits, stride_ps, stride_pm, stride_om
     tl.store(Out + row * stride_om + cols, total.to(Out.dtype.element_ty), mask=ok)
 
 
-def grouped_matmul(
+def quant_gemv(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
@@ -235,14 +235,14 @@ def grouped_matmul(
     shapes; `num_sms` sizes the K split, `splits` forces it."""
     num_rows, k = x.shape
     n = qweight.shape[0]
-    assert grouped_supports(k, bits, group), f"K={k} must be a multiple of a chunk's codes"
+    assert quant_gemv_supports(k, bits, group), f"K={k} must be a multiple of a chunk's codes"
     assert group > 0 or mins is None, "minimums need groups"
-    plan = plan_grouped_matmul(num_rows, n, k, bits, group, num_sms, splits, x.element_size())
+    plan = plan_quant_gemv(num_rows, n, k, bits, group, num_sms, splits, x.element_size())
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     split = plan.splits > 1
     target = torch.empty((plan.splits, num_rows, n), dtype=torch.float32, device=x.device) if split else out
     grid = (triton.cdiv(num_rows, plan.block_m), triton.cdiv(n, plan.block_n), plan.splits)
-    _grouped_matmul_kernel[grid](
+    _quant_gemv_kernel[grid](
         x,
         qweight,
         scales,
@@ -278,7 +278,7 @@ def grouped_matmul(
     return out
 
 
-def grouped_matmul_reference(
+def quant_gemv_reference(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
@@ -288,7 +288,7 @@ def grouped_matmul_reference(
     group: int,
     offset: int = 0,
 ) -> torch.Tensor:
-    """What grouped_matmul computes, in float32 torch, cast to x's dtype."""
+    """What quant_gemv computes, in float32 torch, cast to x's dtype."""
     q = (unpack_int4(qweight) if bits == 4 else qweight).float() - offset
     if group == 0:
         weight = q * scales.float()[:, None]
