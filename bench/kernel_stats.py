@@ -158,6 +158,34 @@ def _split_options() -> dict[str, int]:
     return {"num_sms": SM_COUNT} if "num_sms" in inspect.signature(int4_matmul).parameters else {}
 
 
+def _gguf_case(kind_name: str, rows: int, dtype: torch.dtype) -> None:
+    from swarmkv.kernels.grouped_matmul import grouped_matmul
+    from swarmkv.models.gguf_quantize import quantize
+    from swarmkv.models.gguf_quants import Q, parse_blocks
+
+    kind = Q[kind_name]
+    weight = parse_blocks(quantize(torch.zeros(HIDDEN, HIDDEN), kind), kind, (HIDDEN, HIDDEN))
+    grouped_matmul(torch.empty(rows, HIDDEN, dtype=dtype), weight, units=SM_COUNT)
+
+
+def _gated_delta_case(kind: str, dtype: torch.dtype) -> None:
+    """Qwen3.5-9B's linear-attention layer: 16 key heads and 32 value heads of 128, a conv of 4 over 8192 channels."""
+    from swarmkv.kernels.gated_delta import causal_conv, gated_delta_recurrent
+
+    tokens = PREFILL_ROWS if kind == "conv prefill" else 8
+    starts = torch.arange(0, tokens + 1, tokens // 8, dtype=torch.int32)[:9]
+    slots = torch.arange(8, dtype=torch.int32)
+    if kind.startswith("conv"):
+        channels = 2 * 16 * 128 + 32 * 128
+        windows = torch.empty(8, channels, 3, dtype=dtype)
+        x, weight = torch.empty(tokens, channels, dtype=dtype), torch.empty(channels, 4, dtype=dtype)
+        causal_conv(x, windows, weight, starts, slots, max_tokens=tokens // 8)
+    else:
+        q, v = torch.empty(tokens, 16, 128, dtype=dtype), torch.empty(tokens, 32, 128, dtype=dtype)
+        g, beta = torch.empty(tokens, 32), torch.empty(tokens, 32, dtype=dtype)
+        gated_delta_recurrent(q, q.clone(), v, g, beta, torch.empty(8, 32, 128, 128), starts, slots)
+
+
 def _attention_case(kind: str, dtype: torch.dtype) -> None:
     from swarmkv.engine.triton_attention import PREFIX_TOKENS, extend_tokens
     from swarmkv.kernels.attention import MAX_COLUMNS, attend_tiles, merge_partials, store_kv, tile_tokens
@@ -226,6 +254,15 @@ def cases(dtype: torch.dtype) -> dict[str, list[tuple[str, Callable[[], None]]]]
     return {
         "int4": [(label, lambda m=m: _int4_case(m, dtype)) for label, m in matmul_rows],
         "int8": [(label, lambda m=m: _int8_case(m, dtype)) for label, m in matmul_rows],
+        "gguf": [
+            (f"{kind} {label}", lambda kind=kind, m=m: _gguf_case(kind, m, dtype))
+            for kind in ("Q4_K", "Q6_K", "Q8_0")
+            for label, m in matmul_rows
+        ],
+        "gated_delta": [
+            (kind, lambda kind=kind: _gated_delta_case(kind, dtype))
+            for kind in ("conv decode", "conv prefill", "recurrent")
+        ],
         "attention": [
             (kind, lambda kind=kind: _attention_case(kind, dtype))
             for kind in ("decode", "prefix", "extend", "merge", "store_kv")
