@@ -234,7 +234,8 @@ def test_qk_norm_rotary_matches_reference_on_views_of_qkv(
     position_ids = torch.tensor(POSITIONS, dtype=torch.int64, device=DEVICE)
     cos_sin = _cos_sin(rotary_dim)
     expected_q, expected_k = qk_norm_rotary_reference(position_ids, q, k, cos_sin, q_weight, k_weight, EPS)
-    qk_norm_rotary_(position_ids, q, k, cos_sin, q_weight, k_weight, EPS)
+    out_q, out_k = qk_norm_rotary_(position_ids, q, k, cos_sin, q_weight, k_weight, EPS)
+    assert out_q is q and out_k is k  # in place, returned as the reference returns its result
     tolerance = _tolerance(dtype, 6.0 if not normed else 8.0)
     torch.testing.assert_close(q, expected_q, **tolerance)
     torch.testing.assert_close(k, expected_k, **tolerance)
@@ -286,9 +287,10 @@ def test_qk_norm_rotary_store_writes_what_rotary_then_store_kv_write(
     expected_k_cache, expected_v_cache = k_cache.clone(), v_cache.clone()
     expected_q, rotated_k = qk_norm_rotary_reference(position_ids, q, k, cos_sin, q_weight, k_weight, EPS)
     store_kv_reference(rotated_k, v, expected_k_cache, expected_v_cache, slots, *scales)
-    qk_norm_rotary_store(
+    out_q = qk_norm_rotary_store(
         position_ids, q, k, v, cos_sin, q_weight, k_weight, EPS, k_cache, v_cache, slots, *scales
     )
+    assert out_q is q
     tolerance = _tolerance(dtype, 8.0)
     torch.testing.assert_close(q, expected_q, **tolerance)
     assert torch.equal(k, k_before)  # k is only stored, not written back

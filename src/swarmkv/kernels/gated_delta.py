@@ -22,6 +22,13 @@ DELTA_BLOCK_V = 16  # value columns per program: the state tile is [Dk, DELTA_BL
 
 
 @triton.jit
+def _sequence(starts_ptr, slots_ptr, seq):
+    """Sequence seq's first row, its number of rows and its state slot (-1: a padding row)."""
+    start = tl.load(starts_ptr + seq)
+    return start, tl.load(starts_ptr + seq + 1) - start, tl.load(slots_ptr + seq)
+
+
+@triton.jit
 def _window_of(windows_ptr, slot, channels, num_channels, WINDOW_LEN: tl.constexpr):
     """Pointers to `channels`' windows in `slot` (slot 0's for a padding row, whose accesses are masked):
     windows [slots, C, K-1], oldest input first, stand for the K-1 inputs before a sequence's new rows."""
@@ -77,12 +84,9 @@ def _causal_conv_kernel(
 ):
     """One program per (sequence, channel block, token program): conv + SiLU of every num_programs(2)-th
     block of the sequence's tokens; with STORE_WINDOWS (one token program), then its new window."""
-    seq = tl.program_id(0)
+    start, length, slot = _sequence(starts_ptr, slots_ptr, tl.program_id(0))
     channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     channel_mask = channels < num_channels
-    start = tl.load(starts_ptr + seq)
-    length = tl.load(starts_ptr + seq + 1) - start
-    slot = tl.load(slots_ptr + seq)
     has_state = slot >= 0
     window_len: tl.constexpr = KERNEL - 1
     window = _window_of(windows_ptr, slot, channels, num_channels, window_len)
@@ -139,11 +143,8 @@ def _conv_windows_kernel(
     BLOCK_C: tl.constexpr,
 ):
     """One program per (sequence, channel block): the new windows, after a conv launch that left them."""
-    seq = tl.program_id(0)
+    start, length, slot = _sequence(starts_ptr, slots_ptr, tl.program_id(0))
     channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    start = tl.load(starts_ptr + seq)
-    length = tl.load(starts_ptr + seq + 1) - start
-    slot = tl.load(slots_ptr + seq)
     window = _window_of(windows_ptr, slot, channels, num_channels, KERNEL - 1)
     keep_channels = (channels < num_channels) & (slot >= 0)
     _store_new_window(
@@ -238,9 +239,7 @@ def _gated_delta_kernel(
     values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     key_mask, value_mask = keys < DK, values < DV
     tile_mask = key_mask[:, None] & value_mask[None, :]
-    start = tl.load(starts_ptr + seq)
-    end = tl.load(starts_ptr + seq + 1)
-    slot = tl.load(slots_ptr + seq)
+    start, length, slot = _sequence(starts_ptr, slots_ptr, seq)
     has_state = slot >= 0
     # states [slots, Hv, Dk, Dv]: this program alone reads and writes its tile, so in place is safe.
     tile = (
@@ -250,7 +249,7 @@ def _gated_delta_kernel(
         + values[None, :]
     )
     state = tl.load(tile, mask=tile_mask & has_state, other=0.0).to(tl.float32)
-    for row in range(start, end):
+    for row in range(start, start + length):
         q = tl.load(q_ptr + row * q_row_stride + k_head * q_head_stride + keys, mask=key_mask, other=0.0)
         k = tl.load(k_ptr + row * k_row_stride + k_head * k_head_stride + keys, mask=key_mask, other=0.0)
         v = tl.load(v_ptr + row * v_row_stride + v_head * v_head_stride + values, mask=value_mask, other=0.0)

@@ -30,16 +30,26 @@ def _normed_head(
     if NORM:
         wide = x.to(tl.float32)
         scale = tl.rsqrt(tl.sum(wide * wide, axis=0) / HEAD_DIM + eps)
-        # The reference's two roundings: the normed row to x's dtype, then its product with the weight.
-        weight = tl.load(weight_ptr + d, mask=d_ok, other=0.0)
-        weight_partner = tl.load(weight_ptr + partner, mask=rot_ok, other=0.0)
-        dtype = x.dtype
-        x = weight.to(tl.float32) * (wide * scale).to(dtype).to(tl.float32)
-        x_partner = weight_partner.to(tl.float32) * (x_partner.to(tl.float32) * scale).to(dtype).to(
-            tl.float32
-        )
-        x, x_partner = x.to(dtype), x_partner.to(dtype)
+        x = _scaled_by_weight(x, scale, weight_ptr, d, d_ok)
+        x_partner = _scaled_by_weight(x_partner, scale, weight_ptr, partner, rot_ok)
     return x.to(tl.float32), x_partner.to(tl.float32)
+
+
+@triton.jit
+def _scaled_by_weight(x, scale, weight_ptr, d, mask):
+    """The weight at d times x * scale, in x's dtype, rounded as the reference rounds: the normed row to x's
+    dtype, then its product with the weight."""
+    weight = tl.load(weight_ptr + d, mask=mask, other=0.0)
+    return (weight.to(tl.float32) * (x.to(tl.float32) * scale).to(x.dtype).to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _store_in_cache(cache_ptr, offset, x, scale, mask, FP8: tl.constexpr):
+    """x into the cache slab at offset; an fp8 slab stores x / scale, saturated at e4m3's largest finite
+    value."""
+    if FP8:
+        x = tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0)
+    tl.store(cache_ptr + offset, x.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -104,39 +114,10 @@ def _qk_norm_rotary_kernel(
             store_ok = d_ok & (slot >= 0)  # a negative slot is a padding row of a replayed graph
             v = tl.load(v_ptr + token * v_token_stride + kv_head * v_head_stride + d, mask=store_ok)
             cache_offset = slot * cache_slot_stride + kv_head * cache_head_stride + d
-            if FP8:  # stored = value / scale, saturated at e4m3's largest finite value
-                k_stored = tl.clamp(k_out.to(tl.float32) / k_scale, -448.0, 448.0)
-                v_stored = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
-                tl.store(k_cache_ptr + cache_offset, k_stored.to(k_cache_ptr.dtype.element_ty), mask=store_ok)
-                tl.store(v_cache_ptr + cache_offset, v_stored.to(v_cache_ptr.dtype.element_ty), mask=store_ok)
-            else:
-                tl.store(k_cache_ptr + cache_offset, k_out.to(k_cache_ptr.dtype.element_ty), mask=store_ok)
-                tl.store(v_cache_ptr + cache_offset, v.to(v_cache_ptr.dtype.element_ty), mask=store_ok)
+            _store_in_cache(k_cache_ptr, cache_offset, k_out, k_scale, store_ok, FP8)
+            _store_in_cache(v_cache_ptr, cache_offset, v, v_scale, store_ok, FP8)
         else:
             tl.store(k_head_ptr + d, k_out, mask=d_ok)
-
-
-def _check(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos_sin: torch.Tensor,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
-) -> None:
-    assert q.dim() == 3 and k.dim() == 3, "q and k must be [T, heads, D]"
-    assert q.stride(2) == 1 and k.stride(2) == 1, "q and k must have a contiguous last dim"
-    assert q.dtype == k.dtype, f"q dtype {q.dtype} differs from k dtype {k.dtype}"
-    num_tokens, _, head_dim = q.shape
-    assert k.shape[0] == num_tokens and k.shape[2] == head_dim, "k must match q in tokens and head dim"
-    assert positions.shape == (num_tokens,), "positions must be [T]"
-    rotary_dim = cos_sin.shape[2]
-    assert rotary_dim % 2 == 0 and rotary_dim <= head_dim, "rotate-half needs an even rotary dim <= head dim"
-    assert cos_sin.dim() == 3 and cos_sin.shape[0] == 2 and cos_sin.stride(2) == 1
-    assert (q_weight is None) == (k_weight is None), "q and k are normed together or not at all"
-    for weight in (q_weight, k_weight):
-        assert weight is None or (weight.shape == (head_dim,) and weight.is_contiguous())
-        assert weight is None or weight.dtype == q.dtype, "a norm weight must have q's dtype"
 
 
 def _launch(
@@ -150,8 +131,21 @@ def _launch(
     eps: float,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None,
 ) -> None:
-    _check(positions, q, k, cos_sin, q_weight, k_weight)
+    """Both public ops' checks and their one launch: with `cache` (slabs, slots, scales) None, k is rotated
+    in place; else it is stored with v."""
+    assert q.dim() == 3 and k.dim() == 3, "q and k must be [T, heads, D]"
+    assert q.stride(2) == 1 and k.stride(2) == 1, "q and k must have a contiguous last dim"
+    assert q.dtype == k.dtype, f"q dtype {q.dtype} differs from k dtype {k.dtype}"
     num_tokens, num_q_heads, head_dim = q.shape
+    assert k.shape[0] == num_tokens and k.shape[2] == head_dim, "k must match q in tokens and head dim"
+    assert positions.shape == (num_tokens,), "positions must be [T]"
+    rotary_dim = cos_sin.shape[2]
+    assert rotary_dim % 2 == 0 and rotary_dim <= head_dim, "rotate-half needs an even rotary dim <= head dim"
+    assert cos_sin.dim() == 3 and cos_sin.shape[0] == 2 and cos_sin.stride(2) == 1
+    assert (q_weight is None) == (k_weight is None), "q and k are normed together or not at all"
+    for weight in (q_weight, k_weight):
+        assert weight is None or (weight.shape == (head_dim,) and weight.is_contiguous())
+        assert weight is None or weight.dtype == q.dtype, "a norm weight must have q's dtype"
     num_heads = num_q_heads + k.shape[1]
     if num_tokens == 0 or num_heads == 0:
         return
@@ -183,7 +177,7 @@ def _launch(
         cos_sin.stride(1),
         num_q_heads,
         HEAD_DIM=head_dim,
-        ROTARY_DIM=cos_sin.shape[2],
+        ROTARY_DIM=rotary_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         NORM=q_weight is not None,
         STORE=cache is not None,
@@ -199,10 +193,12 @@ def qk_norm_rotary_(
     q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None,
     eps: float,
-) -> None:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RMS-norm each head of q [T, Hq, D] and k [T, Hkv, D] (when weights are given), then rotate the first
-    R dims by the cos/sin rows [2, P, R] at positions [T], all in place and in one launch."""
+    R dims by the cos/sin rows [2, P, R] at positions [T], all in place and in one launch; returns (q, k),
+    as torch's in-place ops return their tensor, so it serves where `reference.qk_norm_rotary` does."""
     _launch(positions, q, k, k, cos_sin, q_weight, k_weight, eps, None)
+    return q, k
 
 
 def qk_norm_rotary_store(
@@ -219,14 +215,15 @@ def qk_norm_rotary_store(
     slots: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-) -> None:
-    """qk_norm_rotary_ on q in place, and the normed, rotated k with v [T, Hkv, D] written into one layer's
-    cache slabs [slots, Hkv, D] at `slots` [T] (negative: skipped) as kernels/attention.py's store_kv writes
-    them; k itself is left as it was. One launch."""
+) -> torch.Tensor:
+    """qk_norm_rotary_ on q in place (returned), and the normed, rotated k with v [T, Hkv, D] written into
+    one layer's cache slabs [slots, Hkv, D] at `slots` [T] (negative: skipped) as kernels/attention.py's
+    store_kv writes them; k itself is left as it was. One launch."""
     assert v.shape == k.shape and v.stride(2) == 1 and v.dtype == k.dtype, "v must match k"
     assert k_cache.stride(2) == 1 and k_cache.stride() == v_cache.stride(), "cache slabs must match"
     assert k_cache.shape[1:] == k.shape[1:] and slots.shape == positions.shape
     _launch(positions, q, k, v, cos_sin, q_weight, k_weight, eps, (k_cache, v_cache, slots, k_scale, v_scale))
+    return q
 
 
 def apply_rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> None:

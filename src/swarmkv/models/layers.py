@@ -65,18 +65,6 @@ def triton_ops() -> LayerOps:
     gate-up matmul with SwiGLU in one for float weights at decode sizes."""
     from swarmkv.kernels import activation, norm, rotary  # imports triton: only when asked for
 
-    def norm_rotate_in_place(
-        positions: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        cos_sin: torch.Tensor,
-        q_weight: torch.Tensor | None,
-        k_weight: torch.Tensor | None,
-        eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        rotary.qk_norm_rotary_(positions, q, k, cos_sin, q_weight, k_weight, eps)
-        return q, k
-
     def norm_rotate_store(
         positions: torch.Tensor,
         q: torch.Tensor,
@@ -88,8 +76,8 @@ def triton_ops() -> LayerOps:
         eps: float,
         slabs: KVSlabs,
     ) -> torch.Tensor:
-        rotary.qk_norm_rotary_store(positions, q, k, v, cos_sin, q_weight, k_weight, eps, *_slab_args(slabs))
-        return q
+        cache = (slabs.k, slabs.v, slabs.slots, slabs.k_scale, slabs.v_scale)
+        return rotary.qk_norm_rotary_store(positions, q, k, v, cos_sin, q_weight, k_weight, eps, *cache)
 
     def gate_up_silu(x: torch.Tensor, gate_up_proj: nn.Module) -> torch.Tensor:
         if (
@@ -101,11 +89,7 @@ def triton_ops() -> LayerOps:
             return activation.gate_up_silu(x, gate_up_proj.weight)
         return activation.silu_and_mul(gate_up_proj(x))
 
-    return LayerOps(norm.rms_norm, norm.add_rms_norm, norm_rotate_in_place, norm_rotate_store, gate_up_silu)
-
-
-def _slab_args(slabs: KVSlabs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
-    return slabs.k, slabs.v, slabs.slots, slabs.k_scale, slabs.v_scale
+    return LayerOps(norm.rms_norm, norm.add_rms_norm, rotary.qk_norm_rotary_, norm_rotate_store, gate_up_silu)
 
 
 class RMSNorm(nn.Module):
