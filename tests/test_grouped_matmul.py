@@ -1,5 +1,5 @@
-"""The Triton matmul over GGUF blocks at their own bits (kernels/grouped_matmul.py), under Triton's CPU
-interpreter: every type of the grouped layout against its exact float dequantisation, at decode and prefill
+"""The Triton matmul over GGUF blocks at their own bits (kernels/grouped_matmul.py, on quant_gemv's kernel), under
+Triton's CPU interpreter: every type of the grouped layout against its exact float dequantisation, at decode and prefill
 sizes, with and without a K split; and GGUF-held layers on it against the CPU path."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from tiny_gguf import write_tiny_gguf
 
 triton = pytest.importorskip("triton")
 from swarmkv.kernels import grouped_matmul as gm  # noqa: E402
+from swarmkv.kernels.quant_gemv import GemvPlan, plan_quant_gemv  # noqa: E402
 
 Q = GGMLQuantizationType
 pytestmark = pytest.mark.skipif(
@@ -40,7 +41,7 @@ def reference(x: torch.Tensor, weight: GroupedQuant) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", list(SPECS), ids=lambda k: k.name)
-@pytest.mark.parametrize("rows", [1, 5, 20])
+@pytest.mark.parametrize("rows", [1, 2, 5, 20, 40])  # vector units (1, 2), tl.dot decode tiles, prefill
 def test_every_type_matches_its_dequantisation(kind: GGMLQuantizationType, rows: int) -> None:
     weight = held(kind, 40, 512)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(1))
@@ -52,8 +53,7 @@ def test_a_k_split_sums_the_same(kind: GGMLQuantizationType) -> None:
     """Many compute units and few row tiles: K splits into float32 partial sums, added in a fixed order."""
     weight = held(kind, 24, 2048)
     x = torch.randn(3, 2048, generator=torch.Generator().manual_seed(2))
-    tiles = gm.choose_tiles(3, 24, 2048, weight.group_size, units=132)
-    assert tiles.splits > 1
+    assert gm.plan_grouped(3, weight, units=132).splits > 1
     split = gm.grouped_matmul(x, weight, units=132)
     torch.testing.assert_close(split, reference(x, weight), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(split, gm.grouped_matmul(x, weight, units=1), atol=1e-6, rtol=1e-5)
@@ -80,12 +80,30 @@ def test_into_a_column_slice_and_in_half_precision() -> None:
     torch.testing.assert_close(half.float(), reference(x.half().float(), weight), atol=2e-3, rtol=2e-2)
 
 
-def test_decode_tiles_read_each_weight_once_and_prefill_reuses_it() -> None:
-    decode = gm.choose_tiles(8, 4096, 4096, 32, units=132)
-    assert decode.block_m == gm.DECODE_MAX_ROWS and decode.block_m >= 8  # one M tile covers every row
-    assert (4096 // decode.block_n) * decode.splits >= gm.PROGRAMS_PER_UNIT * 132  # the device filled
-    assert gm.choose_tiles(8, 4096, 4096, 32, units=1).splits == 1  # nothing to fill
-    assert gm.choose_tiles(512, 4096, 4096, 32, units=132).block_m == 64
+@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q6_K], ids=lambda k: k.name)
+def test_decode_tiles_read_each_weight_once_and_prefill_reuses_it(kind: GGMLQuantizationType) -> None:
+    spec = SPECS[kind]
+
+    def plan(rows: int, units: int) -> GemvPlan:  # grouped_matmul's launch for a 4096 x 4096 weight, fp16 x
+        return plan_quant_gemv(rows, 4096, 4096, spec.bits, spec.group_size, units, x_bytes=2)
+
+    for rows in (1, 8):
+        decode = plan(rows, units=64)
+        assert decode.block_m >= rows  # one M tile covers every row
+        assert decode.chunk_bytes >= 8  # code bytes a lane loads at once
+        assert decode.use_dot == (rows > 2)
+    assert plan(1, units=1).splits == 1  # 128 row tiles fill one unit
+    assert plan(512, units=132).block_m == 64
+
+
+def test_a_partial_high_word_and_tile() -> None:
+    """5-bit codes at K = 96 (one partial K step) and N = 40 (a partial row tile): high words past K are masked."""
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(5))
+    for kind in (Q.Q5_0, Q.Q5_1):
+        weight = held(kind, 40, 96)
+        for rows in (1, 3):
+            out = gm.grouped_matmul(x[:rows], weight)
+            torch.testing.assert_close(out, reference(x[:rows], weight), atol=1e-5, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")

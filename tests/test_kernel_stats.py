@@ -1,6 +1,6 @@
 """The compiled kernels' resource use, read by bench/kernel_stats.py for sm_90 and gfx1201 without a GPU: the
-int4/int8 matmuls (the decode GEMV, and the prefill tiles) and the attention kernels spill nothing, and the GEMV
-kernel's weight loads are at least 8 bytes a lane."""
+int4/int8 matmuls and GGUF's grouped one (one GEMV kernel, at decode and prefill tiles) and the attention kernels
+spill nothing, and the GEMV kernel's weight loads are at least 8 bytes a lane."""
 
 from __future__ import annotations
 
@@ -52,6 +52,18 @@ def test_quantized_matmuls_spill_nothing_and_load_weights_wide(tmp_path: Path) -
     gemv = [r for r in records if r["kernel"] == "_quant_gemv_kernel"]
     # int4 and int8 at decode (M = 1, 8, 32) and int4 at prefill, each on both targets
     assert len(gemv) == (2 * 3 + 1) * len(TARGETS), [(r["kernel"], r["config"], r["target"]) for r in records]
+    assert not _spills(records), _spills(records)
+    for r in gemv:
+        weight = [s for s in r["loads"] if s["source"].startswith(WEIGHT_LOAD)]
+        assert weight, (r["config"], r["target"], r["loads"])
+        assert min(s["min_bytes"] for s in weight) >= 8, (r["config"], r["target"], weight)
+
+
+def test_gguf_layouts_share_the_gemv_spill_nothing_and_load_weights_wide(tmp_path: Path) -> None:
+    records = _stats(tmp_path, ["gguf"], ["Q4_K", "Q6_K"])
+    gemv = [r for r in records if r["kernel"] == "_quant_gemv_kernel"]
+    # Q4_K and Q6_K (two-level constants; Q6_K's high plane) at decode (M = 1, 8, 32) and prefill, on both targets
+    assert len(gemv) == 2 * 4 * len(TARGETS), [(r["kernel"], r["config"], r["target"]) for r in records]
     assert not _spills(records), _spills(records)
     for r in gemv:
         weight = [s for s in r["loads"] if s["source"].startswith(WEIGHT_LOAD)]

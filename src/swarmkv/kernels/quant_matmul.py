@@ -5,10 +5,11 @@ Layouts (produced by the weight loaders):
 - int8: qweight int8 [N, K], scales [N]; W[n, k] = qweight[n, k] * scales[n].
 - int4: qweight uint8 [N, K // 2], element k of row n in byte k // 2, low nibble for even k, high nibble
   for odd k; scales and mins [N, K // G]; W[n, k] = q[n, k] * scales[n, k // G] + mins[n, k // G].
-int4 runs `quant_gemv.py` at every row count (decode tiles up to GEMV_MAX_ROWS rows of x, prefill tiles
-above); int8 runs it at decode, and above runs the tiled GEMM here, whose weight tiles already load as 16-byte
-copies: one program computes a BLOCK_M x BLOCK_N tile of the output, walking K in BLOCK_K steps and accumulating
-in float32. Nothing assumes a warp width and every dot is "ieee", so the same code runs on NVIDIA and AMD.
+int4 runs `quant_gemv.py` (the kernel GGUF's grouped layout runs too: `grouped_matmul.py`) at every row count
+(decode tiles up to GEMV_MAX_ROWS rows of x, prefill tiles above); int8 runs it at decode, and above runs the
+tiled GEMM here, whose weight tiles already load as 16-byte copies: one program computes a BLOCK_M x BLOCK_N tile
+of the output, walking K in BLOCK_K steps and accumulating in float32. Nothing assumes a warp width and every dot
+is "ieee", so the same code runs on NVIDIA and AMD.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from swarmkv.kernels.quant_gemv import GEMV_MAX_ROWS, quant_gemv, quant_gemv_supports
+from swarmkv.kernels.quant_gemv import GEMV_MAX_ROWS, compute_units, quant_gemv, quant_gemv_supports
 from swarmkv.kernels.reference import pack_int4, unpack_int4
 
 __all__ = [
@@ -43,11 +44,6 @@ class _Blocks(NamedTuple):
 
 # The int8 GEMM's tiles (more than GEMV_MAX_ROWS rows): a 64 x 128 float32 accumulator wants 8 warps' registers.
 _GEMM_BLOCKS = _Blocks(block_m=64, block_n=128, block_k=64, num_warps=8)
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors (CUs on AMD) of a GPU; 1 elsewhere (the interpreter: no split is needed)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 @triton.jit
@@ -117,7 +113,7 @@ def int8_matmul(
     assert qweight.stride(1) == 1, "qweight must have a contiguous last dim"
     assert scales.shape == (n,) and scales.dtype in _FLOAT_DTYPES and scales.is_contiguous()
     if 0 < num_rows <= GEMV_MAX_ROWS and n > 0 and quant_gemv_supports(k, 8, 0):
-        sms = num_sms if num_sms is not None else _sm_count(x.device)
+        sms = num_sms if num_sms is not None else compute_units(x.device)
         return quant_gemv(x, qweight, scales, None, bits=8, group=0, num_sms=sms, splits=splits)
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0 or n == 0:
@@ -172,7 +168,7 @@ def int4_matmul(
     assert scales.stride(1) == 1 and mins.stride(1) == 1, "scales and mins must have a contiguous last dim"
     if num_rows == 0 or n == 0:
         return torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
-    sms = num_sms if num_sms is not None else _sm_count(x.device)
+    sms = num_sms if num_sms is not None else compute_units(x.device)
     return quant_gemv(x, qweight, scales, mins, bits=4, group=group_size, num_sms=sms, splits=splits)
 
 
