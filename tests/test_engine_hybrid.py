@@ -22,7 +22,7 @@ from swarmkv import LLM, SamplingParams
 from swarmkv.config import ModelConfig
 from swarmkv.core.config import EngineConfig
 from swarmkv.engine.engine import LLMEngine
-from swarmkv.errors import CapacityError, ConfigError, UnsupportedModelError
+from swarmkv.errors import CapacityError, UnsupportedModelError
 from swarmkv.kv.state_index import MIN_SNAPSHOT_TOKENS
 from swarmkv.models.loader import LoadedModel, load_model
 from tiny_models import float64_throughout, lengthen_recurrent_memory, make_tiny_checkpoint
@@ -277,11 +277,6 @@ def test_a_state_pool_under_two_states_is_refused(loaded: LoadedModel) -> None:
 def test_state_memory_must_leave_room_for_pages() -> None:
     with pytest.raises(ValueError, match="state_memory"):
         EngineConfig(kv_cache_memory="8MiB", state_memory="8MiB")
-
-
-def test_the_triton_backend_refuses_a_hybrid(loaded: LoadedModel) -> None:
-    with pytest.raises(ConfigError, match="hybrid"):
-        hybrid_llm(loaded, attention_backend="triton")
 
 
 def test_a_qwen35moe_gguf_is_refused_with_the_reason() -> None:

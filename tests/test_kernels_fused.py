@@ -1,4 +1,5 @@
-"""Triton RMSNorm, rotary and SiLU-and-mul kernels against their torch references (CPU under the interpreter)."""
+"""Triton RMSNorm, rotary (with the q/k norm and the KV store fused in) and SwiGLU kernels (alone and fused
+into the gate-up matmul) against their torch references (CPU under the interpreter)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,26 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from swarmkv.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
+from swarmkv.kernels.activation import (  # noqa: E402
+    gate_up_silu,
+    gate_up_silu_reference,
+    silu_and_mul,
+    silu_and_mul_reference,
+)
+from swarmkv.kernels.attention import store_kv, store_kv_reference  # noqa: E402
 from swarmkv.kernels.norm import (  # noqa: E402
     add_rms_norm,
     add_rms_norm_reference,
     rms_norm,
     rms_norm_reference,
 )
-from swarmkv.kernels.rotary import apply_rotary_, apply_rotary_reference  # noqa: E402
+from swarmkv.kernels.rotary import (  # noqa: E402
+    apply_rotary_,
+    apply_rotary_reference,
+    qk_norm_rotary_,
+    qk_norm_rotary_reference,
+    qk_norm_rotary_store,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -182,3 +195,133 @@ def test_silu_and_mul_rejects_swapped_gate_and_up() -> None:
     gate_up = _strided_rows(5, 192, torch.bfloat16, seed=11, scale=3.0)
     swapped = torch.cat(gate_up.chunk(2, dim=-1)[::-1], dim=-1)
     _assert_mismatch(silu_and_mul(gate_up), silu_and_mul_reference(swapped), _tolerance(torch.bfloat16, 1.0))
+
+
+def _qkv_heads(
+    num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, gated: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv and its q, k, v head views; gated, each q head is followed by its gate, as Qwen3.5 lays them out."""
+    q_width = num_q_heads * head_dim * (2 if gated else 1)
+    width = q_width + 2 * num_kv_heads * head_dim
+    qkv = _randn(num_tokens, width, seed=14, scale=1.5).to(dtype)
+    q, k, v = qkv.split([q_width, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    if gated:
+        q = q.view(num_tokens, num_q_heads, 2 * head_dim)[..., :head_dim]
+    else:
+        q = q.view(num_tokens, num_q_heads, head_dim)
+    heads = (num_tokens, num_kv_heads, head_dim)
+    return qkv, q, k.view(heads), v.view(heads)
+
+
+def _norm_weights(head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return (1 + _randn(head_dim, seed=15, scale=0.3)).to(dtype), (
+        1 + _randn(head_dim, seed=16, scale=0.3)
+    ).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("head_dim", "rotary_dim", "normed", "gated"),
+    [(16, 16, True, False), (64, 64, False, False), (96, 96, True, False), (64, 32, True, True)],
+)
+def test_qk_norm_rotary_matches_reference_on_views_of_qkv(
+    head_dim: int, rotary_dim: int, normed: bool, gated: bool, dtype: torch.dtype
+) -> None:
+    """Normed (or not), fully or partially rotated, q heads packed or interleaved with their gates: no copy first."""
+    qkv, q, k, _ = _qkv_heads(len(POSITIONS), 4, 2, head_dim, dtype, gated)
+    before = qkv.clone()
+    q_weight, k_weight = _norm_weights(head_dim, dtype) if normed else (None, None)
+    position_ids = torch.tensor(POSITIONS, dtype=torch.int64, device=DEVICE)
+    cos_sin = _cos_sin(rotary_dim)
+    expected_q, expected_k = qk_norm_rotary_reference(position_ids, q, k, cos_sin, q_weight, k_weight, EPS)
+    out_q, out_k = qk_norm_rotary_(position_ids, q, k, cos_sin, q_weight, k_weight, EPS)
+    assert out_q is q and out_k is k  # in place, returned as the reference returns its result
+    tolerance = _tolerance(dtype, 6.0 if not normed else 8.0)
+    torch.testing.assert_close(q, expected_q, **tolerance)
+    torch.testing.assert_close(k, expected_k, **tolerance)
+    # Only q and k changed: v and (gated) the gates are as they were.
+    changed = qkv != before
+    q_width = q.shape[1] * head_dim * (2 if gated else 1)
+    assert not changed[:, q_width + k.shape[1] * head_dim :].any()
+    if gated:
+        assert not changed[:, :q_width].view(len(POSITIONS), 4, 2 * head_dim)[..., head_dim:].any()
+
+
+def test_qk_norm_rotary_rejects_a_different_eps_and_swapped_norms() -> None:
+    _, q, k, _ = _qkv_heads(len(POSITIONS), 4, 2, 64, torch.float32, gated=False)
+    q, k = 0.01 * q, 0.01 * k  # small activations make eps matter
+    q_weight, k_weight = _norm_weights(64, torch.float32)
+    position_ids = torch.tensor(POSITIONS, dtype=torch.int64, device=DEVICE)
+    cos_sin = _cos_sin(64)
+    wrong_eps = qk_norm_rotary_reference(position_ids, q, k, cos_sin, q_weight, k_weight, 1e-4)
+    swapped = qk_norm_rotary_reference(position_ids, q, k, cos_sin, k_weight, q_weight, 1e-5)
+    qk_norm_rotary_(position_ids, q, k, cos_sin, q_weight, k_weight, 1e-5)
+    tolerance = _tolerance(torch.float32, 8.0)
+    for wrong_q, wrong_k in (wrong_eps, swapped):
+        _assert_mismatch(q, wrong_q, tolerance)
+        _assert_mismatch(k, wrong_k, tolerance)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float8_e4m3fn),
+    ],
+)
+def test_qk_norm_rotary_store_writes_what_rotary_then_store_kv_write(
+    dtype: torch.dtype, cache_dtype: torch.dtype
+) -> None:
+    """The fused kernel leaves q as qk_norm_rotary does and the cache as store_kv does (padding rows skipped)."""
+    head_dim, num_kv_heads = 32, 2
+    qkv, q, k, v = _qkv_heads(len(POSITIONS), 4, num_kv_heads, head_dim, dtype, gated=False)
+    k_before = k.clone()
+    q_weight, k_weight = _norm_weights(head_dim, dtype)
+    position_ids = torch.tensor(POSITIONS, dtype=torch.int64, device=DEVICE)
+    slots = torch.tensor([9, 2, -1, 14, 0], dtype=torch.int64, device=DEVICE)  # one padding row
+    cos_sin = _cos_sin(head_dim)
+    scales = (0.5, 0.25) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    k_cache = torch.zeros(16, num_kv_heads, head_dim, device=DEVICE).to(cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    expected_k_cache, expected_v_cache = k_cache.clone(), v_cache.clone()
+    expected_q, rotated_k = qk_norm_rotary_reference(position_ids, q, k, cos_sin, q_weight, k_weight, EPS)
+    store_kv_reference(rotated_k, v, expected_k_cache, expected_v_cache, slots, *scales)
+    out_q = qk_norm_rotary_store(
+        position_ids, q, k, v, cos_sin, q_weight, k_weight, EPS, k_cache, v_cache, slots, *scales
+    )
+    assert out_q is q
+    tolerance = _tolerance(dtype, 8.0)
+    torch.testing.assert_close(q, expected_q, **tolerance)
+    assert torch.equal(k, k_before)  # k is only stored, not written back
+    if cache_dtype == torch.float8_e4m3fn:
+        # Against the store kernel itself: the interpreter's float -> fp8 conversion drops a rounding carry
+        # (1.995 becomes 1.0), so torch's conversion is no reference there; on a GPU both convert alike.
+        expected_k_cache.zero_(), expected_v_cache.zero_()
+        store_kv(rotated_k, v, expected_k_cache, expected_v_cache, slots, *scales)
+        # k differs from the reference by a few ulps before it is converted: at most one fp8 step after.
+        torch.testing.assert_close(k_cache.float(), expected_k_cache.float(), rtol=0.125, atol=2e-3)
+    else:
+        torch.testing.assert_close(k_cache, expected_k_cache, **tolerance)
+    assert torch.equal(v_cache.float(), expected_v_cache.float())
+    assert not k_cache.float()[[1, 3]].any()  # slots no row names (the padding row's included) stay empty
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_tokens", "in_features", "intermediate_size"), [(1, 64, 64), (5, 96, 200), (17, 40, 24)]
+)
+def test_gate_up_silu_matches_reference(
+    num_tokens: int, in_features: int, intermediate_size: int, dtype: torch.dtype
+) -> None:
+    """Rows over two row blocks, K not a multiple of the K block, columns over several programs."""
+    x = _strided_rows(num_tokens, in_features, dtype, seed=17)
+    weight = _randn(2 * intermediate_size, in_features, seed=18, scale=in_features**-0.5).to(dtype)
+    out = gate_up_silu(x, weight)
+    assert out.shape == (num_tokens, intermediate_size) and out.dtype == dtype and out.is_contiguous()
+    expected = gate_up_silu_reference(x, weight)
+    # float32: the matmul sums in another order than torch's; half types: one rounding of a K-long sum.
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else _tolerance(dtype, 2.0)
+    torch.testing.assert_close(out, expected, **tolerance)
+    swapped = torch.cat(weight.chunk(2)[::-1])
+    _assert_mismatch(out, gate_up_silu_reference(x, swapped), tolerance)

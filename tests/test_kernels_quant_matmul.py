@@ -13,6 +13,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from swarmkv.kernels.quant_gemv import (  # noqa: E402
+    GEMV_MAX_ROWS,
+    plan_quant_gemv,
+    quant_gemv,
+    quant_gemv_reference,
+)
 from swarmkv.kernels.quant_matmul import (  # noqa: E402
     int4_matmul,
     int4_matmul_reference,
@@ -26,7 +32,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Largest error allowed, relative to the largest output. float32 differs from the reference only in the
 # order of the sums; fp16 and bf16 also round each dequantised weight and the output once.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
-# Decode (M <= 16, one row tile) and prefill (M > 16, one or two row tiles); N and K both leave a partial
+# Decode (M <= 32, the GEMV) and prefill (M > 32, the GEMM, one or two row tiles); N and K both leave a partial
 # last tile and K spans several steps at 320, so every mask and the K loop run.
 SHAPES = [(1, 48, 64), (3, 160, 320), (33, 64, 128), (80, 160, 320)]
 
@@ -194,3 +200,111 @@ def test_empty_batch() -> None:
     assert int8_matmul(x, qweight, scales).shape == (0, 48)
     qweight4, scales4, mins4 = _int4_weight(48, 64, 32, torch.float32, seed=0)
     assert int4_matmul(x, qweight4, scales4, mins4, 32).shape == (0, 48)
+
+
+# --- kernels/quant_gemv.py over the general layout (bits, group, offset, minimums) ------------------------
+# Decode tiles: the vector-unit path (M = 1, 2) and the tl.dot path (3, 16: a 16-row tile; 17, 32: a 32-row
+# tile, partly masked); prefill tiles: 40 (one 64-row tile), 70 (two). K = 320 and 576 leave a partial last K
+# step, and every K spans at least two steps (a split each); N = 40 and 72 leave a partial row tile.
+GROUPED_SHAPES = [
+    (1, 40, 320),
+    (2, 64, 576),
+    (3, 40, 320),
+    (16, 72, 576),
+    (17, 40, 320),
+    (32, 48, 512),
+    (40, 136, 320),
+    (70, 40, 576),
+]
+
+
+def _codes(n: int, k: int, bits: int, seed: int) -> torch.Tensor:
+    gen = _generator(seed)
+    if bits == 4:
+        return pack_int4(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)).to(DEVICE)
+    return torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8).to(DEVICE)
+
+
+def _group_constants(
+    n: int, k: int, group: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = _generator(seed)
+    width = k // group if group else 1
+    scales = 0.005 + 0.02 * torch.rand(n, width, generator=gen)
+    mins = -scales * (8 + torch.rand(n, width, generator=gen))
+    if not group:
+        scales = scales[:, 0]
+    return scales.to(DEVICE, dtype), mins.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), GROUPED_SHAPES)
+@pytest.mark.parametrize(
+    ("bits", "group", "offset", "with_mins"),
+    [
+        (4, 32, 0, True),  # Q4_1 / int4 groups with a minimum
+        (4, 32, 8, False),  # Q4_0: d * (q - 8)
+        (4, 16, 0, True),  # groups of 16: 8-byte chunks
+        (4, 64, 0, True),  # two chunks per group
+        (8, 32, 0, False),  # Q8_0
+        (8, 0, 0, False),  # int8 per output channel
+    ],
+)
+@pytest.mark.parametrize("splits", [1, 2])
+def test_gemv_matches_reference(
+    m: int, n: int, k: int, bits: int, group: int, offset: int, with_mins: bool, splits: int
+) -> None:
+    dtype = torch.float16
+    x = _activations(m, k, dtype, seed=m + k)
+    qweight = _codes(n, k, bits, seed=n + bits)
+    scales, mins = _group_constants(n, k, group, dtype, seed=group + n)
+    low = mins if with_mins else None
+    options = dict(bits=bits, group=group, offset=offset)
+    assert plan_quant_gemv(m, n, k, bits, group, num_sms=1, splits=splits).splits == splits
+    out = quant_gemv(x, qweight, scales, low, num_sms=1, splits=splits, **options)
+    ref = quant_gemv_reference(x, qweight, scales, low, **options)
+    assert _relative_error(out, ref) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 8])
+def test_gemv_other_dtypes(m: int, dtype: torch.dtype) -> None:
+    x = _activations(m, 320, dtype, seed=5)
+    qweight, scales, mins = _int4_weight(40, 320, 32, dtype, seed=6)
+    out = int4_matmul(x, qweight, scales, mins, 32, splits=2)
+    assert _relative_error(out, int4_matmul_reference(x, qweight, scales, mins, 32)) <= TOLERANCE[dtype]
+    qweight8, scales8 = _int8_weight(40, 320, dtype, seed=7)
+    out8 = int8_matmul(x, qweight8, scales8, splits=2)
+    assert _relative_error(out8, int8_matmul_reference(x, qweight8, scales8)) <= TOLERANCE[dtype]
+
+
+def test_split_k_is_sized_from_the_sm_count_and_reproducible() -> None:
+    """Few output tiles on many SMs split K (never into empty splits); the split sums are the same every run."""
+    few_tiles = plan_quant_gemv(1, 64, 4096, bits=4, group=32, num_sms=132)
+    assert few_tiles.splits > 1
+    assert (few_tiles.splits - 1) * few_tiles.steps_per_split < 4096 // 256  # the last split has a step
+    assert plan_quant_gemv(1, 1024, 4096, bits=4, group=32, num_sms=1).splits == 1  # 32 tiles fill one SM
+    assert plan_quant_gemv(GEMV_MAX_ROWS, 65536, 4096, bits=4, group=32, num_sms=132).splits == 1
+    x = _activations(2, 1024, torch.float32, seed=8)
+    qweight, scales, mins = _int4_weight(40, 1024, 32, torch.float32, seed=9)
+    runs = [int4_matmul(x, qweight, scales, mins, 32, splits=3) for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    ref = int4_matmul_reference(x, qweight, scales, mins, 32)
+    assert _relative_error(runs[0], ref) <= TOLERANCE[torch.float32]
+
+
+def test_a_group_that_is_not_a_power_of_two() -> None:
+    """Groups of 48 codes: each lane loads 16 of them (8 bytes), so no chunk spans two groups."""
+    x = _activations(2, 480, torch.float16, seed=12)
+    qweight, scales, mins = _int4_weight(40, 480, 48, torch.float16, seed=13)
+    out = int4_matmul(x, qweight, scales, mins, 48)
+    assert (
+        _relative_error(out, int4_matmul_reference(x, qweight, scales, mins, 48)) <= TOLERANCE[torch.float16]
+    )
+
+
+def test_decode_with_a_k_the_gemv_cannot_chunk() -> None:
+    """int8 rows of 72 bytes are not whole 16-byte chunks: the decode falls back to the GEMM, still exact."""
+    x = _activations(1, 72, torch.float32, seed=10)
+    qweight, scales = _int8_weight(40, 72, torch.float32, seed=11)
+    out = int8_matmul(x, qweight, scales)
+    assert _relative_error(out, int8_matmul_reference(x, qweight, scales)) <= TOLERANCE[torch.float32]

@@ -1,7 +1,7 @@
 """Which kernels a step runs: `torch` (the reference, and the CPU path) or `triton` (GPUs, NVIDIA and AMD).
 
 `auto` is resolved once, when the engine is built: triton on a CUDA or ROCm device (torch reports both as
-"cuda"), torch elsewhere. Triton also runs on the CPU under its interpreter (TRITON_INTERPRET=1), slowly:
+"cuda"), torch elsewhere, for dense and hybrid models alike. Triton also runs on the CPU under its interpreter (TRITON_INTERPRET=1), slowly:
 that is how the CPU test suite checks every kernel.
 """
 
@@ -27,19 +27,9 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def resolve_attention_backend(
-    name: AttentionBackendName, device: torch.device, hybrid: bool = False
-) -> Backend:
-    """The backend `name` means on `device`; ConfigError if triton was asked for and cannot run here. A
-    hybrid model (linear-attention layers) runs on the torch backend: the triton one does not carry state."""
+def resolve_attention_backend(name: AttentionBackendName, device: torch.device) -> Backend:
+    """The backend `name` means on `device`; ConfigError if triton was asked for and cannot run here."""
     has_triton = importlib.util.find_spec("triton") is not None
-    if hybrid:
-        if name == "triton":
-            raise ConfigError(
-                "attention_backend='triton' does not run hybrid models (linear-attention layers) yet; "
-                "use attention_backend='torch' (or auto)"
-            )
-        return "torch"
     if name == "auto":
         if device.type == "cuda" and not has_triton:
             log.warning("triton is not installed: attention runs on the slower torch backend")

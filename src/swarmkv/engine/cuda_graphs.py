@@ -1,9 +1,10 @@
 """Decode steps replayed from CUDA graphs (HIP graphs on ROCm, through the same torch API).
 
 A graph is captured per batch-size bucket on the bucket's first decode step: its inputs are one static
-packed metadata buffer (token ids, positions, slots, tiles) and the resident page table, its output the
-static logits of every row. A step of n decodes is padded to the smallest bucket that holds it: padding rows
-store no KV, attend to nothing and their logits are ignored. Steps with prefill chunks, or more decodes than
+packed metadata buffer (token ids, positions, KV slots, tiles and, for a hybrid, each row's state slot) and
+the resident page table, its output the static logits of every row; a hybrid's state slots are read and
+written in place by the replayed kernels. A step of n decodes is padded to the smallest bucket that holds
+it: padding rows store no KV, have no state slot (-1), attend to nothing and their logits are ignored. Steps with prefill chunks, or more decodes than
 the largest bucket, run eagerly; so do a bucket's steps after its capture failed (out of memory, say).
 """
 
@@ -130,6 +131,7 @@ class DecodeGraphs:
         packed = torch.zeros(sum(shape.section_sizes().values()), dtype=torch.int64, device=self.device)
         meta = StepMetadata(packed, shape)
         meta.slot_mapping.fill_(-1)  # capture on padding: nothing is stored
+        meta.state_slots.fill_(-1)
         graph = self.make_graph()
         logits = graph.capture(lambda: self.forward(meta))
         self._captured[bucket] = (graph, meta, logits)

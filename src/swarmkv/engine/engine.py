@@ -122,9 +122,7 @@ class LLMEngine:
         )
         max_pages = pages_for(self.max_model_len, config.block_size)  # a request that fills the context
         page_table = PageTable(config.max_num_seqs, max_pages, config.block_size, loaded.device)
-        self.attention_backend = resolve_attention_backend(
-            config.attention_backend, loaded.device, hybrid=loaded.config.is_hybrid
-        )
+        self.attention_backend = resolve_attention_backend(config.attention_backend, loaded.device)
         self.runner = ModelRunner(
             loaded.model,
             kv_tensors,

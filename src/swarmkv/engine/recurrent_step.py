@@ -3,6 +3,7 @@ each sequence's new tokens from the state its slot holds, writing the new state 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,9 @@ from swarmkv.core.scheduler import Chunk
 from swarmkv.engine.state_cache import StateCache
 from swarmkv.models import gated_delta
 from swarmkv.models.attention import AttentionBackend
+
+# (the rows' inputs..., their state(s)) -> (the rows' outputs, the new state(s))
+StateUpdate = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -51,17 +55,13 @@ class RecurrentStep:
 
     def conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The causal conv of each sequence's new inputs, continuing from and updating its slot's window."""
-        windows = self.states.conv[layer]
-        out = torch.empty_like(x)
-        for start, length, slot in self.layout.prefills:
-            rows = slice(start, start + length)
-            out[rows], windows[slot] = gated_delta.causal_conv(x[rows], windows[slot], weight)
-        slots = self.layout.decode_slots
-        if slots is not None:
-            rows = slice(self.layout.decode_start, self.layout.decode_start + slots.shape[0])
-            out[rows], new = gated_delta.causal_conv_step(x[rows], windows[slots], weight)
-            windows.index_copy_(0, slots, new)
-        return out
+        return self._per_sequence(
+            self.states.conv[layer],
+            torch.empty_like(x),
+            lambda x_rows, window: gated_delta.causal_conv(x_rows, window, weight),
+            lambda x_rows, windows: gated_delta.causal_conv_step(x_rows, windows, weight),
+            x,
+        )
 
     def delta_rule(
         self,
@@ -73,16 +73,34 @@ class RecurrentStep:
         beta: torch.Tensor,
     ) -> torch.Tensor:
         """The gated delta rule per sequence: chunked over a prefill chunk, one recurrent step per decode."""
-        states = self.states.ssm[layer]
-        out = torch.empty_like(v)
+        return self._per_sequence(
+            self.states.ssm[layer],
+            torch.empty_like(v),
+            gated_delta.gated_delta_chunked,
+            gated_delta.gated_delta_step,
+            q,
+            k,
+            v,
+            g,
+            beta,
+        )
+
+    def _per_sequence(
+        self,
+        states: torch.Tensor,
+        out: torch.Tensor,
+        prefill: StateUpdate,
+        decode: StateUpdate,
+        *inputs: torch.Tensor,
+    ) -> torch.Tensor:
+        """`prefill` over each prefill chunk's rows of `inputs` from its slot's state, then `decode` over all
+        the decode rows from theirs; each writes its rows of `out` and its new states back into `states`."""
         for start, length, slot in self.layout.prefills:
-            r = slice(start, start + length)
-            out[r], states[slot] = gated_delta.gated_delta_chunked(
-                q[r], k[r], v[r], g[r], beta[r], states[slot]
-            )
+            rows = slice(start, start + length)
+            out[rows], states[slot] = prefill(*(t[rows] for t in inputs), states[slot])
         slots = self.layout.decode_slots
         if slots is not None:
-            r = slice(self.layout.decode_start, self.layout.decode_start + slots.shape[0])
-            out[r], new = gated_delta.gated_delta_step(q[r], k[r], v[r], g[r], beta[r], states[slots])
+            rows = slice(self.layout.decode_start, self.layout.decode_start + slots.shape[0])
+            out[rows], new = decode(*(t[rows] for t in inputs), states[slots])
             states.index_copy_(0, slots, new)
         return out

@@ -47,11 +47,10 @@ class ModelRunner:
         cpu_int8_activations: bool = True,
     ) -> None:
         """With the triton backend, `cuda_graphs` replays decode steps of up to `max_num_seqs` rows. A hybrid
-        model's linear-attention layers run over `states` (torch backend only). `cascade_min_saved_tokens`:
+        model's linear-attention layers run over `states`, on either backend. `cascade_min_saved_tokens`:
         the reads a shared-prefix group must spare under `cascade="auto"` (None: the backend's default).
         `fused_cpu_decode`: run each step's decodes as one C call where the model allows (engine/cpu_decode.py),
         its projections on int8 activations if `cpu_int8_activations`."""
-        assert states is None or backend == "torch", "hybrid models run on the torch backend"
         self.model = model
         self.states = states
         self.kv_cache = kv_cache
@@ -71,7 +70,7 @@ class ModelRunner:
 
             max_keys = max_model_len or page_table.host.shape[1] * self.page_size
             buckets = batch_buckets(max_num_seqs) if cuda_graphs else None
-            self.triton = TritonRunner(model, kv_cache, page_table, buckets, max_keys)
+            self.triton = TritonRunner(model, kv_cache, page_table, buckets, max_keys, states=states)
         self.cpu_decode: DecodeModel | None = None
         if fused_cpu_decode and backend == "torch" and states is None:
             reason = cpu_decode.why_not(model, kv_cache, self.device)
@@ -103,7 +102,7 @@ class ModelRunner:
         """The chunks through the torch modules (or the triton runner), decodes grouped as `groups` says."""
         sampling = [c for c in prefills + decodes if c.samples]
         if self.triton is not None:
-            return sampling, self.triton.run(prefills, decodes, groups)
+            return sampling, self.triton.run(prefills, decodes, groups, plan.state_slots)
         layout, input_ids, positions = build_layout(self.page_table, prefills, decodes, groups, self.dtype)
         backend: AttentionBackend = PagedAttention(self.kv_cache, layout)
         if self.states is not None:

@@ -25,6 +25,7 @@ from swarmkv.kernels.attention import (
     store_kv,
     tile_tokens,
 )
+from swarmkv.models.attention import KVSlabs
 
 # q_start, q_count, table_row, kv_start, kv_end, q_pos0, column: see swarmkv.kernels.attention
 Tile = tuple[int, int, int, int, int, int, int]
@@ -70,6 +71,8 @@ class TritonShape:
     num_decodes: int
     num_logits: int
     num_splits: int
+    # A hybrid's sequences (prefill chunks, then decodes), each continuing a state slot; 0 for a dense model.
+    num_state_seqs: int = 0
 
     @property
     def decode_column(self) -> int:
@@ -91,6 +94,8 @@ class TritonShape:
             "prefix_tiles": self.num_prefix_tiles * TILE_FIELDS,
             "decode_tiles": self.num_decodes * TILE_FIELDS,
             "logit_rows": self.num_logits,
+            "state_starts": self.num_state_seqs + 1 if self.num_state_seqs else 0,
+            "state_slots": self.num_state_seqs,
         }
 
 
@@ -111,6 +116,8 @@ class StepMetadata:
         self.prefix_tiles = views["prefix_tiles"].view(-1, TILE_FIELDS)
         self.decode_tiles = views["decode_tiles"].view(-1, TILE_FIELDS)
         self.logit_rows = views["logit_rows"]
+        self.state_starts = views["state_starts"]  # sequence n holds rows [starts[n], starts[n + 1])
+        self.state_slots = views["state_slots"]
 
     @property
     def decode_row0(self) -> int:
@@ -127,9 +134,12 @@ def pack_metadata(
     prefix_tiles: list[Tile],
     decode_tiles: list[Tile],
     logit_rows: list[int],
+    state_starts: list[int] | None = None,
+    state_slots: list[int] | None = None,
 ) -> torch.Tensor:
     """One host int64 buffer laid out as `shape` says; sections shorter than their size are padded (ids
-    and positions with 0, slots with -1 so padding rows store nothing, tiles with empty tiles)."""
+    and positions with 0, KV and state slots with -1 so padding rows store nothing, tiles with empty
+    tiles)."""
     sizes = shape.section_sizes()
     packed = torch.zeros(sum(sizes.values()), dtype=torch.int64)
     offset = 0
@@ -141,11 +151,13 @@ def pack_metadata(
         "prefix_tiles": prefix_tiles,
         "decode_tiles": decode_tiles,
         "logit_rows": logit_rows,
+        "state_starts": state_starts or [],
+        "state_slots": state_slots or [],
     }
     for name, size in sizes.items():
         values = torch.as_tensor(sections[name], dtype=torch.int64).reshape(-1)  # tiles flatten to fields
         assert len(values) <= size, f"{name}: {len(values)} values for {size} places"
-        if name == "slot_mapping":
+        if name in ("slot_mapping", "state_slots"):
             packed[offset : offset + size] = -1
         packed[offset : offset + len(values)] = values
         offset += size
@@ -220,13 +232,30 @@ class TritonAttention:
             )
             self.partials = (part_out, part_lse)
 
+    def kv_slabs(self, layer: int) -> KVSlabs:
+        """Where `layer`'s new keys and values go: its cache slabs at the step's slots."""
+        cache = self.cache
+        return KVSlabs(
+            cache.k[layer],
+            cache.v[layer],
+            self.meta.slot_mapping,
+            cache.k_scales[layer],
+            cache.v_scales[layer],
+        )
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store k, v at the step's slots, then attend every row over its page-table row."""
+        slabs = self.kv_slabs(layer)
+        store_kv(k, v, slabs.k, slabs.v, slabs.slots, slabs.k_scale, slabs.v_scale)
+        return self.attend_stored(layer, q)
+
+    def attend_stored(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attend every row over its page-table row, the step's keys and values already stored."""
         meta, shape = self.meta, self.meta.shape
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         k_scale, v_scale = self.cache.k_scales[layer], self.cache.v_scales[layer]
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-        out = torch.empty_like(q)
+        # contiguous whatever q's strides (q may be a view of the fused QKV output)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         page_size = self.cache.block_size
         attend_tiles(
             q,

@@ -1,9 +1,10 @@
 """The triton backend's half of the runner: a step's metadata in one host-to-device copy, the forward over
-TritonAttention, and decode-only steps replayed from CUDA graphs."""
+TritonAttention (and, for a hybrid, its state slots), and decode-only steps replayed from CUDA graphs."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,7 @@ from swarmkv.core.scheduler import Chunk, sampling_rows
 from swarmkv.engine.cuda_graphs import DecodeGraphs, Graph
 from swarmkv.engine.kv_cache import KVCache
 from swarmkv.engine.page_table import PageTable
+from swarmkv.engine.state_cache import StateCache
 from swarmkv.engine.triton_attention import (
     DecodeRow,
     GroupSpan,
@@ -27,6 +29,8 @@ from swarmkv.engine.triton_attention import (
     pack_metadata,
     prefix_tiles,
 )
+from swarmkv.engine.triton_recurrent import TritonRecurrentStep
+from swarmkv.models.attention import AttentionBackend
 from swarmkv.models.decoder import DecoderForCausalLM
 from swarmkv.models.layers import triton_ops
 
@@ -45,8 +49,12 @@ class TritonRunner:
         graph_buckets: list[int] | None,
         max_keys: int,
         make_graph: type[Graph] | None = None,
+        states: StateCache | None = None,
     ) -> None:
+        """A hybrid model's linear-attention layers run over `states`: each step's metadata names the slot of
+        every sequence, so graph replays read and write whichever slots the step's decodes hold."""
         self.model = model
+        self.states = states
         self.kv_cache = kv_cache
         self.page_table = page_table
         self.page_size = kv_cache.block_size
@@ -57,6 +65,9 @@ class TritonRunner:
         self.max_keys = max_keys
         self.ops = triton_ops()
         self.extend_tokens = extend_tokens(self.num_heads // self.num_kv_heads, kv_cache.dtype)
+        # fla's chunked kernels for prefill chunks where they run (a GPU, with the `gpu` extra installed); the
+        # recurrent kernel (exact, serial over a chunk's tokens) elsewhere and under the interpreter.
+        self.chunked_prefill = self.is_cuda and importlib.util.find_spec("fla") is not None
         units = torch.cuda.get_device_properties(self.device).multi_processor_count if self.is_cuda else 1
         self.target_programs = PROGRAMS_PER_UNIT * units
         self.graphs: DecodeGraphs | None = None
@@ -70,16 +81,27 @@ class TritonRunner:
         """Whether the model runs on a CUDA or ROCm device."""
         return self.device.type == "cuda"
 
-    def run(self, prefills: list[Chunk], decodes: list[Chunk], groups: list[tuple[int, int]]) -> torch.Tensor:
-        """Float32 logits of the sampling chunks, in row order (prefills, then decodes as ordered)."""
+    def run(
+        self,
+        prefills: list[Chunk],
+        decodes: list[Chunk],
+        groups: list[tuple[int, int]],
+        state_slots: dict[str, int] | None = None,
+    ) -> torch.Tensor:
+        """Float32 logits of the sampling chunks, in row order (prefills, then decodes as ordered);
+        `state_slots`: a hybrid's state slot of each chunk's request."""
         # Triton launches on the thread's current device, and the engine may run on its own thread.
         with torch.cuda.device(self.device) if self.is_cuda else contextlib.nullcontext():
-            return self._run(prefills, decodes, groups)
+            return self._run(prefills, decodes, groups, state_slots or {})
 
     def _run(
-        self, prefills: list[Chunk], decodes: list[Chunk], groups: list[tuple[int, int]]
+        self,
+        prefills: list[Chunk],
+        decodes: list[Chunk],
+        groups: list[tuple[int, int]],
+        state_slots: dict[str, int],
     ) -> torch.Tensor:
-        step = self._describe(prefills, decodes, groups)
+        step = self._describe(prefills, decodes, groups, state_slots)
         bucket = self.graphs.bucket(len(decodes)) if self.graphs is not None and not prefills else None
         if self.graphs is not None and bucket is not None:
             packed = self._pack(step, self._graph_shape(bucket), list(range(bucket)))
@@ -94,25 +116,36 @@ class TritonRunner:
             num_decodes=len(step.decodes),
             num_logits=len(step.logit_rows),
             num_splits=choose_splits(len(decodes), self.num_kv_heads, max_len, self.target_programs),
+            num_state_seqs=len(step.state_slots),
         )
         packed = self._pack(step, shape, step.logit_rows)
-        return self.forward(StepMetadata(packed.to(self.device, non_blocking=True), shape))
+        meta = StepMetadata(packed.to(self.device, non_blocking=True), shape)
+        return self.forward(meta, tuple(c.num_tokens for c in prefills))
 
-    def forward(self, meta: StepMetadata) -> torch.Tensor:
-        """The model over one step's device metadata: float32 logits of its logit rows."""
+    def forward(self, meta: StepMetadata, prefill_tokens: tuple[int, ...] = ()) -> torch.Tensor:
+        """The model over one step's device metadata: float32 logits of its logit rows. `prefill_tokens`:
+        the lengths of its prefill chunks (none in a graph), which a hybrid's chunked kernels take."""
         attention = TritonAttention(
             self.kv_cache, self.page_table.table, meta, self.num_heads, self.head_dim, self.extend_tokens
         )
-        hidden = self.model(meta.input_ids, meta.positions, attention, self.ops)
+        backend: AttentionBackend = attention
+        if self.states is not None:
+            backend = TritonRecurrentStep(attention, self.states, meta, prefill_tokens, self.chunked_prefill)
+        hidden = self.model(meta.input_ids, meta.positions, backend, self.ops)
         return self.model.compute_logits(hidden[meta.logit_rows])
 
     def _graph_shape(self, bucket: int) -> TritonShape:
         # Splits are fixed per graph, so they are sized for the longest context the engine allows.
         splits = choose_splits(bucket, self.num_kv_heads, self.max_keys, self.target_programs)
-        return TritonShape(bucket, 0, max_prefix_tiles(bucket), bucket, bucket, splits)
+        state_seqs = bucket if self.states is not None else 0
+        return TritonShape(bucket, 0, max_prefix_tiles(bucket), bucket, bucket, splits, state_seqs)
 
     def _describe(
-        self, prefills: list[Chunk], decodes: list[Chunk], groups: list[tuple[int, int]]
+        self,
+        prefills: list[Chunk],
+        decodes: list[Chunk],
+        groups: list[tuple[int, int]],
+        state_slots: dict[str, int],
     ) -> _HostStep:
         """Everything a step's metadata holds, built once on the host from its chunks and page tables."""
         table, size = self.page_table, self.page_size
@@ -145,11 +178,21 @@ class TritonRunner:
             prefix_tiles=prefix_tiles(spans, q_start),  # decodes follow the prefill rows (none in a graph)
             decodes=decode_rows,
             logit_rows=sampling_rows(ordered),
+            chunk_tokens=[c.num_tokens for c in ordered],
+            state_slots=[state_slots[c.request_id] for c in ordered] if self.states is not None else [],
         )
 
     def _pack(self, step: _HostStep, shape: TritonShape, logit_rows: list[int]) -> torch.Tensor:
         """The step's metadata in one host buffer (pinned on a GPU, so its copy does not wait)."""
         decode_row0 = len(step.token_ids) - len(step.decodes)
+        state_starts: list[int] = []
+        if shape.num_state_seqs:
+            # Each sequence's first row, then the end; a graph's padding sequences are its padding rows.
+            state_starts = [0]
+            for num_tokens in step.chunk_tokens:
+                state_starts.append(state_starts[-1] + num_tokens)
+            padding = shape.num_state_seqs - len(step.chunk_tokens)
+            state_starts += range(state_starts[-1] + 1, state_starts[-1] + 1 + padding)
         packed = pack_metadata(
             shape,
             step.token_ids,
@@ -159,6 +202,8 @@ class TritonRunner:
             step.prefix_tiles,
             decode_tiles(step.decodes, decode_row0, shape.decode_column),
             logit_rows,
+            state_starts,
+            step.state_slots,
         )
         return packed.pin_memory() if self.is_cuda else packed
 
@@ -174,3 +219,5 @@ class _HostStep:
     prefix_tiles: list[Tile]
     decodes: list[DecodeRow]
     logit_rows: list[int]
+    chunk_tokens: list[int]  # rows per chunk, prefills then decodes
+    state_slots: list[int]  # a hybrid's state slot per chunk; empty for a dense model

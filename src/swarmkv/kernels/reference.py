@@ -31,6 +31,26 @@ def apply_rotary(
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+def qk_norm_rotary(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D] and k [T, Hkv, D] RMS-normed per head (when weights are given), then their first R dims
+    rotated by the [2, positions, R] cos/sin rows (the rest pass through, as partial rotary wants)."""
+    if q_weight is not None and k_weight is not None:
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    rotary_dim = cos_sin.shape[-1]
+    if rotary_dim == q.shape[-1]:
+        return apply_rotary(positions, q, k, cos_sin)
+    q_rot, k_rot = apply_rotary(positions, q[..., :rotary_dim], k[..., :rotary_dim], cos_sin)
+    return torch.cat([q_rot, q[..., rotary_dim:]], dim=-1), torch.cat([k_rot, k[..., rotary_dim:]], dim=-1)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -41,6 +61,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's silu(gate) * up for a fused gate-up row [T, 2I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gate_up_silu(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
+    """The gate-up projection [T, K] x [2I, K] -> [T, 2I] and SwiGLU over it -> [T, I]."""
+    return silu_and_mul(F.linear(x, gate_up_weight))
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ sequence's recurrent state."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -17,6 +18,32 @@ class AttentionBackend(Protocol):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Map q [T, Hq, D] and the new tokens' k, v [T, Hkv, D] to outputs [T, Hq, D]."""
+        ...
+
+
+@dataclass(frozen=True)
+class KVSlabs:
+    """Where one layer's new keys and values go: its cache slabs [slots, Hkv, D], one slot per new token
+    (negative: store nothing) and an fp8 cache's scales (stored = value / scale)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    slots: torch.Tensor
+    k_scale: float
+    v_scale: float
+
+
+@runtime_checkable
+class StoresKV(Protocol):
+    """A backend that lets the layer write the new keys and values itself, fused with the rotary that
+    precedes the store, and then attends over what was stored."""
+
+    def kv_slabs(self, layer: int) -> KVSlabs:
+        """Where `layer`'s new keys and values go this step."""
+        ...
+
+    def attend_stored(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Like attend, for q [T, Hq, D] whose tokens' k and v are already in kv_slabs(layer)."""
         ...
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from swarmkv.config import LINEAR_ATTENTION, ModelConfig
-from swarmkv.models.attention import AttentionBackend
+from swarmkv.models.attention import AttentionBackend, StoresKV
 from swarmkv.models.layers import TORCH_OPS, GatedMLP, LayerOps, RMSNorm, RotaryEmbedding
 from swarmkv.models.linear_attention import GatedDeltaNet
 from swarmkv.models.quantized import WeightFormat, make_linear
@@ -26,7 +26,6 @@ class SelfAttention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.rotary_dim = config.rotary_dim
         self.gated = config.attn_output_gate
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.split_sizes = [q_size * (2 if self.gated else 1), kv_size, kv_size]
@@ -40,23 +39,26 @@ class SelfAttention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, ops: LayerOps
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
+        # q, k and v stay views of the fused output: the ops read them through their strides.
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         gate = None
         if self.gated:
             q, gate = q.view(num_tokens, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        else:
+            q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q_weight, k_weight, eps = None, None, 0.0
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim), ops).view(num_tokens, self.num_heads, -1)
-            k = self.k_norm(k.reshape(-1, self.head_dim), ops).view(num_tokens, self.num_kv_heads, -1)
-        if self.rotary_dim < self.head_dim:
-            rd = self.rotary_dim
-            q_rot, k_rot = self.rotary(positions, q[..., :rd].contiguous(), k[..., :rd].contiguous(), ops)
-            q, k = torch.cat([q_rot, q[..., rd:]], dim=-1), torch.cat([k_rot, k[..., rd:]], dim=-1)
+            q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        rotation = (self.rotary.table(), q_weight, k_weight, eps)
+        if ops.qk_norm_rotary_store is not None and isinstance(backend, StoresKV):
+            q = ops.qk_norm_rotary_store(positions, q, k, v, *rotation, backend.kv_slabs(self.layer))
+            out = backend.attend_stored(self.layer, q)
         else:
-            q, k = self.rotary(positions, q, k, ops)
-        out = backend.attend(self.layer, q, k, v).reshape(num_tokens, -1)
+            q, k = ops.qk_norm_rotary(positions, q, k, *rotation)
+            out = backend.attend(self.layer, q, k, v)
+        out = out.reshape(num_tokens, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(num_tokens, -1))
         return self.o_proj(out)

@@ -4,12 +4,15 @@ looks up. A tied embedding's blocks serve the LM head as well, once in memory.
 
 On the CPU the matmul runs the C kernel of `kernels/cpu_grouped.py`: at small batches (decode) a GEMV that reads
 each weight byte once, at larger ones an exact dequantisation into a float tile and torch's matmul. Where the C
-kernel is unavailable both use the torch dequantisation of `GroupedQuant`, exact but slow.
+kernel is unavailable both use the torch dequantisation of `GroupedQuant`, exact but slow. On a CUDA or ROCm GPU
+the Triton kernel of `kernels/grouped_matmul.py` reads the same layout, at every batch size.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -36,11 +39,16 @@ class RowBlock:
         return int(self.weight.shape[0])
 
 
+def gguf_kernels_run_on(device: torch.device) -> bool:
+    """Whether GGUF-held layers compute on `device`: the CPU (C or torch), or a GPU with triton."""
+    return device.type == "cpu" or (device.type == "cuda" and importlib.util.find_spec("triton") is not None)
+
+
 def dequantize_block(block: Block, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 rows of a block (all when `rows` is None), exactly as gguf dequantises them."""
     if isinstance(block, torch.Tensor):
         return (block if rows is None else block[rows]).float()
-    if cpu_grouped.available():
+    if block.low.device.type == "cpu" and cpu_grouped.available():
         return cpu_grouped.dequantize_rows(block, rows)
     return (block if rows is None else block.take_rows(rows)).dequantize()
 
@@ -70,10 +78,13 @@ class GGUFLinear(HeldBlocks):
     """y = x W^T (+ b) with W held as row blocks at the file's bits; filled by `load_block`, then `finalize()`d."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
-        """No blocks yet (the loader adds them); the bias, if any, is a float parameter."""
+        """No blocks yet (the loader adds them); the bias, if any, is a float parameter. `kernel`: "auto" is
+        Triton on a GPU and C on the CPU; "triton" takes the Triton kernel on the CPU too (its interpreter,
+        for tests)."""
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.kernel: Literal["auto", "triton"] = "auto"
 
     def share_blocks(self, other: HeldBlocks) -> None:
         """Hold the same blocks as `other` (an LM head tied to the embedding): no bytes of its own."""
@@ -105,6 +116,8 @@ class GGUFLinear(HeldBlocks):
         return torch.cat([dequantize_block(b.weight) for b in self.blocks])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cuda" or self.kernel == "triton":
+            return self._forward_triton(x)
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
         out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32, device=x.device)
@@ -119,6 +132,23 @@ class GGUFLinear(HeldBlocks):
         if self.bias is not None:
             out += self.bias.float()
         return out.to(x.dtype).reshape(*lead, self.out_features)
+
+    def _forward_triton(self, x: torch.Tensor) -> torch.Tensor:
+        """Each block's rows by the grouped Triton kernel (float blocks by torch's matmul), in x's dtype."""
+        from swarmkv.kernels import grouped_matmul  # imports triton: only where it runs
+
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty(flat.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        for block in self.blocks:
+            dest = out[:, block.start : block.start + block.rows]
+            if isinstance(block.weight, GroupedQuant):
+                grouped_matmul.grouped_matmul(flat, block.weight, out=dest)
+            else:
+                dest.copy_(flat @ block.weight.to(x.dtype).t())
+        if self.bias is not None:
+            out += self.bias.to(x.dtype)
+        return out.reshape(*lead, self.out_features)
 
 
 class GGUFEmbedding(HeldBlocks):

@@ -67,6 +67,10 @@ class GroupConstants:
         outer = 0 if self.outer is None else self.outer.nbytes
         return self.values.nbytes + outer
 
+    def to(self, device: torch.device) -> GroupConstants:
+        """The same constants on `device`."""
+        return GroupConstants(self.values.to(device), None if self.outer is None else self.outer.to(device))
+
     def take_rows(self, index: torch.Tensor) -> GroupConstants:
         """The constants of rows `index`."""
         return GroupConstants(self.values[index], None if self.outer is None else self.outer[index])
@@ -113,7 +117,7 @@ class GroupedQuant:
         q = torch.stack([self.low & 0xF, self.low >> 4], dim=-1).reshape(rows, cols).to(torch.int16)
         if self.high is not None:
             width = self.bits - 4
-            shifts = torch.arange(0, 8, width, dtype=torch.uint8)
+            shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=self.low.device)
             hi = (self.high[..., None] >> shifts) & ((1 << width) - 1)
             q = q | (hi.reshape(rows, cols).to(torch.int16) << 4)
         return q
@@ -149,6 +153,20 @@ class GroupedQuant:
             self.mins is not None,
             two_level,
             self.scales.values.dtype,
+        )
+
+    def to(self, device: torch.device) -> GroupedQuant:
+        """The same weight on `device` (a GPU's Triton kernel reads it there: kernels/grouped_matmul.py)."""
+        if self.low.device == device:
+            return self
+        return GroupedQuant(
+            self.bits,
+            self.group_size,
+            self.offset,
+            self.low.to(device),
+            None if self.high is None else self.high.to(device),
+            self.scales.to(device),
+            None if self.mins is None else self.mins.to(device),
         )
 
     def take_rows(self, index: torch.Tensor) -> GroupedQuant:

@@ -1,5 +1,6 @@
-"""The shared layer vocabulary: RMSNorm (with the residual add fused in), rotary embedding, fused QKV and
-gate-up projections, and the four ops they call: torch's (`kernels/reference.py`) or, on a GPU, Triton's."""
+"""The shared layer vocabulary: RMSNorm (with the residual add fused in), rotary embedding (with the q/k
+norm fused in), fused QKV and gate-up projections, and the ops they call: torch's (`kernels/reference.py`)
+or, on a GPU, Triton's, which fuse further (rotary with the KV store, the gate-up matmul with SwiGLU)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,30 @@ import torch
 from torch import nn
 
 from swarmkv.config import RopeScaling
-from swarmkv.kernels.reference import add_rms_norm, apply_rotary, rms_norm, silu_and_mul
+from swarmkv.kernels.reference import add_rms_norm, qk_norm_rotary, rms_norm, silu_and_mul
+from swarmkv.models.attention import KVSlabs
 from swarmkv.models.quantized import WeightFormat, make_linear
+
+# positions [T], q [T, Hq, D], k [T, Hkv, D], cos_sin [2, P, R], the q and k norm weights (or None), eps
+QKNormRotary = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, float],
+    tuple[torch.Tensor, torch.Tensor],
+]
+# the same arguments with v [T, Hkv, D] after k, then where k and v are stored; returns q
+QKNormRotaryStore = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor | None,
+        torch.Tensor | None,
+        float,
+        KVSlabs,
+    ],
+    torch.Tensor,
+]
 
 
 @dataclass(frozen=True)
@@ -23,26 +46,50 @@ class LayerOps:
     add_rms_norm: Callable[
         [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
     ]
-    apply_rotary: Callable[
-        [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
-    ]
-    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    qk_norm_rotary: QKNormRotary
+    # None where the ops cannot store KV themselves; the layer then hands k and v to the backend.
+    qk_norm_rotary_store: QKNormRotaryStore | None
+    # x [T, hidden] and the gate-up projection -> silu(gate) * up [T, intermediate]
+    gate_up_silu: Callable[[torch.Tensor, nn.Module], torch.Tensor]
 
 
-TORCH_OPS = LayerOps(rms_norm, add_rms_norm, apply_rotary, silu_and_mul)
+def _gate_up_then_silu(x: torch.Tensor, gate_up_proj: nn.Module) -> torch.Tensor:
+    return silu_and_mul(gate_up_proj(x))
+
+
+TORCH_OPS = LayerOps(rms_norm, add_rms_norm, qk_norm_rotary, None, _gate_up_then_silu)
 
 
 def triton_ops() -> LayerOps:
-    """The same ops as Triton kernels (one launch each; rotary in place on q and k)."""
+    """The same ops as Triton kernels: one launch each, q/k norm, rotary and the KV store in one, and the
+    gate-up matmul with SwiGLU in one for float weights at decode sizes."""
     from swarmkv.kernels import activation, norm, rotary  # imports triton: only when asked for
 
-    def rotate_in_place(
-        positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        rotary.apply_rotary_(positions, q, k, cos_sin)
-        return q, k
+    def norm_rotate_store(
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos_sin: torch.Tensor,
+        q_weight: torch.Tensor | None,
+        k_weight: torch.Tensor | None,
+        eps: float,
+        slabs: KVSlabs,
+    ) -> torch.Tensor:
+        cache = (slabs.k, slabs.v, slabs.slots, slabs.k_scale, slabs.v_scale)
+        return rotary.qk_norm_rotary_store(positions, q, k, v, cos_sin, q_weight, k_weight, eps, *cache)
 
-    return LayerOps(norm.rms_norm, norm.add_rms_norm, rotate_in_place, activation.silu_and_mul)
+    def gate_up_silu(x: torch.Tensor, gate_up_proj: nn.Module) -> torch.Tensor:
+        if (
+            isinstance(gate_up_proj, nn.Linear)  # float weights; quantized ones have their own matmuls
+            and gate_up_proj.bias is None
+            and gate_up_proj.weight.dtype == x.dtype
+            and x.shape[0] <= activation.GATE_UP_MAX_ROWS
+        ):
+            return activation.gate_up_silu(x, gate_up_proj.weight)
+        return activation.silu_and_mul(gate_up_proj(x))
+
+    return LayerOps(norm.rms_norm, norm.add_rms_norm, rotary.qk_norm_rotary_, norm_rotate_store, gate_up_silu)
 
 
 class RMSNorm(nn.Module):
@@ -102,12 +149,10 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat([angles, angles], dim=-1)
         self.cos_sin = torch.stack([angles.cos(), angles.sin()]).to(device)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, ops: LayerOps = TORCH_OPS
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, D] and k [T, Hkv, D] by their token positions [T]."""
+    def table(self) -> torch.Tensor:
+        """The [2, positions, rotary dim] cos and sin rows."""
         assert self.cos_sin is not None, "RotaryEmbedding.build() was not called"
-        return ops.apply_rotary(positions, q, k, self.cos_sin)
+        return self.cos_sin
 
 
 class GatedMLP(nn.Module):
@@ -120,4 +165,4 @@ class GatedMLP(nn.Module):
         self.down_proj = make_linear(intermediate_size, hidden_size, False, weights)
 
     def forward(self, x: torch.Tensor, ops: LayerOps = TORCH_OPS) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(ops.gate_up_silu(x, self.gate_up_proj))

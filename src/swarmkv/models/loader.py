@@ -72,8 +72,8 @@ def load_model(
     weights: WeightsOption = "auto",
 ) -> LoadedModel:
     """Load a Hugging Face directory or a GGUF file (the default model when `path` is None), its projections
-    in `weights`: auto keeps a GGUF's every tensor at its own bits on the CPU (on a GPU: Q4_0/Q4_1 as int4,
-    other quants requantized to int8); safetensors stay float unless int8 or int4 is asked for."""
+    in `weights`: auto keeps a GGUF's every tensor at its own bits (on a GPU without triton: Q4_0/Q4_1 as
+    int4, other quants requantized to int8); safetensors stay float unless int8 or int4 is asked for."""
     resolved = checkpoint_file_or_dir(path)
     device = torch.device(device)
     compute_dtype = resolve_dtype(dtype, device)
@@ -104,21 +104,23 @@ def instantiate_model(
 def _load_gguf(
     file: GGUFFile, dtype: torch.dtype, device: torch.device, weights: WeightsOption
 ) -> LoadedModel:
+    from swarmkv.models.gguf_linear import gguf_kernels_run_on
     from swarmkv.models.gguf_weights import Keep, WeightReport, auto_weight_format, gguf_tensors
 
     names = {t.name for t in file.reader.tensors}
     config = ModelConfig.from_gguf_metadata(file.metadata, num_output_tensors=int("output.weight" in names))
     config.require_runnable()
     fmt: WeightFormat = auto_weight_format(file, device.type) if weights == "auto" else weights
-    if fmt == "gguf" and device.type != "cpu":
+    if fmt == "gguf" and not gguf_kernels_run_on(device):
         raise ConfigError(
-            "GGUF blocks at their own bits run on the CPU; on a GPU use --weights auto, int4 or int8"
+            f"GGUF blocks at their own bits run on the CPU, or on a CUDA or ROCm GPU with triton installed, not"
+            f" on {device.type!r} here; use --weights auto, int4 or int8"
         )
     model = instantiate_model(config, dtype, device, fmt)
     report = WeightReport() if fmt == "gguf" else None
     keep: Keep = "gguf" if fmt == "gguf" else "int4" if fmt == "int4" else "float"
     tensors = gguf_tensors(file, config, keep=keep, dtype=dtype, report=report)
-    load_weights(model, config, named_tensors_to(tensors, dtype))
+    load_weights(model, config, named_tensors_to(tensors, dtype, device if fmt == "gguf" else None))
     finalize_quantized(model)
     model.tie_weights()
     if fmt == "gguf":

@@ -105,6 +105,7 @@ class QuantizedLinear(nn.Module):
             )
         self.in_features, self.out_features, self.format = in_features, out_features, fmt
         self.kernel: Literal["cpu", "triton"] | None = None
+        self.num_sms: int | None = None  # the GPU's SMs (CUs), which size the Triton GEMV's K split
         if fmt == "int8":
             self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
             self.register_buffer("scales", torch.empty(out_features))
@@ -148,6 +149,7 @@ class QuantizedLinear(nn.Module):
                     f"{self.format} weights on a GPU need the triton package (pip install triton)"
                 )
             self.kernel = "triton"
+            self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         else:
             raise ConfigError(f"{self.format} weights run on the CPU or a CUDA/ROCm GPU, not {device.type!r}")
 
@@ -170,9 +172,11 @@ class QuantizedLinear(nn.Module):
             from swarmkv.kernels import quant_matmul  # imports triton: only on a GPU
 
             if self.format == "int8":
-                out = quant_matmul.int8_matmul(flat, self.qweight, self.scales)
+                out = quant_matmul.int8_matmul(flat, self.qweight, self.scales, num_sms=self.num_sms)
             else:
-                out = quant_matmul.int4_matmul(flat, self.qweight, self.scales, self.mins, INT4_GROUP_SIZE)
+                out = quant_matmul.int4_matmul(
+                    flat, self.qweight, self.scales, self.mins, INT4_GROUP_SIZE, num_sms=self.num_sms
+                )
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*lead, self.out_features)

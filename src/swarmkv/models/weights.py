@@ -206,8 +206,11 @@ def _missing_checkpoint_names(param: str, filled: dict[tuple[str, int | None], s
 
 
 def named_tensors_to(
-    tensors: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype
+    tensors: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype, device: torch.device | None = None
 ) -> Iterator[tuple[str, CheckpointTensor]]:
-    """Cast a stream of named float tensors to the compute dtype (quantized ones pass as they are)."""
+    """Cast a stream of named float tensors to the compute dtype (quantized ones pass as they are). With
+    `device`, every tensor moves there first: GGUF-held layers keep the tensors they are given."""
     for name, tensor in tensors:
+        if device is not None and isinstance(tensor, GroupedQuant | torch.Tensor):
+            tensor = tensor.to(device)
         yield name, tensor if isinstance(tensor, QuantizedWeight | GroupedQuant) else tensor.to(dtype)
