@@ -163,8 +163,30 @@ def _checked_schema(schema: Mapping[str, Any], where: str) -> Mapping[str, Any]:
 
 def _json_rule(schema: Mapping[str, Any], strict: bool) -> str:
     options = {**JSON_OPTIONS, "lenient": not strict}
-    merged = {**schema, "x-guidance": {**options, **(schema.get("x-guidance") or {})}}
+    bounded = _safe_integers(schema)
+    merged = {**bounded, "x-guidance": {**options, **(schema.get("x-guidance") or {})}}
     return f"%json {json.dumps(merged, sort_keys=False)}"
+
+
+# JavaScript's safe integers: an integer without bounds stays within them, so a small model cannot run on
+# writing digits (it does: "population": 1111...) and every client reads the value exactly.
+MAX_SAFE_INTEGER = 2**53 - 1
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # their values are data, not schemas
+
+
+def _safe_integers(schema: Any) -> Any:
+    """`schema` with every `"type": "integer"` lacking a bound given +-MAX_SAFE_INTEGER."""
+    if isinstance(schema, list):
+        return [_safe_integers(item) for item in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {key: value if key in _DATA_KEYWORDS else _safe_integers(value) for key, value in schema.items()}
+    if out.get("type") == "integer":
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = MAX_SAFE_INTEGER
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -MAX_SAFE_INTEGER
+    return out
 
 
 def _lark(text: str) -> str:
