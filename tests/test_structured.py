@@ -185,3 +185,23 @@ def test_a_forced_call_parses_into_a_call_that_follows_the_schema(jump_forward: 
             jsonschema.validate(json.loads(call.arguments), schema)
             if isinstance(choice, dict):
                 assert call.name == "get_time"
+
+
+def test_xml_calls_parse_and_follow_the_schema() -> None:
+    """Qwen3.5's XML form as the whole reply (tool_choice required), on the Qwen3 vocabulary (whose
+    `<tool_call>` is one special token); typed values come back as JSON of their schema's type."""
+    llm = _llm()
+    tools = [
+        {"name": "get_weather", "parameters": SCHEMAS[0]},
+        {"name": "get_time", "parameters": SCHEMAS[1]},
+    ]
+    grammar = tool_call_grammar(tools, "xml", free_text=False, special=special_markup(qwen_tokenizer()))
+    params = SamplingParams(max_tokens=160, temperature=0.0, grammar=grammar)
+    offered = [{"type": "function", "function": t} for t in tools]
+    for out in llm.generate(_prompts()[:3], params):
+        assert out.finish_reason == "stop", out.text
+        parsed = parse_tool_calls(out.text, fmt="xml", tools=offered)
+        assert parsed.tool_calls
+        for call in parsed.tool_calls:
+            schema = SCHEMAS[0] if call.name == "get_weather" else SCHEMAS[1]
+            jsonschema.validate(json.loads(call.arguments), schema)
