@@ -313,7 +313,11 @@ class Run:
 
     def describe(self) -> str:
         statuses = [(e.method, e.path, e.status) for e in self.exchanges]
-        return f"{self.harness.name} exit {self.returncode}; requests {statuses}\n{self.stdout[-3000:]}\n{self.stderr[-3000:]}"
+        refused = [e.response[:500] for e in self.exchanges if e.status >= 400][:3]  # what the server said
+        return (
+            f"{self.harness.name} exit {self.returncode}; requests {statuses}\nrefused: {refused}\n"
+            f"{self.stdout[-3000:]}\n{self.stderr[-3000:]}"
+        )
 
 
 def make_workspaces(root: Path, n: int) -> list[Path]:

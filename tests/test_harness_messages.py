@@ -205,11 +205,9 @@ def test_parsed_request_keeps_the_system_message_in_place_and_ignores_what_only_
     assert req.user_id == SESSION  # not the raw 150-character JSON
     assert req.template_kwargs == {"enable_thinking": True}  # thinking: adaptive
     assert len(req.breakpoints) == 3  # two system blocks and the system message's block
-    assert [tool["function"]["name"] for tool in req.chat.tools or []] == [
-        "Bash",
-        "Read",
-        "DeferredToolPlaceholder",
-    ]
+    # A deferred tool (`defer_loading`) stays out of the prompt's tool block until a tool search loads it.
+    assert [tool["function"]["name"] for tool in req.chat.tools or []] == ["Bash", "Read"]
+    assert req.chat.loaded_tools is None
 
 
 def test_system_message_renders_where_it_stands_on_qwen3(llm: LLM) -> None:
@@ -264,3 +262,37 @@ def test_a_reminder_with_no_user_turn_before_it_opens_the_next(llm: LLM) -> None
     messages = system_turns_in_place(_strict_tokenizer(llm), history)
     assert messages[2] == {"role": "user", "content": "<system-reminder>\nnote\n</system-reminder>\n\ngo on"}
     assert len(messages) == 3
+
+
+def test_a_tool_search_result_of_tool_references_is_read_as_the_tools_it_found() -> None:
+    """Claude Code's ToolSearch answers with `tool_reference` blocks (Anthropic's API expands each into a deferred
+    tool's definition); every tool is already in swarmkv's prompt, so each becomes a line naming the tool."""
+    call = {"type": "tool_use", "id": "toolu_1", "name": "ToolSearch", "input": {"query": "select:Read"}}
+    found = [{"type": "tool_reference", "tool_name": "Read"}, {"type": "text", "text": "1 match"}]
+    messages = [
+        {"role": "user", "content": "read the README"},
+        {"role": "assistant", "content": [call]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": found}]},
+    ]
+    req = parse_messages_request(_body(messages=messages))
+    tool = next(m for m in req.chat.messages if m["role"] == "tool")
+    assert tool["content"] == "Tool loaded: Read\n1 match"  # offered in full already: nothing to expand
+    assert req.chat.loaded_tools is None
+
+    # A deferred tool it loads: its definition in the result, callable, and the tool block unchanged.
+    deferred = next(t for t in _body()["tools"] if t.get("defer_loading"))
+    loading = copy.deepcopy(messages)
+    loading[2]["content"][0]["content"] = [{"type": "tool_reference", "tool_name": deferred["name"]}]
+    loaded = parse_messages_request(_body(messages=loading))
+    result = next(m for m in loaded.chat.messages if m["role"] == "tool")["content"]
+    assert result.startswith(f"Tool loaded: {deferred['name']}\n{{")
+    assert json.loads(result.split("\n", 1)[1])["parameters"] == deferred["input_schema"]
+    assert loaded.chat.tools == req.chat.tools
+    assert [t["function"]["name"] for t in loaded.chat.callable_tools or []] == [
+        "Bash",
+        "Read",
+        deferred["name"],
+    ]
+    nameless = [{**messages[2]["content"][0], "content": [{"type": "tool_reference"}]}]
+    with pytest.raises(APIError, match=r"content\[0\]\.tool_name"):
+        parse_messages_request(_body(messages=[*messages[:2], {"role": "user", "content": nameless}]))

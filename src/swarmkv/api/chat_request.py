@@ -44,6 +44,9 @@ class ChatRequest:
     # opening closes first, so the call is not written as reasoning.
     closes_thinking: bool = False
     response_format: ResponseFormat | None = None  # JSON the reply must be (or None: text)
+    # Tools the model may call that the prompt's tool block does not render: deferred ones (Messages'
+    # `defer_loading`) a tool search loaded; their definitions stand in the tool results that loaded them.
+    loaded_tools: list[dict[str, Any]] | None = None
 
     def for_template(self, template_source: str | None) -> ChatRequest:
         """This request for a model with this chat template: its forced call opens in the template's format."""
@@ -64,9 +67,16 @@ class ChatRequest:
         return self.tools if self.tool_choice.mode != "none" else None
 
     @property
+    def callable_tools(self) -> list[dict[str, Any]] | None:
+        """The tools a reply may call: those the template renders, and deferred ones loaded since."""
+        if self.tool_choice.mode == "none" or not (self.tools or self.loaded_tools):
+            return None
+        return [*(self.tools or []), *(self.loaded_tools or [])]
+
+    @property
     def parses_tool_calls(self) -> bool:
         """Whether the reply is scanned for tool calls (tools offered and not switched off)."""
-        return bool(self.prompt_tools)
+        return bool(self.callable_tools)
 
     def forced_prefix(self) -> str:
         """Reply text written for the model when the call is required, so that it completes one call: the

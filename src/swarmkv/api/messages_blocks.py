@@ -10,6 +10,8 @@ and including it, for the Messages route to pin.
 from __future__ import annotations
 
 import copy
+import json
+from collections.abc import Callable
 from typing import Any
 
 from swarmkv.api.chat_request import Message
@@ -46,11 +48,32 @@ class MessagesBuilder:
         # block by block would copy a turn's text once per block.
         self.parts: dict[str, list[str]] = {}
         self.marks: list[tuple[list[Message], float]] = []
+        # Deferred tools (`defer_loading`) by name, as OpenAI function tools, and those a tool_reference loaded.
+        self.deferred: dict[str, dict[str, Any]] = {}
+        self.loaded: list[str] = []
 
     def done(self) -> list[Message]:
         """Every message, the pending one included."""
         self._flush()
         return self.messages
+
+    def _result_part(self, where: str, block: Any) -> str:
+        """One block of a tool_result's content as text: a text block's text, or a `tool_reference` (what a
+        tool search returns, e.g. Claude Code's ToolSearch), which Anthropic's API expands into the named
+        deferred tool's definition: here a line naming the tool and its definition as JSON. The tool is then
+        callable, and the prompt's tool block stays as it was."""
+        part = _block(where, block, ("text", "tool_reference"))
+        if part["type"] == "text":
+            return str(part.get("text", ""))
+        name = part.get("tool_name")
+        if not isinstance(name, str) or not name:
+            raise bad_request(f"{where}.tool_name must be a non-empty string", param=where)
+        tool = self.deferred.get(name)
+        if tool is None:
+            return f"Tool loaded: {name}"  # offered in full already, or unknown: nothing to expand
+        if name not in self.loaded:
+            self.loaded.append(name)
+        return f"Tool loaded: {name}\n{json.dumps(tool['function'], ensure_ascii=False)}"
 
     def mark(self, where: str, block: dict[str, Any]) -> None:
         """Snapshot the conversation so far if `block` carries cache_control."""
@@ -106,7 +129,7 @@ class MessagesBuilder:
             block = _block(bwhere, raw, allowed)
             if block["type"] == "tool_result":
                 self._flush()
-                self.messages.append(_tool_result(bwhere, block))
+                self.messages.append(_tool_result(bwhere, block, self._result_part))
             else:
                 self._open(role)
                 if block["type"] == "text":
@@ -209,15 +232,14 @@ def _block(where: str, block: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
     return block
 
 
-def _tool_result(where: str, block: dict[str, Any]) -> Message:
-    """A tool_result block as the OpenAI `tool` message the chat template renders."""
+def _tool_result(where: str, block: dict[str, Any], parts: Callable[[str, Any], str]) -> Message:
+    """A tool_result block as the OpenAI `tool` message the chat template renders; `parts` reads each block of
+    a list content as text."""
     if not isinstance(block.get("tool_use_id"), str):
         raise bad_request(f"{where}.tool_use_id must be a string", param=where)
     content = block.get("content", "")
     if isinstance(content, list):
-        content = "\n".join(
-            _block(f"{where}.content[{k}]", b, ("text",)).get("text", "") for k, b in enumerate(content)
-        )
+        content = "\n".join(parts(f"{where}.content[{k}]", b) for k, b in enumerate(content))
     if not isinstance(content, str):
         raise bad_request(f"{where}.content must be a string or an array of text blocks", param=where)
     if block.get("is_error"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from swarmkv.api.chat_request import ChatRequest, Message, parse_chat_request, parse_messages, parse_tools
@@ -107,6 +107,9 @@ def parse_messages_request(body: dict[str, Any], needs_max_tokens: bool = True) 
     }
     chat_body = {key: value for key, value in chat_body.items() if value is not None}
     chat = parse_chat_request(chat_body)
+    if builder.loaded:  # deferred tools a tool search loaded: callable, and not in the tool block
+        loaded = parse_tools([builder.deferred[name] for name in builder.loaded])
+        chat = replace(chat, loaded_tools=loaded)
     # A mark on a tool (the tools come first, so nothing before it) pins the head every request with these
     # tools opens with (see `Breakpoint`).
     head = chat.messages[:1] if chat.messages[0]["role"] == "system" else []
@@ -150,7 +153,8 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
 
     What only tunes Anthropic's service is accepted and ignored: `context_management` (its edits clear past
     thinking, which the chat template drops anyway), `output_config.effort`, `service_tier`, `container`,
-    `mcp_servers`, the betas (`anthropic-beta`, `?beta=true`) and tools' `defer_loading`.
+    `mcp_servers` and the betas (`anthropic-beta`, `?beta=true`). Tools' `defer_loading` is honoured as
+    Anthropic's API does it (`_tools`).
     """
     get_field(body, "output_config", dict, "an object", {})
 
@@ -219,9 +223,14 @@ def _tools(tools: list[Any] | None, builder: MessagesBuilder) -> list[dict[str, 
             function["description"] = tool["description"]
         if tool.get("strict") is True:  # its input must follow input_schema exactly: unenforceable is a 400
             function["strict"] = True
+        if tool.get("defer_loading") is True:
+            # As Anthropic's API defers it: out of the prompt's tool block (so loading one never changes the
+            # cached head), its definition where a tool search's `tool_reference` names it.
+            builder.deferred[tool["name"]] = {"type": "function", "function": function}
+            continue
         out.append({"type": "function", "function": function})
         builder.mark(where, tool)
-    return parse_tools(out)
+    return parse_tools(out) if out or not builder.deferred else None
 
 
 def _tool_choice(choice: Any) -> Any:

@@ -110,7 +110,7 @@ def reply_constraint(req: ChatRequest, special: frozenset[str] = frozenset()) ->
 
 def _constraint(req: ChatRequest, special: frozenset[str]) -> Constraint | None:
     fmt = req.response_format
-    tools = req.prompt_tools
+    tools = req.callable_tools
     if tools:
         functions = [t["function"] for t in tools]
         forced = req.tool_choice.mode in ("required", "function")
@@ -146,5 +146,5 @@ def format_constraint(fmt: ResponseFormat | None) -> Constraint | None:
 
 
 def _unsupported(exc: UnsupportedSchemaError, req: ChatRequest) -> APIError:
-    param = "tools" if req.prompt_tools else "response_format"
+    param = "tools" if req.callable_tools else "response_format"
     return bad_request(str(exc), param=param, code="unsupported_schema")

@@ -35,7 +35,7 @@ def parse_whole_reply(
         split = split.then(reasoning.finish())
     if not req.parses_tool_calls:
         return ParsedDelta(content=split.content, reasoning=split.reasoning)
-    parsed = parse_tool_calls(req.forced_call_opening() + split.content, fmt=fmt, tools=req.prompt_tools)
+    parsed = parse_tool_calls(req.forced_call_opening() + split.content, fmt=fmt, tools=req.callable_tools)
     return ParsedDelta(reasoning=split.reasoning).then(parsed)
 
 
@@ -47,7 +47,7 @@ async def chat_deltas(
     reasoning: ReasoningSplitter | None = None,
 ) -> AsyncIterator[tuple[StepOutput, ParsedDelta]]:
     """Each engine output with the reasoning (when split), content and complete tool calls it added."""
-    parser = StreamingToolParser(fmt=fmt, tools=req.prompt_tools) if req.parses_tool_calls else None
+    parser = StreamingToolParser(fmt=fmt, tools=req.callable_tools) if req.parses_tool_calls else None
     # A forced call's prefix opens its block and may open the call itself: that goes out with the first output.
     opening = parser.feed(req.forced_call_opening()) if parser is not None else ParsedDelta()
     async for out in stream:
