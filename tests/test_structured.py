@@ -205,3 +205,23 @@ def test_xml_calls_parse_and_follow_the_schema() -> None:
         for call in parsed.tool_calls:
             schema = SCHEMAS[0] if call.name == "get_weather" else SCHEMAS[1]
             jsonschema.validate(json.loads(call.arguments), schema)
+
+
+def test_tool_call_grammar_strict_leaves_auto_calls_free() -> None:
+    """`--tool-call-grammar strict`: an auto call of tools none of which is strict follows no grammar; a strict
+    tool, a forced call or a reply format still does."""
+    from swarmkv.api.chat_request import parse_chat_request
+    from swarmkv.api.structured_request import reply_constraint
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    strict_tool = {"type": "function", "function": {**tool["function"], "strict": True}}
+
+    def constrained(strict_only: bool, **body: Any) -> bool:
+        req = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], **body})
+        return reply_constraint(req, strict_only=strict_only) is not None
+
+    assert constrained(False, tools=[tool])
+    assert not constrained(True, tools=[tool])
+    assert constrained(True, tools=[strict_tool])
+    assert constrained(True, tools=[tool], tool_choice="required")
+    assert constrained(True, tools=[tool], response_format={"type": "json_object"})

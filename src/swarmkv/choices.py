@@ -20,6 +20,8 @@ WEIGHTS_OPTIONS: tuple[WeightsOption, ...] = ("auto", "float", "int8", "int4", "
 
 # A max_tokens above what the context leaves after the prompt: clamped to that room, or a 400.
 MaxTokensPolicy = Literal["clamp", "refuse"]
+# Which tool calls follow a grammar: every call (always), or only strict tools' and forced calls (strict).
+ToolCallGrammar = Literal["always", "strict"]
 
 # A /v1/responses tool the provider runs (web_search, file_search, ...): left out of the prompt, or a 400.
 HostedToolsPolicy = Literal["drop", "refuse"]

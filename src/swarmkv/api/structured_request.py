@@ -99,21 +99,28 @@ def special_markup(tokenizer: Tokenizer) -> frozenset[str]:
     return frozenset(tag for tag in (OPEN_TAG, CLOSE_TAG, *THINK_TAGS) if tag in added)
 
 
-def reply_constraint(req: ChatRequest, special: frozenset[str] = frozenset()) -> Constraint | None:
+def reply_constraint(
+    req: ChatRequest, special: frozenset[str] = frozenset(), strict_only: bool = False
+) -> Constraint | None:
     """The grammar of this request's reply (after `render_request`, so its tool format is the template's);
-    None when unconstrained. A schema the grammar cannot enforce where strictness was asked is a 400."""
+    None when unconstrained. A schema the grammar cannot enforce where strictness was asked is a 400.
+    `strict_only` (`--tool-call-grammar strict`): tool calls follow a grammar only when a tool is strict or
+    tool_choice forces a call."""
     try:
-        return _constraint(req, special)
+        return _constraint(req, special, strict_only)
     except UnsupportedSchemaError as exc:
         raise _unsupported(exc, req) from exc
 
 
-def _constraint(req: ChatRequest, special: frozenset[str]) -> Constraint | None:
+def _constraint(req: ChatRequest, special: frozenset[str], strict_only: bool) -> Constraint | None:
     fmt = req.response_format
     tools = req.callable_tools
+    forced = req.tool_choice.mode in ("required", "function")
+    any_strict = any(t["function"].get("strict") is True for t in tools or [])
+    if tools and strict_only and not forced and not any_strict and fmt is None:
+        return None  # auto calls of tools none of which is strict stay free
     if tools:
         functions = [t["function"] for t in tools]
-        forced = req.tool_choice.mode in ("required", "function")
         if req.tool_choice.mode == "function":
             functions = [f for f in functions if f["name"] == req.tool_choice.name]
         strict = frozenset(f["name"] for f in functions if f.get("strict") is True)

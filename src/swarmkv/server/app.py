@@ -72,6 +72,7 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> Starlette:
         hosted_tools=config.hosted_tools,
         max_tokens_policy=config.max_tokens_policy,
         prompt_layout=config.prompt_layout,
+        tool_call_grammar=config.tool_call_grammar,
     )
 
     @asynccontextmanager

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from swarmkv.choices import HostedToolsPolicy, MaxTokensPolicy, PromptLayout
+from swarmkv.choices import HostedToolsPolicy, MaxTokensPolicy, PromptLayout, ToolCallGrammar
 
 API_KEY_ENV = "SWARMKV_API_KEY"
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
@@ -65,6 +65,12 @@ class ServerConfig:
         "what a max_tokens (max_output_tokens, max_completion_tokens) above what the context leaves after "
         "the prompt gets: clamp (to that room; the reply ends in 'length' if it gets there) or refuse "
         "(a 400) (default %(default)s)",
+    )
+    tool_call_grammar: ToolCallGrammar = _opt(
+        "always",
+        "which tool calls follow their tool's schema under a grammar: always (any call the model writes "
+        "when tools are offered) or strict (only strict tools', and calls tool_choice forces, as vLLM does) "
+        "(default %(default)s)",
     )
     prompt_layout: PromptLayout = _opt(
         "auto",

@@ -14,7 +14,7 @@ from typing import Any
 from starlette.requests import Request
 
 from swarmkv.api.errors import APIError
-from swarmkv.choices import HostedToolsPolicy, MaxTokensPolicy, PromptLayout
+from swarmkv.choices import HostedToolsPolicy, MaxTokensPolicy, PromptLayout, ToolCallGrammar
 from swarmkv.server.engine_loop.async_engine import AsyncEngine
 from swarmkv.server.http.body import read_json_body
 from swarmkv.server.observability.cache_breaks import CacheBreaks
@@ -49,6 +49,7 @@ class ServerContext:
     hosted_tools: HostedToolsPolicy = "drop"  # `--hosted-tools`
     max_tokens_policy: MaxTokensPolicy = "clamp"  # `--max-tokens-policy`
     prompt_layout: PromptLayout = "auto"  # `--prompt-layout`
+    tool_call_grammar: ToolCallGrammar = "always"  # `--tool-call-grammar`
     num_tenants: int = 1  # the tenants the keys name; each gets this share of the pinned memory
     # Set on a request's copy only (`request_context`), so that no route can act for no one by mistake.
     request_tenant: Tenant | None = None

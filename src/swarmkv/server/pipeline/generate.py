@@ -114,7 +114,7 @@ async def start_chat(
     """Render (on a worker thread) and submit a chat request."""
     req, rendered = await render_in_worker(ctx, req, api)
     constraint = reply_constraint(
-        req, special_markup(ctx.tokenizer)
+        req, special_markup(ctx.tokenizer), strict_only=ctx.tool_call_grammar == "strict"
     )  # a grammar is checked (and cached) when first seen: a worker's job
     params = req.options.sampling_params(
         len(rendered.token_ids),
