@@ -135,3 +135,18 @@ def test_gguf_layers_on_the_triton_kernel_match_the_cpu_path(mixed_gguf: Path) -
         on_triton = model.compute_logits(model(ids, positions, CausalSelfAttention()))
     torch.testing.assert_close(on_triton, cpu, atol=2e-4, rtol=1e-3)
     assert torch.equal(on_triton.argmax(-1), cpu.argmax(-1))
+
+
+def test_gguf_weights_are_refused_where_no_kernel_reads_them(
+    mixed_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device with neither the C kernel nor triton (a GPU without triton, or another kind): a ConfigError
+    naming the formats that run, before any weight is read."""
+    from swarmkv.errors import ConfigError
+    from swarmkv.models import gguf_linear
+
+    assert gguf_linear.gguf_kernels_run_on(torch.device("cpu"))
+    assert not gguf_linear.gguf_kernels_run_on(torch.device("meta"))
+    monkeypatch.setattr(gguf_linear, "gguf_kernels_run_on", lambda device: False)
+    with pytest.raises(ConfigError, match="use --weights auto, int4 or int8"):
+        load_model(str(mixed_gguf), dtype="float32", weights="gguf")

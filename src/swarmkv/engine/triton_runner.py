@@ -30,6 +30,7 @@ from swarmkv.engine.triton_attention import (
     prefix_tiles,
 )
 from swarmkv.engine.triton_recurrent import TritonRecurrentStep
+from swarmkv.kernels.quant_gemv import compute_units
 from swarmkv.models.attention import AttentionBackend
 from swarmkv.models.decoder import DecoderForCausalLM
 from swarmkv.models.layers import triton_ops
@@ -68,7 +69,7 @@ class TritonRunner:
         # fla's chunked kernels for prefill chunks where they run (a GPU, with the `gpu` extra installed); the
         # recurrent kernel (exact, serial over a chunk's tokens) elsewhere and under the interpreter.
         self.chunked_prefill = self.is_cuda and importlib.util.find_spec("fla") is not None
-        units = torch.cuda.get_device_properties(self.device).multi_processor_count if self.is_cuda else 1
+        units = compute_units(self.device)  # 1 off a GPU
         self.target_programs = PROGRAMS_PER_UNIT * units
         self.graphs: DecodeGraphs | None = None
         if graph_buckets:

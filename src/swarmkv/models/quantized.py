@@ -149,7 +149,9 @@ class QuantizedLinear(nn.Module):
                     f"{self.format} weights on a GPU need the triton package (pip install triton)"
                 )
             self.kernel = "triton"
-            self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            from swarmkv.kernels.quant_gemv import compute_units  # imports triton: only on a GPU
+
+            self.num_sms = compute_units(device)
         else:
             raise ConfigError(f"{self.format} weights run on the CPU or a CUDA/ROCm GPU, not {device.type!r}")
 
