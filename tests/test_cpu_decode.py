@@ -72,6 +72,9 @@ class Checked:
 
 
 def checked_llm(path: Path, **options: object) -> tuple[LLM, Checked]:
+    options.setdefault(
+        "speculation", "off"
+    )  # the check compares decode rows; test_speculation.py covers drafts
     llm = LLM(str(path), dtype="float32", kv_cache_memory="64MiB", **options)  # type: ignore[arg-type]
     assert llm.engine.runner.cpu_decode is not None, cpu_decode.why_not(
         llm.loaded.model, llm.engine.runner.kv_cache, llm.loaded.device

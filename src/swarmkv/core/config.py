@@ -15,10 +15,12 @@ from swarmkv.choices import (
     CASCADE_MODES,
     JUMP_FORWARD_MODES,
     KV_CACHE_DTYPES,
+    SPECULATION_MODES,
     AttentionBackendName,
     CascadeMode,
     JumpForwardMode,
     KVCacheDtype,
+    SpeculationMode,
     WeightsOption,
 )
 from swarmkv.kv.retention import RETENTION_POLICIES, RetentionPolicy
@@ -97,6 +99,20 @@ class EngineConfig:
         "in the next step as one chunk; off appends one a step in place of a sampled one; auto: on off the "
         "CPU (there a chunk of several tokens costs a pass of the torch modules beside the C decode step)",
     )
+    speculation: SpeculationMode = _opt(
+        "auto",
+        "speculative decoding without a draft model: drafts from suffix automata over each request's own "
+        "context, its siblings' replies under the same head and its session's earlier turns, verified "
+        "exactly several tokens a pass. auto: on for models without recurrent state (a hybrid's state "
+        "cannot drop rejected positions), and never for a request under a grammar; on; off",
+    )
+    num_speculative_tokens: int = _opt(8, "draft tokens a request may verify in one step at most")
+    max_speculative_rows: int | Literal["auto"] = _opt(
+        "auto",
+        "a step's decode rows plus draft tokens at most: past it a step is compute-bound and drafts would "
+        "slow it (auto: 16 on the CPU, 64 on a GPU)",
+        flag=False,
+    )
     max_open_sessions: int = _opt(
         4096, "open sessions kept at most; past it the one idle longest is released", flag=False
     )
@@ -144,6 +160,11 @@ class EngineConfig:
             raise ValueError(
                 f"cascade_attention must be one of {CASCADE_MODES}, got {self.cascade_attention!r}"
             )
+        if self.speculation not in SPECULATION_MODES:
+            raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {self.speculation!r}")
+        rows = self.max_speculative_rows
+        if rows != "auto" and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
+            raise ValueError(f"max_speculative_rows must be auto or an integer >= 0, got {rows!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -170,6 +191,7 @@ class EngineConfig:
             "max_session_id_chars",
             "starvation_steps",
             "max_waiting_considered",
+            "num_speculative_tokens",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -194,6 +216,12 @@ class EngineConfig:
         if self.max_num_partial_prefills == "auto":
             return 2 if device_type == "cpu" else None  # measured on the CPU only (see the help text)
         return self.max_num_partial_prefills or None
+
+    def speculative_rows(self, device_type: str) -> int:
+        """A step's decode rows plus draft tokens at most on a `device_type` device, auto resolved by it."""
+        if self.max_speculative_rows == "auto":
+            return 16 if device_type == "cpu" else 64
+        return self.max_speculative_rows
 
     @property
     def kv_cache_bytes(self) -> int:

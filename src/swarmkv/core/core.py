@@ -21,6 +21,7 @@ from swarmkv.errors import InvalidRequestError
 from swarmkv.kv import KVCacheManager, PageMover, Retention
 from swarmkv.kv.state_index import StateMover
 from swarmkv.prefix import common_prefix_length
+from swarmkv.spec import Drafter
 
 # A measuring or replaying run's own page size in bytes when it has none: figures then count pages.
 _ONE_BYTE_PAGES = 1
@@ -44,10 +45,13 @@ class EngineCore:
         state_mover: StateMover | None = None,
         cost: PreemptionCost | None = None,
         device_type: str = "cpu",
+        drafter: Drafter | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         """`copy_page`, `page_mover` and `state_mover` copy the KV tensors the books describe (None: books
         only); `cost` weighs swap against recompute on preemption; `device_type` is the model's device
-        ("cpu", "cuda"), for the settings whose auto value differs by device."""
+        ("cpu", "cuda"), for the settings whose auto value differs by device; `drafter`: the decodes' drafts
+        (None: no speculative decoding), never past `max_model_len` positions."""
         self.config = config
         self.page_bytes = page_bytes
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -70,8 +74,11 @@ class EngineCore:
             config.starvation_steps,
             config.max_waiting_considered,
             config.partial_prefill_limit(device_type),
+            config.speculative_rows(device_type) if drafter is not None else 0,
+            max_model_len,
         )
-        self.scheduler = Scheduler(self.kv, limits, self.counters, cost)
+        self.drafter = drafter
+        self.scheduler = Scheduler(self.kv, limits, self.counters, cost, drafter)
         self.pins = Pins(self.kv, page_bytes, config.max_pinned_bytes, state_bytes=state_bytes_per_sequence)
         self._requests: dict[str, Sequence] = {}
         self._arrivals = 0
@@ -149,6 +156,10 @@ class EngineCore:
     def commit(self, chunks: list[Chunk]) -> None:
         """The chunks' KV is computed: progress, counters and the prefix index follow."""
         self.scheduler.commit(chunks)
+
+    def accept(self, seq: Sequence, num_tokens: int) -> None:
+        """A speculative chunk's first `num_tokens` draft tokens were accepted: their KV is computed."""
+        self.scheduler.accept(seq, num_tokens)
 
     def end_step(self) -> None:
         """A step ran (its stopped requests finished): count it and the pages' high-water marks."""
@@ -284,6 +295,11 @@ class EngineCore:
             pin_prefill_tokens_computed=c.pin_prefill_tokens_computed,
             pin_prefix_hit_tokens=c.pin_prefix_hit_tokens,
             pin_recomputed_tokens=c.pin_recomputed_tokens,
+            spec_verify_steps=c.spec_verify_steps,
+            spec_draft_tokens=c.spec_draft_tokens,
+            spec_accepted_tokens=c.spec_accepted_tokens,
+            spec_accepted_sibling_tokens=c.spec_accepted_sibling_tokens,
+            spec_accepted_session_tokens=c.spec_accepted_session_tokens,
             state=self._state_stats(),
         )
 

@@ -31,6 +31,7 @@ from swarmkv.core.stats import EngineCounters
 from swarmkv.kv import NO_HIT, Hit, KVCacheManager
 from swarmkv.kv.state_index import MIN_SNAPSHOT_TOKENS
 from swarmkv.prefix import common_prefix_length
+from swarmkv.spec import Drafter
 
 ChunkKind = Literal["prefill", "decode"]
 
@@ -45,6 +46,9 @@ class Chunk:
     kind: ChunkKind
     samples: bool  # the chunk reaches the request's last token, so a new token is sampled after it
     snapshot: bool = False  # hybrids: keep the recurrent state after this chunk
+    # Speculative decoding: tokens drafted after the request's last, the tail of `token_ids`, computed to be
+    # verified. Their KV counts as computed only once accepted (`LLMEngine.append_tokens`).
+    draft: tuple[int, ...] = ()
 
     @property
     def request_id(self) -> str:
@@ -56,14 +60,20 @@ class Chunk:
         """Tokens computed in this chunk."""
         return len(self.token_ids)
 
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits the step reads from this chunk: its last, and one more a draft token."""
+        return 1 + len(self.draft) if self.samples else 0
+
 
 def sampling_rows(chunks: list[Chunk]) -> list[int]:
-    """Rows of a flat batch of `chunks` (in order) whose logits are sampled: each sampling chunk's last."""
-    rows, end = [], 0
+    """Rows of a flat batch of `chunks` (in order) whose logits are read: each sampling chunk's last, or a
+    speculative chunk's last `num_logits`."""
+    rows: list[int] = []
+    end = 0
     for chunk in chunks:
         end += chunk.num_tokens
-        if chunk.samples:
-            rows.append(end - 1)
+        rows.extend(range(end - chunk.num_logits, end))
     return rows
 
 
@@ -91,6 +101,10 @@ class SchedulerLimits:
     starvation_steps: int = 16
     max_waiting_considered: int = 256
     max_num_partial_prefills: int | None = None
+    # Speculative decoding: a step's decode rows and draft tokens together at most (0: no drafts); draft
+    # tokens past `max_model_len` positions are never proposed.
+    max_speculative_rows: int = 0
+    max_model_len: int | None = None
 
 
 @dataclass
@@ -115,8 +129,11 @@ class Scheduler:
         limits: SchedulerLimits,
         counters: EngineCounters,
         cost: PreemptionCost | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
+        """`drafter`: where decodes' drafts come from (None: no speculative decoding)."""
         self.kv = kv
+        self.drafter = drafter
         self.limits = limits
         self.counters = counters
         self.cost = cost or PreemptionCost(page_bytes=1, copy_bytes_per_s=1e9, prefill_s_per_token=1e-3)
@@ -153,6 +170,8 @@ class Scheduler:
                 scheduled.add(id(seq))
                 plan.chunks.append(self._chunk(seq, 1, "decode"))
                 budget -= 1
+        if self.drafter is not None and plan.chunks:
+            budget -= self._add_drafts(plan, self.drafter, budget)
         admitting = True
         prefills = self._prefills(scheduled)
         limit, prefilling = self.limits.max_num_partial_prefills, 0
@@ -207,6 +226,39 @@ class Scheduler:
         plan.freed, self._freed = self._freed, []
         plan.state_slots = self.kv.state_slots([c.request_id for c in plan.chunks])
         return plan
+
+    def _add_drafts(self, plan: StepPlan, drafter: Drafter, budget: int) -> int:
+        """Turn decodes into speculative chunks, oldest first, while the step has rows to spare (a step of
+        many decodes is compute-bound: drafts would only slow it) and drafts fit in free pages (a draft never
+        evicts or preempts). The budget they take."""
+        room = min(budget, self.limits.max_speculative_rows - len(plan.chunks))
+        taken = 0
+        for i, chunk in enumerate(plan.chunks):
+            if room - taken <= 0:
+                break
+            seq = chunk.seq
+            # The reply gains at most the accepted draft and one more token.
+            left = seq.params.max_tokens - len(seq.output_token_ids) - 1
+            if self.limits.max_model_len is not None:
+                left = min(left, self.limits.max_model_len - seq.num_tokens)
+            draft = drafter.propose(seq.request_id, min(left, room - taken))
+            if draft is None or not draft.tokens:
+                continue
+            tokens = list(draft.tokens)
+            in_pages = len(self.kv.page_table(seq.request_id)) * self.kv.page_size - seq.num_tokens
+            if self.kv.num_new_pages(seq, NO_HIT, 1 + len(tokens)) > self.kv.num_free:
+                tokens = tokens[: max(0, in_pages)]
+            if not tokens:
+                continue
+            pages = self.kv.allocate(seq, NO_HIT, 1 + len(tokens))
+            assert pages is not None, "free pages were counted"
+            if pages:
+                plan.new_pages.setdefault(seq.request_id, []).extend(pages)
+            plan.chunks[i] = Chunk(
+                seq, chunk.start, [*chunk.token_ids, *tokens], "decode", True, draft=tuple(tokens)
+            )
+            taken += len(tokens)
+        return taken
 
     def _counts_against_limit(self, num_uncomputed: int, num_tokens: int, follower: bool) -> bool:
         """Whether a prefill chunk of `num_tokens` of a request with `num_uncomputed` tokens left (before
@@ -390,7 +442,7 @@ class Scheduler:
         hybrids' state snapshots the plan asked for."""
         for chunk in chunks:
             seq = chunk.seq
-            end = chunk.start + chunk.num_tokens
+            end = chunk.start + chunk.num_tokens - len(chunk.draft)  # drafts count once accepted
             self._count_work(seq, chunk.start, end)
             seq.num_computed_tokens = end
             self.kv.commit(seq, end)
@@ -405,6 +457,17 @@ class Scheduler:
                 # The prompt's end: the next turn always continues it, even when the reply it goes on with
                 # re-tokenizes differently from the tokens generated (the turn's end would not match then).
                 self.kv.snapshot(seq, "turn")
+
+    def accept(self, seq: Sequence, num_tokens: int) -> None:
+        """A speculative chunk's first `num_tokens` draft tokens were accepted and appended: their KV, computed
+        in that chunk, is the request's (its full pages go to the prefix index)."""
+        if not num_tokens:
+            return
+        end = seq.num_computed_tokens + num_tokens
+        assert end <= seq.num_tokens, "accepted draft tokens are appended first"
+        self._count_work(seq, seq.num_computed_tokens, end)
+        seq.num_computed_tokens = end
+        self.kv.commit(seq, end)
 
     def _count_work(self, seq: Sequence, start: int, end: int) -> None:
         """Positions this request processed before are recomputed; new prompt positions are first-time

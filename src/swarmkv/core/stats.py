@@ -48,6 +48,11 @@ class EngineCounters:
     pin_prefill_tokens_computed: int = 0
     pin_prefix_hit_tokens: int = 0
     pin_recomputed_tokens: int = 0
+    spec_verify_steps: int = 0  # speculative chunks verified (a request's draft, one a step)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_sibling_tokens: int = 0  # of those, drafted from replies under the same head
+    spec_accepted_session_tokens: int = 0  # drafted from the session's earlier replies
 
 
 @dataclass(frozen=True)
@@ -113,7 +118,19 @@ class EngineStats:
     pin_prefill_tokens_computed: int
     pin_prefix_hit_tokens: int
     pin_recomputed_tokens: int
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_sibling_tokens: int = 0
+    spec_accepted_session_tokens: int = 0
     state: StateStats | None = None  # hybrids only
+
+    @property
+    def spec_tokens_per_step(self) -> float | None:
+        """Tokens a verification step yielded on average (accepted drafts plus the one it always yields)."""
+        if not self.spec_verify_steps:
+            return None
+        return (self.spec_accepted_tokens + self.spec_verify_steps) / self.spec_verify_steps
 
     @property
     def kv_bytes_reclaimed(self) -> int:

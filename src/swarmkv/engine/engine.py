@@ -8,6 +8,7 @@ go back (their earlier KV stays cached), the runner forgets their rows, and the 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Any
@@ -30,10 +31,12 @@ from swarmkv.engine.output_processor import OutputProcessor, RequestDelta
 from swarmkv.engine.page_table import PageTable
 from swarmkv.engine.runner import ModelRunner
 from swarmkv.engine.sampler import sample
+from swarmkv.engine.speculative import verify_greedy, verify_sampled
 from swarmkv.engine.state_cache import StateCache
 from swarmkv.errors import CapacityError, InvalidRequestError
 from swarmkv.kv import pages_for
 from swarmkv.models.loader import LoadedModel
+from swarmkv.spec import Drafter
 from swarmkv.structured.decoding import StructuredDecoding
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestDelta"]
@@ -99,6 +102,9 @@ class LLMEngine:
             config.swap_bytes_per_s or (12e9 if gpu else 4e9),
             config.prefill_s_per_token or (1e-4 if gpu else 3e-3),
         )
+        drafter = None
+        if self._speculates(config, loaded):
+            drafter = Drafter(config.num_speculative_tokens)
         self.core = EngineCore(
             config,
             num_pages,
@@ -112,7 +118,10 @@ class LLMEngine:
             state_mover=self.states,
             cost=self.preemption_cost,
             device_type=loaded.device.type,
+            drafter=drafter,
+            max_model_len=self.max_model_len,
         )
+        self.drafter = drafter
         # The core's parts, named for the tests and benchmarks that read them.
         self.kv, self.scheduler, self.pins, self.counters = (
             self.core.kv,
@@ -143,6 +152,21 @@ class LLMEngine:
         self._generator = torch.Generator().manual_seed(config.seed)
         self._structured: StructuredDecoding | None = None  # built by the first constrained request
         self.last_step_error: str | None = None  # set while the latest step failed
+
+    @staticmethod
+    def _speculates(config: EngineConfig, loaded: LoadedModel) -> bool:
+        """Whether drafts are verified: `speculation` resolved for this model (ValueError for `on` where it
+        cannot be exact)."""
+        if config.speculation == "off":
+            return False
+        if loaded.config.is_hybrid:
+            if config.speculation == "on":
+                raise ValueError(
+                    "speculation=on needs a model without recurrent state: a hybrid's linear-attention state "
+                    "cannot drop a rejected draft's positions"
+                )
+            return False
+        return True
 
     @property
     def healthy(self) -> bool:
@@ -187,6 +211,10 @@ class LLMEngine:
         seq = self.core.add_request(request_id, prompt_token_ids, params, cache_salt, session_id, is_pin)
         if grammar is not None:
             self.structured.add(request_id, grammar)
+        elif self.drafter is not None and not is_pin and (params.greedy or params.seed is None):
+            # Not under a grammar (its mask would have to vet every draft token), nor for a seeded sampling
+            # request: its draws would depend on what the drafts were, so the seed would not reproduce it.
+            self.drafter.add(request_id, seq.prompt_token_ids, cache_salt, session_id)
         if params.seed is not None:
             self._generators[request_id] = torch.Generator().manual_seed(params.seed)
         self.outputs.add(request_id, seq.prompt_token_ids, params)
@@ -294,18 +322,61 @@ class LLMEngine:
                     self.kv.check_writable(chunk.request_id, chunk.start, chunk.start + chunk.num_tokens)
             masks = self._structured.prefetch(plan.chunks) if self._structured is not None else None
             sampling, logits = self.runner.run(plan)  # the masks are computed meanwhile
+            drafted = any(c.draft for c in sampling)
+            # One row a chunk to sample from: its last (a speculative chunk's are verified apart, below).
+            last = logits
+            if drafted:
+                ends = list(itertools.accumulate(c.num_logits for c in sampling))
+                last = logits[torch.tensor([end - 1 for end in ends], device=logits.device)]
             if masks is not None:
-                self.structured.apply(masks, sampling, logits)
+                self.structured.apply(masks, sampling, last)
             generators = [self._generators.get(c.request_id, self._generator) for c in sampling]
-            tokens = sample(logits, [c.seq.params for c in sampling], generators)
+            tokens = sample(last, [c.seq.params for c in sampling], generators)
+            verified = self._verify(sampling, logits, generators) if drafted else {}
         except Exception as exc:
             return self._fail_step(plan, exc)
         self.last_step_error = None
         self._time_prefill(plan, time.perf_counter() - start)
         self.core.commit(plan.chunks)
-        deltas = [self._append_token(chunk, token) for chunk, token in zip(sampling, tokens, strict=True)]
+        deltas = []
+        for i, (chunk, token) in enumerate(zip(sampling, tokens, strict=True)):
+            if i in verified:
+                deltas.append(self._append_verified(chunk, verified[i]))
+            else:
+                deltas.append(self._append_token(chunk, token))
         self.core.end_step()
         return deltas
+
+    def _verify(
+        self, sampling: list[Chunk], logits: torch.Tensor, generators: list[torch.Generator]
+    ) -> dict[int, list[int]]:
+        """The tokens each speculative chunk yields (by its index in `sampling`), from its rows of logits."""
+        out: dict[int, list[int]] = {}
+        choices = logits.argmax(-1).tolist() if any(c.draft and c.seq.params.greedy for c in sampling) else []
+        first = 0
+        for i, chunk in enumerate(sampling):
+            rows = slice(first, first + chunk.num_logits)
+            first += chunk.num_logits
+            if not chunk.draft:
+                continue
+            if chunk.seq.params.greedy:
+                out[i] = verify_greedy(choices[rows], chunk.draft)
+            else:
+                out[i] = verify_sampled(logits[rows], chunk.draft, chunk.seq.params, generators[i])
+        return out
+
+    def _append_verified(self, chunk: Chunk, tokens: list[int]) -> RequestDelta:
+        """Append a speculative chunk's yield: its accepted draft tokens, whose KV the chunk computed, and one."""
+        num_accepted = len(tokens) - 1
+        c = self.counters
+        c.spec_verify_steps += 1
+        c.spec_draft_tokens += len(chunk.draft)
+        c.spec_accepted_tokens += num_accepted
+        assert self.drafter is not None
+        source = self.drafter.record(chunk.request_id, len(chunk.draft), num_accepted)
+        c.spec_accepted_sibling_tokens += num_accepted if source == "sibling" else 0
+        c.spec_accepted_session_tokens += num_accepted if source == "session" else 0
+        return self.append_tokens(chunk.seq, tokens, num_computed=num_accepted)
 
     def _time_prefill(self, plan: StepPlan, elapsed_s: float) -> None:
         """Refine the per-token prefill cost that swap-or-recompute decisions weigh, from a prefill step."""
@@ -337,12 +408,15 @@ class LLMEngine:
         complete = constrained and self.structured.is_complete(seq.request_id)
         return self.append_tokens(seq, tokens, grammar_complete=complete)
 
-    def append_tokens(self, seq: Sequence, tokens: list[int], grammar_complete: bool = False) -> RequestDelta:
+    def append_tokens(
+        self, seq: Sequence, tokens: list[int], grammar_complete: bool = False, num_computed: int = 0
+    ) -> RequestDelta:
         """The multi-token append: add `tokens` to a running request's reply, up to the first that ends it
         (a stop id, max_tokens, the context). The next step computes those past the first as one chunk, as a
         prefill's chunk is computed, so the KV and the prefix cache stay exact; forced runs (jump-forward)
-        come through here, and a speculative step's accepted drafts can. `grammar_complete`: nothing may
-        follow (the reply's grammar ended), so the request stops."""
+        come through here, and a speculative step's yield: its first `num_computed` tokens are accepted
+        draft tokens, whose KV that step computed, so they count as computed at once. `grammar_complete`:
+        nothing may follow (the reply's grammar ended), so the request stops."""
         params = seq.params
         reason: FinishReason | None = None
         appended: list[int] = []
@@ -359,6 +433,9 @@ class LLMEngine:
                 break
         if reason is None and grammar_complete:
             reason = "stop"
+        self.core.accept(seq, min(num_computed, len(appended)))
+        if self.drafter is not None:
+            self.drafter.extend(seq.request_id, appended)
         self.counters.generated_tokens += 0 if seq.is_pin else len(appended)  # a pin's token is dropped
         delta = self.outputs.process(seq.request_id, seq.output_token_ids, appended, reason)
         if delta.finished:
@@ -368,6 +445,8 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         self.core.forget(request_id)
+        if self.drafter is not None:
+            self.drafter.finish(request_id)
         self._generators.pop(request_id, None)
         if self._structured is not None:
             self._structured.drop(request_id)
@@ -377,6 +456,8 @@ class LLMEngine:
         if not self.core.abort(request_id):
             return False
         self.outputs.drop(request_id)
+        if self.drafter is not None:
+            self.drafter.finish(request_id)
         self._generators.pop(request_id, None)
         if self._structured is not None:
             self._structured.drop(request_id)

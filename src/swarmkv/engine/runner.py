@@ -85,6 +85,10 @@ class ModelRunner:
         order of their rows of float32 logits [N, vocab]."""
         prefills = [c for c in plan.chunks if c.kind == "prefill"]
         decodes = [c for c in plan.chunks if c.kind == "decode"]
+        if self.cpu_decode is None:
+            # A speculative chunk computes several positions of one request, as a prefill's chunk does.
+            prefills += [c for c in decodes if c.draft]
+            decodes = [c for c in decodes if not c.draft]
         if self.cpu_decode is not None and decodes:
             # The decodes in C, any prefills through the modules: a second pass over the weights costs less than
             # decode rows in the modules, which gather every key of their context layer by layer.
@@ -121,21 +125,31 @@ class ModelRunner:
         self.page_table.sync()
 
     def _run_cpu_decode(self, step: DecodeModel, decodes: list[Chunk]) -> tuple[list[Chunk], torch.Tensor]:
-        """A step's decodes in one C call. Its attention reads a group's shared pages once at no extra cost,
-        so any saving is worth a group (cascade off still turns grouping off)."""
-        groups, decodes = self._group_decodes(decodes, 1)
+        """A step's decodes in one C call, a speculative chunk as a row for each of its positions: the step
+        stores every row's KV before any row attends, so a draft token reads the ones before it. Its
+        attention reads a group's shared pages once at no extra cost, so any saving is worth a group
+        (cascade off still turns grouping off)."""
+        assert all(c.samples for c in decodes), "a decode chunk ends at its request's last token"
+        # (chunk, offset) for every position computed, in the chunks' order; logits come back in that order.
+        items = [(c, j) for c in decodes for j in range(c.num_tokens)]
+        table_rows = [self.page_table.row(c.request_id) for c, _ in items]
+        positions = [c.start + j for c, j in items]
+        groups, order = self._group_rows(table_rows, positions, 1)
         sizes = [size for size, _ in groups]
-        sizes += [1] * (len(decodes) - sum(sizes))
+        sizes += [1] * (len(order) - sum(sizes))
         shared = [pages * self.page_size for _, pages in groups]
         shared += [0] * (len(sizes) - len(shared))
         logits = step.step(
-            torch.tensor([c.token_ids[0] for c in decodes], dtype=torch.int64),
-            torch.tensor([self.page_table.row(c.request_id) for c in decodes], dtype=torch.int64),
-            torch.tensor([c.start for c in decodes], dtype=torch.int64),
+            torch.tensor([items[i][0].token_ids[items[i][1]] for i in order], dtype=torch.int64),
+            torch.tensor([table_rows[i] for i in order], dtype=torch.int64),
+            torch.tensor([positions[i] for i in order], dtype=torch.int64),
             sizes,
             shared,
         )
-        assert all(c.samples for c in decodes), "a decode chunk ends at its request's last token"
+        if order != list(range(len(order))):
+            inverse = torch.empty(len(order), dtype=torch.int64)
+            inverse[torch.tensor(order)] = torch.arange(len(order))
+            logits = logits[inverse]
         return decodes, logits
 
     def _group_decodes(
@@ -143,14 +157,22 @@ class ModelRunner:
     ) -> tuple[list[tuple[int, int]], list[Chunk]]:
         """Cascade groups as (number of decodes, shared pages), grouped decodes first, in group order."""
         rows = [self.page_table.row(c.request_id) for c in decodes]
-        shareable = [c.start // self.page_size for c in decodes]
+        groups, order = self._group_rows(rows, [c.start for c in decodes], min_saved_tokens)
+        return groups, [decodes[i] for i in order]
+
+    def _group_rows(
+        self, rows: list[int], positions: list[int], min_saved_tokens: int
+    ) -> tuple[list[tuple[int, int]], list[int]]:
+        """Cascade groups of decode rows (page-table `rows`, each decoding at its position) as (members,
+        shared pages), and the rows' order: grouped rows first, in group order."""
+        shareable = [position // self.page_size for position in positions]
         groups = plan_groups(
             self.page_table.host, rows, shareable, self.page_size, self.cascade, min_saved_tokens
         )
         order = [i for g in groups for i in g.members]
-        rest = sorted(set(range(len(decodes))) - set(order))
+        rest = sorted(set(range(len(rows))) - set(order))
         sizes = [(len(g.members), g.num_pages) for g in groups]
         for g in groups:
             self.counters.cascade_decode_rows += len(g.members)
             self.counters.cascade_shared_tokens += g.num_pages * self.page_size
-        return sizes, [decodes[i] for i in order + rest]
+        return sizes, order + rest

@@ -37,12 +37,7 @@ def _sample_rows(
         dtype=torch.float64,
     )
     temperature, top_k, top_p, uniform = _to_device(settings, device).unbind(-1)
-    ranked, order = (logits / temperature[:, None].to(logits.dtype)).sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=device)
-    ranked = ranked.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
-    probs = torch.softmax(ranked, dim=-1)
-    # top-p keeps the smallest head whose mass reaches top_p; the most likely token always survives.
-    probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p[:, None].to(probs.dtype), 0.0)
+    probs, order = _ranked_probs(logits, temperature, top_k, top_p)
     # Inverse CDF: the first rank whose cumulative mass passes u x (the kept mass).
     cdf = probs.cumsum(-1)
     target = (uniform.to(cdf.dtype) * cdf[:, -1])[:, None]
@@ -50,6 +45,31 @@ def _sample_rows(
     # Kept tokens are a prefix of the ranking; rounding must not step past the last of them.
     picked = torch.minimum(picked, (probs > 0).sum(-1, keepdim=True) - 1)
     return order.gather(-1, picked).squeeze(-1)
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution `sample` draws from for each row of `logits` [N, vocab] under one request's `params`
+    (temperature, top-k, top-p applied), normalised, in vocabulary order."""
+    n, vocab = logits.shape
+    settings = torch.tensor([[params.temperature, min(params.top_k or vocab, vocab), params.top_p]] * n)
+    temperature, top_k, top_p = _to_device(settings.double(), logits.device).unbind(-1)
+    probs, order = _ranked_probs(logits, temperature, top_k, top_p)
+    probs = probs / probs.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(-1, order, probs)
+
+
+def _ranked_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's kept probabilities in rank order (unnormalised once top-p cut them) and the ranking."""
+    vocab = logits.shape[-1]
+    ranked, order = (logits / temperature[:, None].to(logits.dtype)).sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device)
+    ranked = ranked.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
+    probs = torch.softmax(ranked, dim=-1)
+    # top-p keeps the smallest head whose mass reaches top_p; the most likely token always survives.
+    probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p[:, None].to(probs.dtype), 0.0)
+    return probs, order
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,5 @@
+"""Speculative decoding's drafting side, without a model or tensors: suffix automata over the swarm's text."""
+
+from swarmkv.spec.drafter import Draft, Drafter, DraftSource
+
+__all__ = ["Draft", "DraftSource", "Drafter"]

@@ -1,0 +1,227 @@
+"""Drafts without a model: the tokens a request's text suggests come next, from what the swarm has written.
+
+Each request drafting keeps a suffix automaton of its own context (prompt and reply) and one of its reply alone.
+Its draft is the continuation of the longest match of its recent tokens among three sources:
+- `own`: an earlier occurrence in its own context (a file a tool returned, quoted back in an edit);
+- `sibling`: the replies of requests under the same head (same cache salt and opening tokens: the swarm's other
+  agents), finished or still running;
+- `session`: the replies of its session's earlier turns.
+A sibling's or session turn's reply is followed through a `Matcher`, so every source costs O(1) a token. The
+sources are scoped by cache salt, which is the tenant's: a draft never comes from another tenant's text, since
+acceptance and timing would show it.
+
+Draft length adapts per request: doubled after a fully accepted draft, cut to what was accepted plus one after
+a partial one, and a request whose drafts keep failing waits longer and longer between tries.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal
+
+from swarmkv.spec.suffix_automaton import Matcher, SuffixAutomaton
+
+DraftSource = Literal["own", "sibling", "session"]
+
+HEAD_TOKENS = 32  # opening tokens that put requests of one salt under one head (a system prompt's start)
+WARM_TOKENS = 32  # own tokens fed to a matcher made mid-reply, so it starts matching at once
+MAX_BACKOFF_STEPS = 64
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Tokens proposed after a request's last, where they came from, and the match that proposed them."""
+
+    tokens: tuple[int, ...]
+    source: DraftSource
+    match_tokens: int
+
+
+@dataclass
+class _Request:
+    context: SuffixAutomaton
+    reply: SuffixAutomaton
+    group: tuple[str | None, tuple[int, ...]]
+    session: tuple[str | None, str] | None
+    matchers: dict[int, tuple[Matcher, DraftSource]] = field(default_factory=dict)
+    draft_tokens: int = 4  # the next draft's length cap
+    misses: int = 0  # drafts in a row with nothing accepted
+    wait_steps: int = 0  # proposals skipped before the next try
+    pending: Draft | None = None
+
+
+class _Pool:
+    """The replies drafts may come from, newest last, at most `capacity` finished ones beside the running."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.replies: OrderedDict[int, SuffixAutomaton] = OrderedDict()
+        self.running: set[int] = set()
+        self.members: set[str] = set()  # live requests matching against this pool
+
+    def evicted(self) -> list[int]:
+        """Drop the oldest finished replies past the capacity; their ids."""
+        finished = [sid for sid in self.replies if sid not in self.running]
+        gone = finished[: max(0, len(finished) - self.capacity)]
+        for sid in gone:
+            del self.replies[sid]
+        return gone
+
+
+class Drafter:
+    """Proposes drafts for the requests added to it; the scheduler asks, the engine reports acceptance."""
+
+    def __init__(self, max_draft_tokens: int = 8, min_match_tokens: int = 2, max_replies: int = 16) -> None:
+        self.max_draft_tokens = max_draft_tokens
+        self.min_match_tokens = min_match_tokens
+        self.max_replies = max_replies
+        self._requests: dict[str, _Request] = {}
+        self._ids: dict[str, int] = {}  # request id -> its reply's source id
+        self._next_id = 0
+        self._groups: dict[tuple[str | None, tuple[int, ...]], _Pool] = {}
+        self._sessions: OrderedDict[tuple[str | None, str], _Pool] = OrderedDict()
+        self.max_sessions = 4096
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def add(self, request_id: str, prompt: list[int], salt: str | None, session_id: str | None) -> None:
+        """Start drafting for a request: its context's automaton, and matchers over its head's and session's
+        replies (the same salt's only)."""
+        group = (salt, tuple(prompt[:HEAD_TOKENS]))
+        session = (salt, session_id) if session_id is not None else None
+        req = _Request(SuffixAutomaton(prompt), SuffixAutomaton(), group, session)
+        req.draft_tokens = min(req.draft_tokens, self.max_draft_tokens)
+        sid = self._next_id
+        self._next_id += 1
+        self._requests[request_id], self._ids[request_id] = req, sid
+        pools: list[tuple[_Pool, DraftSource]] = [(self._group(group), "sibling")]
+        if session is not None:
+            pools.insert(0, (self._session(session), "session"))
+        for pool, source in pools:
+            for other, reply in pool.replies.items():
+                if other not in req.matchers:
+                    req.matchers[other] = (self._warm(Matcher(reply), req), source)
+        for pool, source in pools:
+            self._share(pool, source, sid, req.reply, request_id)
+
+    def extend(self, request_id: str, tokens: list[int]) -> None:
+        """The request's reply gained `tokens`."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        for token in tokens:
+            req.context.extend(token)
+            req.reply.extend(token)
+            for matcher, _ in req.matchers.values():
+                matcher.feed(token)
+
+    def finish(self, request_id: str) -> None:
+        """The request ended: its reply stays a source for its head and session; its context goes."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        sid = self._ids.pop(request_id)
+        pools = [self._groups.get(req.group)]
+        if req.session is not None:
+            pools.append(self._sessions.get(req.session))
+        for pool in pools:
+            if pool is None:
+                continue
+            pool.running.discard(sid)
+            pool.members.discard(request_id)
+            self._evict(pool)
+        group = self._groups.get(req.group)
+        if group is not None and not group.replies and not group.members:
+            del self._groups[req.group]
+
+    def propose(self, request_id: str, max_tokens: int) -> Draft | None:
+        """A draft of at most `max_tokens` tokens to follow the request's last, or None (nothing matches well
+        enough, or it is backing off after failed drafts)."""
+        req = self._requests.get(request_id)
+        if req is None or max_tokens <= 0:
+            return None
+        if req.wait_steps:
+            req.wait_steps -= 1
+            return None
+        num_tokens = min(req.draft_tokens, max_tokens)
+        best: Draft | None = None
+        length, end = req.context.repeat()
+        if length >= self.min_match_tokens:
+            best = Draft(tuple(req.context.following(end, num_tokens)), "own", length)
+        for matcher, source in req.matchers.values():
+            length, end = matcher.match()
+            if length >= self.min_match_tokens and (best is None or length > best.match_tokens):
+                tokens = matcher.automaton.following(end, num_tokens)
+                if tokens:
+                    best = Draft(tuple(tokens), source, length)
+        req.pending = best
+        return best
+
+    def record(self, request_id: str, num_drafted: int, num_accepted: int) -> DraftSource | None:
+        """How many of the `num_drafted` tokens of the request's latest draft (the scheduler may have cut
+        it) were accepted: the next draft's length and back-off follow. The draft's source, None if unknown."""
+        req = self._requests.get(request_id)
+        if req is None or req.pending is None:
+            return None
+        source, req.pending = req.pending.source, None
+        if num_accepted == num_drafted:
+            req.draft_tokens = min(2 * req.draft_tokens, self.max_draft_tokens)
+        else:
+            req.draft_tokens = max(1, num_accepted + 1)
+        if num_accepted:
+            req.misses = 0
+        else:
+            req.misses += 1
+            req.wait_steps = min(2**req.misses - 1, MAX_BACKOFF_STEPS)
+        return source
+
+    # The pools.
+
+    def _group(self, key: tuple[str | None, tuple[int, ...]]) -> _Pool:
+        pool = self._groups.get(key)
+        if pool is None:
+            pool = self._groups[key] = _Pool(self.max_replies)
+        return pool
+
+    def _session(self, key: tuple[str | None, str]) -> _Pool:
+        pool = self._sessions.get(key)
+        if pool is None:
+            pool = self._sessions[key] = _Pool(max(1, self.max_replies // 4))
+            while len(self._sessions) > self.max_sessions:
+                oldest, dropped = next(iter(self._sessions.items()))
+                if dropped.members or dropped.running:
+                    break
+                del self._sessions[oldest]
+        self._sessions.move_to_end(key)
+        return pool
+
+    def _share(
+        self, pool: _Pool, source: DraftSource, sid: int, reply: SuffixAutomaton, request_id: str
+    ) -> None:
+        """Offer a new request's reply to the pool's live members, and make it a member."""
+        for member in pool.members:
+            other = self._requests.get(member)
+            if other is not None and sid not in other.matchers:
+                other.matchers[sid] = (self._warm(Matcher(reply), other), source)
+        pool.replies[sid] = reply
+        pool.running.add(sid)
+        pool.members.add(request_id)
+        self._evict(pool)
+
+    def _evict(self, pool: _Pool) -> None:
+        gone = pool.evicted()
+        if not gone:
+            return
+        for member in pool.members:
+            req = self._requests.get(member)
+            if req is not None:
+                for sid in gone:
+                    req.matchers.pop(sid, None)
+
+    @staticmethod
+    def _warm(matcher: Matcher, req: _Request) -> Matcher:
+        for token in req.context.tokens[-WARM_TOKENS:]:
+            matcher.feed(token)
+        return matcher
