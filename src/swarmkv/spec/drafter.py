@@ -149,7 +149,7 @@ class Drafter:
         best: Draft | None = None
         length, end = req.context.repeat()
         if length >= self.min_match_tokens:
-            best = Draft(tuple(req.context.following(end, num_tokens)), "own", length)
+            best = Draft(tuple(req.context.continuing(end, num_tokens)), "own", length)
         for matcher, source in req.matchers.values():
             length, end = matcher.match()
             if length >= self.min_match_tokens and (best is None or length > best.match_tokens):

@@ -74,6 +74,15 @@ class SuffixAutomaton:
         """Up to `num_tokens` tokens after index `end`: the continuation of an occurrence ending there."""
         return self.tokens[end + 1 : end + 1 + num_tokens]
 
+    def continuing(self, end: int, num_tokens: int) -> list[int]:
+        """`num_tokens` tokens predicted after the text's end from an earlier occurrence of its suffix ending
+        at `end`: copied from after that occurrence, and where the copy reaches the text's end, from the
+        copy itself (an overlapping copy, as LZ77 does: a repeating pattern goes on repeating)."""
+        tokens, out = self.tokens, list[int]()
+        for i in range(end + 1, end + 1 + num_tokens):
+            out.append(tokens[i] if i < len(tokens) else out[i - len(tokens)])
+        return out
+
 
 class Matcher:
     """The longest suffix of a text fed to it token by token that occurs in `automaton`'s text, kept as the

@@ -16,7 +16,7 @@ from swarmkv.core.stats import EngineStats
 
 PREFIX = "swarmkv"
 
-Read = Callable[[EngineStats], int]
+Read = Callable[[EngineStats], int | float]
 
 # (metric name, help, the field it reads); each gauge is a current value. Fields are read by attribute, so a
 # renamed stats field fails the type check here.
@@ -53,6 +53,11 @@ _GAUGES: tuple[tuple[str, str, Read], ...] = (
         "sessions_paused",
         "Open sessions with no request waiting or running (their agent is away, e.g. on a tool call).",
         lambda s: s.sessions_paused,
+    ),
+    (
+        "spec_tokens_per_step",
+        "Tokens a verification step yielded on average since the start: accepted drafts plus one (0: none yet).",
+        lambda s: s.spec_tokens_per_step or 0.0,
     ),
 )
 # Monotonic since the engine started; exposed with the `_total` suffix.
@@ -105,6 +110,23 @@ _COUNTERS: tuple[tuple[str, str, Read], ...] = (
         lambda s: s.cascade_decode_rows,
     ),
     ("generation_tokens", "Tokens generated.", lambda s: s.generated_tokens),
+    (
+        "spec_verify_steps",
+        "Speculative chunks verified: a request's draft checked in one step.",
+        lambda s: s.spec_verify_steps,
+    ),
+    ("spec_draft_tokens", "Draft tokens proposed and verified.", lambda s: s.spec_draft_tokens),
+    ("spec_accepted_tokens", "Draft tokens accepted.", lambda s: s.spec_accepted_tokens),
+    (
+        "spec_accepted_sibling_tokens",
+        "Accepted draft tokens that came from replies of other requests under the same head.",
+        lambda s: s.spec_accepted_sibling_tokens,
+    ),
+    (
+        "spec_accepted_session_tokens",
+        "Accepted draft tokens that came from the session's earlier replies.",
+        lambda s: s.spec_accepted_session_tokens,
+    ),
     ("preemptions", "Requests preempted (pages dropped, recomputed later).", lambda s: s.preemptions),
     (
         "swap_preemptions",

@@ -1,0 +1,250 @@
+"""Speculative decoding: suffix automata against brute force, the drafter's sources and scopes, exact greedy
+identity with speculation on and off (sharing, preemption, sessions, the C decode step), the target
+distribution kept under sampling, and the books after every step."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine_helpers import tiny_llm
+from swarmkv import LLM, SamplingParams
+from swarmkv.engine.sampler import probabilities
+from swarmkv.engine.speculative import verify_greedy, verify_sampled
+from swarmkv.spec import Drafter
+from swarmkv.spec.suffix_automaton import Matcher, SuffixAutomaton
+
+GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+
+
+def _occurs_before(text: list[int], length: int, end: int) -> bool:
+    return end < len(text) - 1 and text[end - length + 1 : end + 1] == text[len(text) - length :]
+
+
+def _longest_repeat(text: list[int]) -> int:
+    n = len(text)
+    for length in range(n - 1, 0, -1):
+        suffix = text[n - length :]
+        if any(text[e - length + 1 : e + 1] == suffix for e in range(length - 1, n - 1)):
+            return length
+    return 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=40))
+def test_repeat_is_the_longest_earlier_suffix(text: list[int]) -> None:
+    sam = SuffixAutomaton()
+    for i, token in enumerate(text):
+        sam.extend(token)
+        length, end = sam.repeat()
+        assert length == _longest_repeat(text[: i + 1])
+        if length:
+            assert _occurs_before(text[: i + 1], length, end)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 3)), min_size=1, max_size=60))
+def test_a_matcher_follows_a_growing_text(ops: list[tuple[bool, int]]) -> None:
+    """Interleaved growth of both texts (clones made after a match included): every match it reports is a
+    true occurrence."""
+    sam, fed = SuffixAutomaton(), list[int]()
+    matcher = Matcher(sam)
+    for to_text, token in ops:
+        if to_text:
+            sam.extend(token)
+            continue
+        matcher.feed(token)
+        fed.append(token)
+        length, end = matcher.match()
+        text = sam.tokens
+        if length:
+            assert text[end - length + 1 : end + 1] == fed[len(fed) - length :]
+
+
+def test_drafts_come_from_the_own_context_first() -> None:
+    drafter = Drafter(max_draft_tokens=4)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
+    drafter.add("a", prompt, None, None)
+    draft = drafter.propose("a", 8)
+    assert draft is not None and draft.source == "own" and draft.tokens == (3, 4, 5, 6)
+    assert drafter.propose("a", 2).tokens == (3, 4)  # type: ignore[union-attr]
+
+
+def test_siblings_and_sessions_share_only_within_a_salt() -> None:
+    drafter = Drafter(max_draft_tokens=4)
+    head = list(range(100, 140))
+    drafter.add("first", head, "tenant-a", "s1")
+    drafter.extend("first", [7, 8, 9, 10, 11, 12])
+    drafter.add("sibling", head + [1], "tenant-a", None)
+    drafter.add("stranger", head + [1], "tenant-b", None)
+    drafter.add("next-turn", [5, 5, 5], "tenant-a", "s1")
+    for rid in ("sibling", "stranger", "next-turn"):
+        drafter.extend(rid, [7, 8])
+    sibling = drafter.propose("sibling", 8)
+    assert sibling is not None and sibling.source == "sibling" and sibling.tokens[:2] == (9, 10)
+    assert drafter.propose("stranger", 8) is None  # another tenant's reply is never a source
+    session = drafter.propose("next-turn", 8)
+    assert session is not None and session.source == "session" and session.tokens[:2] == (9, 10)
+    drafter.finish("first")  # a finished reply stays a source
+    drafter.extend("sibling", [9, 10])
+    assert drafter.propose("sibling", 8).tokens[:2] == (11, 12)  # type: ignore[union-attr]
+
+
+def test_failed_drafts_back_off_and_accepted_ones_grow() -> None:
+    drafter = Drafter(max_draft_tokens=8)
+    drafter.add("a", [1, 2, 3, 1, 2, 3, 1, 2], None, None)
+    first = drafter.propose("a", 8)
+    assert first is not None and len(first.tokens) == 4
+    assert drafter.record("a", 4, 4) == "own"
+    assert len(drafter.propose("a", 8).tokens) == 8  # type: ignore[union-attr]
+    drafter.record("a", 8, 0)
+    assert drafter.propose("a", 8) is None  # one step of back-off after a miss
+    assert drafter.propose("a", 8) is not None
+    drafter.record("a", 1, 0)
+    assert [drafter.propose("a", 8) for _ in range(3)] == [None] * 3  # then three
+
+
+def test_greedy_verification_keeps_the_argmax_run() -> None:
+    assert verify_greedy([5, 6, 9, 1], (5, 6, 7)) == [5, 6, 9]
+    assert verify_greedy([4, 0], (5,)) == [4]
+    assert verify_greedy([5, 6, 7, 8], (5, 6, 7)) == [5, 6, 7, 8]
+
+
+def test_rejection_sampling_keeps_the_target_distribution() -> None:
+    """The first token out of a verified draft is distributed as p, whatever the draft: a deterministic
+    generator, so this cannot flake."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6) * 1.5
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=4)
+    target = probabilities(logits[:1], params)[0].double()
+    generator = torch.Generator().manual_seed(1)
+    trials = 20000
+    counts = torch.zeros(6, dtype=torch.float64)
+    for _ in range(trials):
+        counts[verify_sampled(logits, (int(target.argmax()),), params, generator)[0]] += 1
+    assert (counts / trials - target).abs().max() < 0.015
+    assert counts[target == 0].sum() == 0  # a token top-p removed is never drawn
+
+
+def _repetitive_prompts(seed: int, count: int) -> list[list[int]]:
+    """A shared head, then a text of each prompt's own said three times: drafts from its own context."""
+    rng = random.Random(seed)
+    head = [rng.randrange(256) for _ in range(40)]
+    prompts = []
+    for _ in range(count):
+        text = [rng.randrange(256) for _ in range(40)]
+        prompts.append(head + text * 3 + [rng.randrange(256) for _ in range(4)])
+    return prompts
+
+
+def _checked_generate(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, **kw: object
+) -> list[list[int]]:
+    """Generate while asserting the books after every step."""
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{engine.core.num_arrivals}-{i}", prompt, params, **kw)  # type: ignore[arg-type]
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+        engine.check_integrity()
+    return [out[k] for k in sorted(out, key=lambda k: int(k.rsplit("-", 1)[1]))]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"prefix_caching": False},
+        {"kv_cache_memory": 340 * 2**10, "block_size": 8},  # preemption: the pool holds two of the six
+        {"max_num_batched_tokens": 24, "block_size": 4},  # chunked prefills beside drafts, small pages
+    ],
+    ids=["shared", "per-slot", "preempting", "chunked"],
+)
+def test_greedy_output_is_identical_with_speculation_on(options: dict[str, object]) -> None:
+    prompts = _repetitive_prompts(0, 6)
+    off = _checked_generate(tiny_llm(speculation="off", **options), prompts, GREEDY)
+    llm = tiny_llm(speculation="on", **options)
+    on = _checked_generate(llm, prompts, GREEDY)
+    assert on == off
+    stats = llm.engine.snapshot()
+    assert stats.spec_accepted_tokens > 0 and stats.spec_draft_tokens >= stats.spec_accepted_tokens
+    assert stats.generated_tokens == sum(len(o) for o in on)
+    assert stats.steps < stats.generated_tokens  # fewer steps than tokens
+    if "kv_cache_memory" in options:
+        assert stats.preemptions > 0
+    kv = llm.engine.kv
+    assert kv.num_in_use == 0 and kv.num_free + kv.num_cached == kv.num_pages  # nothing leaked
+
+
+def test_sessions_and_siblings_draft_and_stay_exact() -> None:
+    prompts = _repetitive_prompts(1, 4)
+    runs = {}
+    for mode in ("off", "on"):
+        llm = tiny_llm(speculation=mode)
+        first = _checked_generate(llm, prompts[:1], GREEDY, session_id="s")
+        # The next turn continues the first; its reply repeats the first's text, a session draft source.
+        second = _checked_generate(llm, [prompts[0] + first[0] + [7]], GREEDY, session_id="s")
+        swarm = _checked_generate(llm, prompts[1:], GREEDY)
+        runs[mode] = (first, second, swarm, llm.engine.snapshot())
+    assert runs["on"][:3] == runs["off"][:3]
+    stats = runs["on"][3]
+    assert stats.spec_accepted_tokens > 0
+    assert stats.spec_accepted_sibling_tokens + stats.spec_accepted_session_tokens > 0
+
+
+def test_sampling_with_drafts_runs_and_a_seed_reproduces() -> None:
+    llm = tiny_llm(speculation="on")
+    prompts = _repetitive_prompts(2, 3)
+    sampled = SamplingParams(max_tokens=32, temperature=0.7, ignore_eos=True)
+    outs = _checked_generate(llm, prompts, sampled)
+    assert all(len(o) == 32 for o in outs)
+    seeded = SamplingParams(max_tokens=16, temperature=0.7, seed=5, ignore_eos=True)
+    again = [_checked_generate(llm, prompts[:1], seeded)[0] for _ in range(2)]
+    assert again[0] == again[1]  # a seeded request is not drafted: its draws never depend on others' text
+
+
+def test_max_tokens_and_stop_ids_hold_inside_an_accepted_draft() -> None:
+    prompts = _repetitive_prompts(3, 2)
+    off = _checked_generate(tiny_llm(speculation="off"), prompts, GREEDY)
+    stop = off[0][20]
+    for params in (
+        SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,)),
+    ):
+        assert _checked_generate(tiny_llm(speculation="on"), prompts, params) == _checked_generate(
+            tiny_llm(speculation="off"), prompts, params
+        )
+
+
+def test_hybrids_turn_speculation_off_or_refuse_it(tmp_path: Path) -> None:
+    from tiny_gguf import Q, write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "q35.gguf", "qwen35", projections=Q.Q8_0)
+    assert LLM(str(path), dtype="float32", kv_cache_memory="64MiB").engine.drafter is None
+    with pytest.raises(ValueError, match="recurrent state"):
+        LLM(str(path), dtype="float32", kv_cache_memory="64MiB", speculation="on")
+
+
+def test_the_c_decode_step_verifies_drafts_exactly(tmp_path: Path) -> None:
+    """A draft as one C row per position, on float32 activations: greedy identical to decoding without."""
+    from tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "llama.gguf", "llama")
+    prompts = _repetitive_prompts(4, 4)
+    outs = {}
+    for mode in ("off", "on"):
+        llm = LLM(
+            str(path), dtype="float32", kv_cache_memory="64MiB", speculation=mode, cpu_int8_activations=False
+        )
+        assert llm.engine.runner.cpu_decode is not None
+        outs[mode] = _checked_generate(llm, prompts, GREEDY)
+        if mode == "on":
+            assert llm.engine.snapshot().spec_accepted_tokens > 0
+    assert outs["on"] == outs["off"]
