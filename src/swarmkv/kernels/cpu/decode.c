@@ -493,7 +493,7 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
     scratch_t s;
     float *arena = malloc(sizeof(float) * (size_t)(M * (3 * H + qkv_width + m->heads * D + 3 * I + widest) +
                                                    M * widest / 16 * 2 + M * widest / 32 * 10));
-    int8_t *codes = malloc((size_t)(2 * M * widest));
+    int8_t *codes = aligned_alloc(64, (size_t)(2 * M * widest + 63) / 64 * 64); /* whole 512-bit loads */
     if (arena == NULL || codes == NULL) {
         free(arena);
         free(codes);

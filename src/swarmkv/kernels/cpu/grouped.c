@@ -377,31 +377,34 @@ static void rows_matmul(const layout_t *w, int64_t M, int64_t K, const float *xd
 #endif
 
 typedef struct {
-    const float *scale; /* [M, K/32]: dx, the group's max |x| / 127 */
-    const float *sum;   /* [M, K/32]: dx * the group's sum of codes (for offsets and minimums) */
     /* the 256-bit kernel's forms */
+    const float *scale;    /* [M, K/32]: dx, the group's max |x| / 127 */
+    const float *sum;      /* [M, K/32]: dx * the group's sum of codes (for offsets and minimums) */
     const int8_t *natural; /* [M, K]: x / dx rounded, in element order (against 8-bit codes) */
     const int8_t *paired;  /* [M, K]: the same, each group's even elements then its odd ones (against nibbles) */
-    /* the 512-bit kernel's: blocks of four groups (the last of t <= 4), each two runs of t times 16 codes */
-    const int8_t *quad4;  /* [M, K]: a block's groups' even elements, then their odd ones (against nibbles) */
-    const uint8_t *quad8; /* [M, K]: codes + 128, a block's groups' first 16, then their last 16 (8-bit codes) */
-    const float *dx4;     /* [M, K/32, 4]: dx four times, as the four int32 lanes of a group's sum take it */
-    const float *xs4;     /* [M, K/32, 4]: sum in a group's first lane, 0 in the other three */
+    /* the 512-bit kernel's: K in blocks of four groups (the last of t <= 4), each block's rows side by side so
+     * that a block of every row is one run (64-byte aligned where the buffers are), each row's part of it
+     * two runs of t * 16 codes */
+    int64_t rows;         /* M */
+    const int8_t *quad4;  /* a block's groups' even elements, then their odd ones (against nibbles) */
+    const uint8_t *quad8; /* codes + 128, a block's groups' first 16, then their last 16 (8-bit codes) */
+    const float *consts4; /* t * 4 lanes of dx (four a group, as the int32 lanes of its sums), then t * 4 of
+                           * its sum in a group's first lane, 0 in the other three */
 } qx_t;
 
 /* Quantise M rows of x [M, K] (K a multiple of 32) into codes [2, M, K] and consts [10, M, K / 32]: the forms
  * this build's kernel reads, which qx then points at. */
 static void quantize_x(int64_t M, int64_t K, const float *x, int8_t *codes, float *consts, qx_t *qx) {
     const int64_t groups = K / 32;
-    float *scale = consts, *sum = consts + M * groups;
     int8_t *first = codes, *second = codes + M * K;
     memset(qx, 0, sizeof *qx);
-    qx->scale = scale, qx->sum = sum;
 #if HAVE_INT8_512
-    float *dx4 = consts + 2 * M * groups, *xs4 = dx4 + 4 * M * groups;
-    qx->quad4 = first, qx->quad8 = (const uint8_t *)second, qx->dx4 = dx4, qx->xs4 = xs4;
+    /* consts4 takes 8 M groups of the 10 M groups' room: 64-byte aligned where 15 floats are to spare */
+    float *consts4 = 2 * M * groups >= 15 ? (float *)(((uintptr_t)consts + 63) & ~(uintptr_t)63) : consts;
+    qx->rows = M, qx->quad4 = first, qx->quad8 = (const uint8_t *)second, qx->consts4 = consts4;
 #else
-    qx->natural = first, qx->paired = second;
+    float *scale = consts, *sum = consts + M * groups;
+    qx->scale = scale, qx->sum = sum, qx->natural = first, qx->paired = second;
 #endif
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < groups; g++) {
@@ -415,19 +418,17 @@ static void quantize_x(int64_t M, int64_t K, const float *x, int8_t *codes, floa
                 q[j] = (int8_t)(int)nearbyintf(v[j] * inv);
                 total += q[j];
             }
+#if HAVE_INT8_512
+            const int64_t b = g / 4, t = groups - 4 * b < 4 ? groups - 4 * b : 4, j = g - 4 * b;
+            const int64_t at = b * M * 128 + m * 32 * t + 16 * j, c = b * M * 32 + m * 8 * t + 4 * j;
+            for (int i = 0; i < 16; i++) {
+                first[at + i] = q[2 * i], first[at + 16 * t + i] = q[2 * i + 1];
+                second[at + i] = (int8_t)(uint8_t)(q[i] + 128), second[at + 16 * t + i] = (int8_t)(uint8_t)(q[16 + i] + 128);
+            }
+            for (int i = 0; i < 4; i++) consts4[c + i] = d, consts4[c + 4 * t + i] = i == 0 ? d * (float)total : 0.0f;
+#else
             scale[m * groups + g] = d;
             sum[m * groups + g] = d * (float)total;
-#if HAVE_INT8_512
-            const int64_t b = g / 4 * 4, t = groups - b < 4 ? groups - b : 4, at = m * K + b * 32 + 16 * (g - b);
-            for (int j = 0; j < 16; j++) {
-                first[at + j] = q[2 * j], first[at + 16 * t + j] = q[2 * j + 1];
-                second[at + j] = (int8_t)(uint8_t)(q[j] + 128), second[at + 16 * t + j] = (int8_t)(uint8_t)(q[16 + j] + 128);
-            }
-            for (int j = 0; j < 4; j++) {
-                dx4[(m * groups + g) * 4 + j] = d;
-                xs4[(m * groups + g) * 4 + j] = j == 0 ? sum[m * groups + g] : 0.0f;
-            }
-#else
             for (int j = 0; j < 32; j++) {
                 first[m * K + g * 32 + j] = q[j];
                 second[m * K + g * 32 + (j & 1) * 16 + j / 2] = q[j];
@@ -569,7 +570,6 @@ static inline __attribute__((always_inline)) void block_512(const layout_t *w, i
                                                             const int BITS, const int SHIFTED,
                                                             const float *scale4, const float *shift4,
                                                             __m512 *acc) {
-    const int64_t groups = K / 32;
     const __m512i zero = _mm512_setzero_si512();
     const __mmask64 run = t == 4 ? ~0ULL : (1ULL << (16 * t)) - 1; /* t groups' 16 bytes */
     const __m512 sv = _mm512_loadu_ps(scale4), hv = _mm512_loadu_ps(shift4);
@@ -604,33 +604,37 @@ static inline __attribute__((always_inline)) void block_512(const layout_t *w, i
             b = _mm512_mask_add_epi8(b, ko, b, sixteen);
         }
     }
-    const int64_t at = g * 32, second = 16 * t; /* the block in quad4 / quad8, and its second run */
+    /* this block of row m0: its codes and constants; rows follow at 32 t bytes and 8 t floats */
+    const int64_t at = g / 4 * qx->rows * 128 + m0 * 32 * t, second = 16 * t;
+    const float *c = qx->consts4 + g / 4 * qx->rows * 32 + m0 * 8 * t;
+    const int8_t *x4 = qx->quad4 + at;
+    const uint8_t *x8 = qx->quad8 + at;
     const __mmask16 lanes = (__mmask16)((1u << (4 * t)) - 1);
 #pragma GCC unroll 8
     for (int64_t m = 0; m < M; m++) {
-        const int64_t row = (m0 + m) * K + at, consts = ((m0 + m) * groups + g) * 4;
         __m512i s;
         __m512 d, xs = _mm512_setzero_ps();
         if (t == 4) {
             if (BITS == 8) {
-                s = _mm512_dpbusd_epi32(start, _mm512_loadu_si512((const void *)(qx->quad8 + row)), a);
-                s = _mm512_dpbusd_epi32(s, _mm512_loadu_si512((const void *)(qx->quad8 + row + 64)), b);
+                s = _mm512_dpbusd_epi32(start, _mm512_loadu_si512((const void *)(x8 + 128 * m)), a);
+                s = _mm512_dpbusd_epi32(s, _mm512_loadu_si512((const void *)(x8 + 128 * m + 64)), b);
             } else {
-                s = _mm512_dpbusd_epi32(start, a, _mm512_loadu_si512((const void *)(qx->quad4 + row)));
-                s = _mm512_dpbusd_epi32(s, b, _mm512_loadu_si512((const void *)(qx->quad4 + row + 64)));
+                s = _mm512_dpbusd_epi32(start, a, _mm512_loadu_si512((const void *)(x4 + 128 * m)));
+                s = _mm512_dpbusd_epi32(s, b, _mm512_loadu_si512((const void *)(x4 + 128 * m + 64)));
             }
-            d = _mm512_loadu_ps(qx->dx4 + consts);
-            if (SHIFTED) xs = _mm512_loadu_ps(qx->xs4 + consts);
+            d = _mm512_loadu_ps(c + 32 * m);
+            if (SHIFTED) xs = _mm512_loadu_ps(c + 32 * m + 16);
         } else {
+            const int64_t r = 32 * t * m;
             if (BITS == 8) {
-                s = _mm512_dpbusd_epi32(start, _mm512_maskz_loadu_epi8(run, qx->quad8 + row), a);
-                s = _mm512_dpbusd_epi32(s, _mm512_maskz_loadu_epi8(run, qx->quad8 + row + second), b);
+                s = _mm512_dpbusd_epi32(start, _mm512_maskz_loadu_epi8(run, x8 + r), a);
+                s = _mm512_dpbusd_epi32(s, _mm512_maskz_loadu_epi8(run, x8 + r + second), b);
             } else {
-                s = _mm512_dpbusd_epi32(start, a, _mm512_maskz_loadu_epi8(run, qx->quad4 + row));
-                s = _mm512_dpbusd_epi32(s, b, _mm512_maskz_loadu_epi8(run, qx->quad4 + row + second));
+                s = _mm512_dpbusd_epi32(start, a, _mm512_maskz_loadu_epi8(run, x4 + r));
+                s = _mm512_dpbusd_epi32(s, b, _mm512_maskz_loadu_epi8(run, x4 + r + second));
             }
-            d = _mm512_maskz_loadu_ps(lanes, qx->dx4 + consts);
-            if (SHIFTED) xs = _mm512_maskz_loadu_ps(lanes, qx->xs4 + consts);
+            d = _mm512_maskz_loadu_ps(lanes, c + 8 * t * m);
+            if (SHIFTED) xs = _mm512_maskz_loadu_ps(lanes, c + 8 * t * m + 4 * t);
         }
         acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), d), sv, acc[m]);
         if (SHIFTED) acc[m] = _mm512_fmadd_ps(hv, xs, acc[m]);
@@ -829,8 +833,8 @@ int swarmkv_grouped_matmul_int8(int64_t M, int64_t N, int64_t K, const float *x,
     layout_t w;
     fill_layout(&w, bits, group, offset, low, high, s_half, s_sub, s_sub_signed, s_per, m_half, m_sub, m_per);
     if (!int8_dot_reads(&w) || K % 32) return 1;
-    int8_t *codes = malloc((size_t)(2 * M * K));
-    float *consts = malloc(sizeof(float) * (size_t)(10 * M * (K / 32)));
+    int8_t *codes = aligned_alloc(64, (size_t)(2 * M * K + 63) / 64 * 64);
+    float *consts = aligned_alloc(64, (sizeof(float) * (size_t)(10 * M * (K / 32)) + 63) / 64 * 64);
     if (codes == NULL || consts == NULL) {
         free(codes);
         free(consts);
