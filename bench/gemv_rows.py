@@ -24,26 +24,32 @@ from collections.abc import Callable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from decode import bare_decode, distinct_prompts  # noqa: E402
 
+from decode import bare_decode, distinct_prompts  # noqa: E402
 from swarmkv import LLM  # noqa: E402
 from swarmkv.kernels import cpu_grouped  # noqa: E402
 from swarmkv.models.gguf_linear import GGUFLinear  # noqa: E402
 from swarmkv.models.loader import load_model, resolve_model_path  # noqa: E402
 
 
-def best_seconds(run: Callable[[], object], calls: int) -> float:
-    """Seconds of one call of `run`, over `calls` back-to-back calls."""
+def seconds_a_call(
+    kernel: Callable[[torch.Tensor, cpu_grouped.GroupedQuant], torch.Tensor],
+    x: torch.Tensor,
+    weight_blocks: list[cpu_grouped.GroupedQuant],
+    calls: int,
+) -> float:
+    """Seconds of one `kernel` call over every block of a weight, over `calls` back-to-back calls."""
     start = time.perf_counter()
     for _ in range(calls):
-        run()
+        for w in weight_blocks:
+            kernel(x, w)
     return (time.perf_counter() - start) / calls
 
 
 def blocks(module: object) -> list[cpu_grouped.GroupedQuant]:
     """The quantized row blocks of a GGUF-held layer."""
     assert isinstance(module, GGUFLinear)
-    return [b.weight for b in module.blocks]  # type: ignore[misc]
+    return [b.weight for b in module.blocks]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         for (name, m), x in inputs.items():
             for kind, kernel in kernels.items():
                 calls = max(2, 200 // m) if name != "lm_head" else max(2, 20 // m)
-                seconds = best_seconds(lambda: [kernel(x, w) for w in weights[name]], calls)
+                seconds = seconds_a_call(kernel, x, weights[name], calls)
                 samples.setdefault((kind, name, m), []).append(seconds)
         if llm is not None:
             for m in args.rows:

@@ -641,6 +641,15 @@ static inline __attribute__((always_inline)) void block_512(const layout_t *w, i
     }
 }
 
+/* The sum of a's lanes in reduce4's order: a row's result does not depend on how many rows it came with. */
+static inline float reduce1(__m512 a) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_permute_ps(q, _MM_SHUFFLE(2, 3, 0, 1)));
+    q = _mm_add_ps(q, _mm_permute_ps(q, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(q);
+}
+
 /* Row n of W (groups of 32; 4, 5 or 8 bits) against up to FAST_ROWS rows of int8 x, four groups a 512-bit
  * step: the weight's codes are unpacked and its constants spread once a block, then each row costs two
  * dot-product instructions (each int32 lane sums 8 products of one group), one conversion, a multiply and two
@@ -671,7 +680,7 @@ static inline __attribute__((always_inline)) void rows_dot_int8_512(const layout
     }
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) reduce4(acc[m], acc[m + 1], acc[m + 2], acc[m + 3], out + m);
-    for (; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
+    for (; m < M; m++) out[m] = reduce1(acc[m]);
 }
 
 /* Rows [n0, n1) of y = x W^T from int8 x with the 512-bit kernel, for one kind of code. */
