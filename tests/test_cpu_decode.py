@@ -4,6 +4,7 @@ batched, with shared prefixes read once per group; and where it declines to run.
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,12 @@ from gguf import GGMLQuantizationType
 from swarmkv import LLM, SamplingParams
 from swarmkv.core.scheduler import StepPlan
 from swarmkv.engine import cpu_decode
+from swarmkv.engine.page_table import PageTable
 from swarmkv.engine.runner import ModelRunner
 from swarmkv.kernels import cpu_grouped
 from swarmkv.kernels.cpu_decode import reads_half_kv
+from swarmkv.models.gguf_quantize import quantize
+from swarmkv.models.gguf_quants import SPECS, parse_blocks
 from tiny_gguf import write_tiny_gguf
 
 Q = GGMLQuantizationType
@@ -218,3 +222,82 @@ def test_a_position_past_the_rotary_table_is_refused(files: dict[str, Path]) -> 
     past = torch.tensor([llm.loaded.model.rotary.max_positions])
     with pytest.raises(AssertionError, match="status 3"):
         step.step(one, one, past, [1], [0])
+
+
+INT8_KINDS = [k for k in SPECS if SPECS[k].group_size == 32 and SPECS[k].bits in (4, 5, 8)]
+BUILDS = {"native": None, "avx2": ("-mavx2", "-mfma", "-mf16c")}  # the 512-bit kernel where native has it
+
+
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 path sees it: each group of 32 rounded to a multiple of max |x| / 127."""
+    groups = x.view(x.shape[0], -1, 32)
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    return (torch.where(step > 0, torch.round(groups / step), 0) * step).view_as(x)
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("kind", INT8_KINDS, ids=lambda k: k.name)
+def test_the_int8_kernel_at_every_row_count(kind: GGMLQuantizationType, build: str) -> None:
+    """M = 1 to 9 rows (the kernel takes up to 8 at once, with a constant count each) over K with 1, 2, 3 and 0
+    groups past the last block of four (the 512-bit kernel's masked tail); the integer sums are exact, so the
+    result is the rounded x's matmul in another float order."""
+    if build != "native" and platform.machine() != "x86_64":
+        pytest.skip("an x86 build")
+    library = cpu_grouped.build(BUILDS[build]) if BUILDS[build] else None
+    generator = torch.Generator().manual_seed(7)
+    for cols in (32, 64, 96, 128, 576):
+        if SPECS[kind].super_group and cols % SPECS[kind].super_group:
+            continue  # K-quant rows come in super-groups of 256
+        weight = parse_blocks(
+            quantize(torch.randn(24, cols, generator=generator) * 0.05, kind), kind, (24, cols)
+        )
+        if not cpu_grouped.reads_int8(weight, library):
+            pytest.skip("this build has no integer dot products")
+        dense = weight.dequantize().double()
+        for rows in range(1, 10):
+            x = torch.randn(rows, cols, generator=generator)
+            got = cpu_grouped.matmul_int8(x, weight, library)
+            expected = (int8_rounded(x).double() @ dense.t()).float()
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4, msg=f"K {cols}, M {rows}")
+            alone = torch.cat([cpu_grouped.matmul_int8(x[m : m + 1], weight, library) for m in range(rows)])
+            torch.testing.assert_close(got, alone, atol=1e-6, rtol=1e-5)
+    for cols in (256, 512):  # the K-quants' whole super-groups
+        weight = parse_blocks(
+            quantize(torch.randn(24, cols, generator=generator) * 0.05, kind), kind, (24, cols)
+        )
+        x = torch.randn(5, cols, generator=generator)
+        expected = (int8_rounded(x).double() @ weight.dequantize().double().t()).float()
+        torch.testing.assert_close(
+            cpu_grouped.matmul_int8(x, weight, library), expected, atol=1e-5, rtol=1e-4
+        )
+
+
+@pytest.mark.parametrize("name", ["llama-q4_1", "llama-q5_0-f16", "qwen3-q8_0"])
+def test_a_step_of_m_rows_equals_m_steps_of_one(files: dict[str, Path], name: str) -> None:
+    """The C step at M = 1 to 9 rows (speculative verification's k + 1, batched decode) against each row
+    stepped alone over the same pages: the kernels block rows together, the per-row arithmetic stays."""
+    llm = LLM(str(files[name]), dtype="float32", kv_cache_memory="64MiB")
+    model, cache = llm.loaded.model, llm.engine.runner.kv_cache
+    page_size, steps = 16, 3
+    table = PageTable(9, 1, page_size, torch.device("cpu"))
+    for b in range(9):
+        table.append(f"row{b}", [b])
+    step = cpu_decode.describe(model, cache, table, int8_activations=True)
+    for rows in (1, 2, 3, 4, 5, 8, 9):
+        ids = torch.randint(5, 500, (steps, rows), generator=torch.Generator().manual_seed(rows))
+        index = torch.arange(rows)
+        together = [
+            step.step(ids[t], index, torch.full((rows,), t), [1] * rows, [0] * rows) for t in range(steps)
+        ]
+        for m in range(rows):
+            one = index[m : m + 1]
+            for t in range(steps):
+                alone = step.step(ids[t, m : m + 1], one, torch.tensor([t]), [1], [0])
+                scale = float(alone.abs().max())
+                torch.testing.assert_close(
+                    together[t][m : m + 1],
+                    alone,
+                    atol=1e-5 * scale,
+                    rtol=1e-5,
+                    msg=f"M {rows} row {m} step {t}",
+                )

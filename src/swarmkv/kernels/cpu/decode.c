@@ -69,8 +69,8 @@ typedef struct {
 typedef struct {
     float *resid, *x, *qkv, *attn, *gu, *act, *out;
     float *xd, *xsum16, *xsum32;
-    int8_t *codes;    /* [2, M, widest]: int8 x, natural and paired orders */
-    float *qconsts;   /* [10, M, widest / 32]: their scales, scaled sums and the scales spread eight wide */
+    int8_t *codes;    /* [2, M, widest]: int8 x in the two orders this build's kernel reads (quantize_x) */
+    float *qconsts;   /* [10, M, widest / 32]: their scales, scaled sums and the kernel's spread forms */
     qx_t qx;
     item_t *items; /* attention work items */
     float *part;   /* [M, heads, chunks, 2 + head_dim]: each chunk's partial softmax state */
@@ -135,12 +135,7 @@ static void linear(const linear_t *l, int64_t M, const float *x, float *y, scrat
         }
         if (need16) prepare_x(M, K, 16, x, need_d ? s->xd : NULL, s->xsum16);
         if (need32) prepare_x(M, K, 32, x, need16 || !need_d ? NULL : s->xd, s->xsum32);
-        if (need_q) {
-            const int64_t groups = K / 32;
-            float *spread = s->qconsts + 2 * M * groups;
-            s->qx = (qx_t){s->codes, s->codes + M * K, s->qconsts, s->qconsts + M * groups, spread};
-            quantize_x(M, K, x, s->codes, s->codes + M * K, s->qconsts, s->qconsts + M * groups, spread);
-        }
+        if (need_q) quantize_x(M, K, x, s->codes, s->qconsts, &s->qx);
     }
     for (int64_t b = 0; b < l->num_blocks; b++) {
         const block_t *blk = &l->blocks[b];
@@ -498,7 +493,7 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
     scratch_t s;
     float *arena = malloc(sizeof(float) * (size_t)(M * (3 * H + qkv_width + m->heads * D + 3 * I + widest) +
                                                    M * widest / 16 * 2 + M * widest / 32 * 10));
-    int8_t *codes = malloc((size_t)(2 * M * widest));
+    int8_t *codes = aligned_alloc(64, (size_t)(2 * M * widest + 63) / 64 * 64); /* whole 512-bit loads */
     if (arena == NULL || codes == NULL) {
         free(arena);
         free(codes);

@@ -368,19 +368,44 @@ static void rows_matmul(const layout_t *w, int64_t M, int64_t K, const float *xd
 /* ---- int8 activations (decode): x quantised per group of 32 to int8 with one float scale, as llama.cpp's
  * Q8 activations; each group's dot product runs in integers on the CPU's u8 x s8 dot-product instructions
  * (AVX-512 VNNI or AVX-VNNI; AVX2's maddubs otherwise) and is scaled once. 4- and 5-bit codes are unsigned and
- * meet x directly; 8-bit codes are signed and move their sign onto x. */
+ * meet x directly; 8-bit codes are signed: the 256-bit kernel moves their sign onto x, the 512-bit one meets
+ * them with x + 128 (unsigned) and takes 128 times the codes' sum back off. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__BMI2__)
+#define HAVE_INT8_512 1
+#else
+#define HAVE_INT8_512 0
+#endif
+
 typedef struct {
-    const int8_t *natural; /* [M, K]: x / dx rounded, in element order (against 8-bit codes) */
-    const int8_t *paired;  /* [M, K]: the same, each group's even elements then its odd ones (against nibbles) */
+    /* the 256-bit kernel's forms */
     const float *scale;    /* [M, K/32]: dx, the group's max |x| / 127 */
     const float *sum;      /* [M, K/32]: dx * the group's sum of codes (for offsets and minimums) */
-    const float *spread;   /* [M, K/32, 8]: dx eight times a group, so two groups' scales load as one vector */
+    const int8_t *natural; /* [M, K]: x / dx rounded, in element order (against 8-bit codes) */
+    const int8_t *paired;  /* [M, K]: the same, each group's even elements then its odd ones (against nibbles) */
+    /* the 512-bit kernel's: K in blocks of four groups (the last of t <= 4), each block's rows side by side so
+     * that a block of every row is one run (64-byte aligned where the buffers are), each row's part of it
+     * two runs of t * 16 codes */
+    int64_t rows;         /* M */
+    const int8_t *quad4;  /* a block's groups' even elements, then their odd ones (against nibbles) */
+    const uint8_t *quad8; /* codes + 128, a block's groups' first 16, then their last 16 (8-bit codes) */
+    const float *consts4; /* t * 4 lanes of dx (four a group, as the int32 lanes of its sums), then t * 4 of
+                           * its sum in a group's first lane, 0 in the other three */
 } qx_t;
 
-/* Quantise M rows of x [M, K] (K a multiple of 32) into qx's buffers. */
-static void quantize_x(int64_t M, int64_t K, const float *x, int8_t *natural, int8_t *paired, float *scale,
-                       float *sum, float *spread) {
+/* Quantise M rows of x [M, K] (K a multiple of 32) into codes [2, M, K] and consts [10, M, K / 32]: the forms
+ * this build's kernel reads, which qx then points at. */
+static void quantize_x(int64_t M, int64_t K, const float *x, int8_t *codes, float *consts, qx_t *qx) {
     const int64_t groups = K / 32;
+    int8_t *first = codes, *second = codes + M * K;
+    memset(qx, 0, sizeof *qx);
+#if HAVE_INT8_512
+    /* consts4 takes 8 M groups of the 10 M groups' room: 64-byte aligned where 15 floats are to spare */
+    float *consts4 = 2 * M * groups >= 15 ? (float *)(((uintptr_t)consts + 63) & ~(uintptr_t)63) : consts;
+    qx->rows = M, qx->quad4 = first, qx->quad8 = (const uint8_t *)second, qx->consts4 = consts4;
+#else
+    float *scale = consts, *sum = consts + M * groups;
+    qx->scale = scale, qx->sum = sum, qx->natural = first, qx->paired = second;
+#endif
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < groups; g++) {
             const float *v = x + m * K + g * 32;
@@ -388,16 +413,27 @@ static void quantize_x(int64_t M, int64_t K, const float *x, int8_t *natural, in
             for (int j = 0; j < 32; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
             const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
             int total = 0;
-            int8_t *nat = natural + m * K + g * 32, *pair = paired + m * K + g * 32;
+            int8_t q[32];
             for (int j = 0; j < 32; j++) {
-                const int q = (int)nearbyintf(v[j] * inv);
-                nat[j] = (int8_t)q;
-                pair[(j & 1) * 16 + j / 2] = (int8_t)q;
-                total += q;
+                q[j] = (int8_t)(int)nearbyintf(v[j] * inv);
+                total += q[j];
             }
+#if HAVE_INT8_512
+            const int64_t b = g / 4, t = groups - 4 * b < 4 ? groups - 4 * b : 4, j = g - 4 * b;
+            const int64_t at = b * M * 128 + m * 32 * t + 16 * j, c = b * M * 32 + m * 8 * t + 4 * j;
+            for (int i = 0; i < 16; i++) {
+                first[at + i] = q[2 * i], first[at + 16 * t + i] = q[2 * i + 1];
+                second[at + i] = (int8_t)(uint8_t)(q[i] + 128), second[at + 16 * t + i] = (int8_t)(uint8_t)(q[16 + i] + 128);
+            }
+            for (int i = 0; i < 4; i++) consts4[c + i] = d, consts4[c + 4 * t + i] = i == 0 ? d * (float)total : 0.0f;
+#else
             scale[m * groups + g] = d;
             sum[m * groups + g] = d * (float)total;
-            for (int j = 0; j < 8; j++) spread[(m * groups + g) * 8 + j] = d;
+            for (int j = 0; j < 32; j++) {
+                first[m * K + g * 32 + j] = q[j];
+                second[m * K + g * 32 + (j & 1) * 16 + j / 2] = q[j];
+            }
+#endif
         }
 }
 
@@ -480,90 +516,185 @@ static inline __attribute__((always_inline)) void rows_dot_int8(const layout_t *
     }
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-#define HAVE_INT8_512 1
-#define MAX_GROUPS_512 512 /* K up to 16384 on this path; wider rows take the 256-bit one */
+#if HAVE_INT8_512
+#define CHUNK_GROUPS 64 /* groups of a row whose constants are spread at once (a multiple of 16) */
 
-/* Row n's group constants as floats: scale[g] and shift[g] = minimum - scale * offset. */
-static inline void row_group_constants(const layout_t *w, int64_t n, int64_t groups, float *scale, float *shift) {
-    int64_t g = 0;
-    if (w->s_sub == NULL && (w->m_half == NULL || w->m_sub == NULL)) {
-        const uint16_t *sh = w->s_half + n * groups, *mh = w->m_half ? w->m_half + n * groups : NULL;
+/* Row n's constants of groups [g0, g0 + count) (count <= CHUNK_GROUPS), four lanes each as a block's sums
+ * take them: scale4[4j + i] = the scale of group g0 + j, shift4 = minimum - scale * offset; 0 past count, to
+ * the next multiple of 16 groups. */
+static inline void spread_constants(const layout_t *w, int64_t n, int64_t groups, int64_t g0, int64_t count,
+                                    const row_constants_t *sc, const row_constants_t *mc, float *scale4,
+                                    float *shift4) {
+    if (w->s_sub == NULL && (w->m_half == NULL || w->m_sub == NULL)) { /* float16 per group */
+        const uint16_t *sh = w->s_half + n * groups + g0, *mh = w->m_half ? w->m_half + n * groups + g0 : NULL;
         const __m512 off = _mm512_set1_ps((float)-w->offset);
-        for (; g + 16 <= groups; g += 16) {
-            const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sh + g)));
-            __m512 shv = _mm512_mul_ps(sv, off);
-            if (mh) shv = _mm512_add_ps(shv, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mh + g))));
-            _mm512_storeu_ps(scale + g, sv);
-            _mm512_storeu_ps(shift + g, shv);
+        for (int64_t j = 0; j < count; j += 16) {
+            const __mmask16 k = count - j >= 16 ? 0xFFFF : (__mmask16)((1u << (count - j)) - 1);
+            const __m512 sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, sh + j));
+            __m512 hv = _mm512_mul_ps(sv, off);
+            if (mh) hv = _mm512_add_ps(hv, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mh + j)));
+            for (int q = 0; q < 4; q++) {
+                const __m512i spread = _mm512_add_epi32(_mm512_set1_epi32(4 * q), _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+                _mm512_storeu_ps(scale4 + 4 * (j + 4 * q), _mm512_permutexvar_ps(spread, sv));
+                _mm512_storeu_ps(shift4 + 4 * (j + 4 * q), _mm512_permutexvar_ps(spread, hv));
+            }
         }
+        return;
     }
-    if (g < groups) {
-        row_constants_t sc = row_constants(w->s_half, w->s_sub, w->s_sub_signed, w->s_per, n, groups);
-        row_constants_t mc;
-        if (w->m_half) mc = row_constants(w->m_half, w->m_sub, 0, w->m_per, n, groups);
-        for (; g < groups; g++) {
-            scale[g] = row_constant(&sc, g);
-            shift[g] = -scale[g] * (float)w->offset + (w->m_half ? row_constant(&mc, g) : 0.0f);
-        }
+    for (int64_t j = 0; j < (count + 15) / 16 * 16; j++) {
+        const float s = j < count ? row_constant(sc, g0 + j) : 0.0f;
+        const float h = j < count ? -s * (float)w->offset + (w->m_half ? row_constant(mc, g0 + j) : 0.0f) : 0.0f;
+        for (int i = 0; i < 4; i++) scale4[4 * j + i] = s, shift4[4 * j + i] = h;
     }
 }
 
-/* Row n of W (groups of 32, 4 or 8 bits, K / 32 even and at most MAX_GROUPS_512) against up to FAST_ROWS rows
- * of int8 x, two groups per 512-bit step: the codes of groups g, g + 1 are lanes [g even, g odd, g+1 even,
- * g+1 odd] (4 bits; x's paired order) or [g, g+1] (8 bits), and each half of the sums takes its group's scale. */
+/* out[0..4) = the sums of the lanes of a, b, c and d: one transposing tree for four rows. */
+static inline void reduce4(__m512 a, __m512 b, __m512 c, __m512 d, float *out) {
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* 128-bit lanes: a's, b's, c's and d's four partial sums */
+    __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
+    const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, v)));
+}
+
+/* Rows [m0, m0 + M) of x against row n's block of groups [g, g + t) (t <= 4), added into acc. BITS, SHIFTED and,
+ * outside the last block, t are constants where it is inlined, so the row loop has no branches. */
+static inline __attribute__((always_inline)) void block_512(const layout_t *w, int64_t K, int64_t n, int64_t M,
+                                                            const qx_t *qx, int64_t m0, int64_t g, int t,
+                                                            const int BITS, const int SHIFTED,
+                                                            const float *scale4, const float *shift4,
+                                                            __m512 *acc) {
+    const __m512i zero = _mm512_setzero_si512();
+    const __mmask64 run = t == 4 ? ~0ULL : (1ULL << (16 * t)) - 1; /* t groups' 16 bytes */
+    const __m512 sv = _mm512_loadu_ps(scale4), hv = _mm512_loadu_ps(shift4);
+    __m512i a, b, start = zero;
+    if (BITS == 8) {
+        const int8_t *c = (const int8_t *)w->low + n * K + g * 32;
+        __m512i r1, r2;
+        if (t == 4) {
+            r1 = _mm512_loadu_si512((const void *)c), r2 = _mm512_loadu_si512((const void *)(c + 64));
+        } else {
+            r1 = _mm512_maskz_loadu_epi8(t >= 2 ? ~0ULL : 0xFFFFFFFFULL, c);
+            r2 = _mm512_maskz_loadu_epi8(t == 3 ? 0xFFFFFFFFULL : 0, c + 64);
+        }
+        a = _mm512_shuffle_i64x2(r1, r2, _MM_SHUFFLE(2, 0, 2, 0)); /* each group's first 16 */
+        b = _mm512_shuffle_i64x2(r1, r2, _MM_SHUFFLE(3, 1, 3, 1)); /* and last 16 */
+        const __m512i bias = _mm512_set1_epi8((char)0x80);
+        start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, bias, a), bias, b));
+    } else {
+        const uint8_t *lo = w->low + n * (K / 2) + g * 16;
+        const __m512i r = t == 4 ? _mm512_loadu_si512((const void *)lo) : _mm512_maskz_loadu_epi8(run, lo);
+        const __m512i m4 = _mm512_set1_epi8(0xF);
+        a = _mm512_and_si512(r, m4);
+        b = _mm512_and_si512(_mm512_srli_epi16(r, 4), m4);
+        if (BITS == 5) { /* element k's fifth bit is bit k of its group's word: even bits to a, odd to b */
+            uint64_t words[2] = {0, 0};
+            memcpy(words, w->high + n * (K / 8) + g * 4, (size_t)(4 * t));
+            const uint64_t even = 0x5555555555555555ULL;
+            const __mmask64 ke = _pext_u64(words[0], even) | (_pext_u64(words[1], even) << 32);
+            const __mmask64 ko = _pext_u64(words[0], ~even) | (_pext_u64(words[1], ~even) << 32);
+            const __m512i sixteen = _mm512_set1_epi8(0x10); /* + 16 sets bit 4 of a nibble */
+            a = _mm512_mask_add_epi8(a, ke, a, sixteen);
+            b = _mm512_mask_add_epi8(b, ko, b, sixteen);
+        }
+    }
+    /* this block of row m0: its codes and constants; rows follow at 32 t bytes and 8 t floats */
+    const int64_t at = g / 4 * qx->rows * 128 + m0 * 32 * t, second = 16 * t;
+    const float *c = qx->consts4 + g / 4 * qx->rows * 32 + m0 * 8 * t;
+    const int8_t *x4 = qx->quad4 + at;
+    const uint8_t *x8 = qx->quad8 + at;
+    const __mmask16 lanes = (__mmask16)((1u << (4 * t)) - 1);
+#pragma GCC unroll 8
+    for (int64_t m = 0; m < M; m++) {
+        __m512i s;
+        __m512 d, xs = _mm512_setzero_ps();
+        if (t == 4) {
+            if (BITS == 8) {
+                s = _mm512_dpbusd_epi32(start, _mm512_loadu_si512((const void *)(x8 + 128 * m)), a);
+                s = _mm512_dpbusd_epi32(s, _mm512_loadu_si512((const void *)(x8 + 128 * m + 64)), b);
+            } else {
+                s = _mm512_dpbusd_epi32(start, a, _mm512_loadu_si512((const void *)(x4 + 128 * m)));
+                s = _mm512_dpbusd_epi32(s, b, _mm512_loadu_si512((const void *)(x4 + 128 * m + 64)));
+            }
+            d = _mm512_loadu_ps(c + 32 * m);
+            if (SHIFTED) xs = _mm512_loadu_ps(c + 32 * m + 16);
+        } else {
+            const int64_t r = 32 * t * m;
+            if (BITS == 8) {
+                s = _mm512_dpbusd_epi32(start, _mm512_maskz_loadu_epi8(run, x8 + r), a);
+                s = _mm512_dpbusd_epi32(s, _mm512_maskz_loadu_epi8(run, x8 + r + second), b);
+            } else {
+                s = _mm512_dpbusd_epi32(start, a, _mm512_maskz_loadu_epi8(run, x4 + r));
+                s = _mm512_dpbusd_epi32(s, b, _mm512_maskz_loadu_epi8(run, x4 + r + second));
+            }
+            d = _mm512_maskz_loadu_ps(lanes, c + 8 * t * m);
+            if (SHIFTED) xs = _mm512_maskz_loadu_ps(lanes, c + 8 * t * m + 4 * t);
+        }
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), d), sv, acc[m]);
+        if (SHIFTED) acc[m] = _mm512_fmadd_ps(hv, xs, acc[m]);
+    }
+}
+
+/* The sum of a's lanes in reduce4's order: a row's result does not depend on how many rows it came with. */
+static inline float reduce1(__m512 a) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_permute_ps(q, _MM_SHUFFLE(2, 3, 0, 1)));
+    q = _mm_add_ps(q, _mm_permute_ps(q, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(q);
+}
+
+/* Row n of W (groups of 32; 4, 5 or 8 bits) against up to FAST_ROWS rows of int8 x, four groups a 512-bit
+ * step: the weight's codes are unpacked and its constants spread once a block, then each row costs two
+ * dot-product instructions (each int32 lane sums 8 products of one group), one conversion, a multiply and two
+ * FMAs (its scales; the shift against its group sums). The lanes of group j are [4j, 4j + 4) in both
+ * operands: nibble bytes and quad4 hold even elements in one vector and odd in the other; 8-bit codes are
+ * regrouped by 128-bit lane into first and last halves, as quad8. */
 static inline __attribute__((always_inline)) void rows_dot_int8_512(const layout_t *w, int64_t K, int64_t n,
                                                                     int64_t M, const qx_t *qx, int64_t m0,
-                                                                    float *out) {
+                                                                    float *out, const int BITS,
+                                                                    const int SHIFTED) {
     const int64_t groups = K / 32;
-    const int bits = w->bits;
-    float scale[MAX_GROUPS_512], shift[MAX_GROUPS_512];
-    row_group_constants(w, n, groups, scale, shift);
-    const int shifted = w->m_half != NULL || w->offset != 0;
-    const int8_t *x = (bits == 8 ? qx->natural : qx->paired) + m0 * K;
-    const float *spread = qx->spread + m0 * groups * 8, *xs = qx->sum + m0 * groups;
+    row_constants_t sc = row_constants(w->s_half, w->s_sub, w->s_sub_signed, w->s_per, n, groups);
+    row_constants_t mc = sc;
+    if (w->m_half) mc = row_constants(w->m_half, w->m_sub, 0, w->m_per, n, groups);
     __m512 acc[FAST_ROWS];
+#pragma GCC unroll 8
     for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-    const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m512i nibble_shift = _mm512_setr_epi64(0, 0, 0x0004000400040004LL, 0x0004000400040004LL, 0, 0,
-                                                   0x0004000400040004LL, 0x0004000400040004LL);
-    const __m512i m4 = _mm512_set1_epi8(0xF);
-    for (int64_t g = 0; g < groups; g += 2) {
-        __m512i codes;
-        __mmask64 negative = 0;
-        if (bits == 8) {
-            const __m512i c = _mm512_loadu_si512((const void *)((const int8_t *)w->low + n * K + g * 32));
-            codes = _mm512_abs_epi8(c);
-            negative = _mm512_movepi8_mask(c);
-        } else {
-            const __m256i b = _mm256_loadu_si256((const __m256i *)(w->low + n * (K / 2) + g * 16));
-            /* 128-bit lanes [g, g, g+1, g+1], the second of each pair shifted down a nibble */
-            const __m512i twice = _mm512_shuffle_i64x2(_mm512_castsi256_si512(b), _mm512_castsi256_si512(b), 0x50);
-            codes = _mm512_and_si512(_mm512_srlv_epi16(twice, nibble_shift), m4);
-        }
-        const __m512 sv = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(scale + g)))));
-        for (int64_t m = 0; m < M; m++) {
-            __m512i xv = _mm512_loadu_si512((const void *)(x + m * K + g * 32));
-            if (bits == 8) xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
-            const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xv));
-            acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dot, _mm512_loadu_ps(spread + (m * groups + g) * 8)), sv, acc[m]);
-        }
+    float scale4[4 * CHUNK_GROUPS], shift4[4 * CHUNK_GROUPS];
+    for (int64_t g0 = 0; g0 < groups; g0 += CHUNK_GROUPS) {
+        const int64_t end = groups - g0 < CHUNK_GROUPS ? groups : g0 + CHUNK_GROUPS;
+        spread_constants(w, n, groups, g0, end - g0, &sc, &mc, scale4, shift4);
+        int64_t g = g0;
+        for (; g + 4 <= end; g += 4)
+            block_512(w, K, n, M, qx, m0, g, 4, BITS, SHIFTED, scale4 + 4 * (g - g0), shift4 + 4 * (g - g0), acc);
+        if (g < end)
+            block_512(w, K, n, M, qx, m0, g, (int)(end - g), BITS, SHIFTED, scale4 + 4 * (g - g0),
+                      shift4 + 4 * (g - g0), acc);
     }
-    for (int64_t m = 0; m < M; m++) {
-        float rest = 0.0f;
-        if (shifted) {
-            float lanes[16] = {0.0f};
-            int64_t g = 0;
-            for (; g + 16 <= groups; g += 16)
-                for (int j = 0; j < 16; j++) lanes[j] += shift[g + j] * xs[m * groups + g + j];
-            for (; g < groups; g++) rest += shift[g] * xs[m * groups + g];
-            for (int j = 0; j < 16; j++) rest += lanes[j];
-        }
-        out[m] = rest + _mm512_reduce_add_ps(acc[m]);
-    }
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) reduce4(acc[m], acc[m + 1], acc[m + 2], acc[m + 3], out + m);
+    for (; m < M; m++) out[m] = reduce1(acc[m]);
 }
-#else
-#define HAVE_INT8_512 0
+
+/* Rows [n0, n1) of y = x W^T from int8 x with the 512-bit kernel, for one kind of code. */
+#define ROWS_MATMUL_512(NAME, BITS, SHIFTED)                                                                   \
+    static void NAME(const layout_t *w, int64_t M, int64_t K, const qx_t *qx, float *y, int64_t ldy,          \
+                     int64_t n0, int64_t n1) {                                                                 \
+        float out[FAST_ROWS];                                                                                  \
+        for (int64_t n = n0; n < n1; n++)                                                                      \
+            for (int64_t m0 = 0; m0 < M; m0 += FAST_ROWS) {                                                    \
+                const int64_t rows = M - m0 < FAST_ROWS ? M - m0 : FAST_ROWS;                                  \
+                BY_ROW_COUNT(rows_dot_int8_512, rows, BITS, SHIFTED)                                           \
+                for (int64_t m = 0; m < rows; m++) y[(m0 + m) * ldy + n] = out[m];                             \
+            }                                                                                                  \
+    }
 #endif
 
 /* Whether rows_matmul_int8 reads this layout. */
@@ -571,34 +702,44 @@ static inline int int8_dot_reads(const layout_t *w) {
     return w->group == 32 && (w->bits == 4 || w->bits == 5 || w->bits == 8);
 }
 
-/* KERNEL(w, K, n, rows, qx, m0, out) with a constant row count where it is 1, 2, 4 or 8: the accumulators stay
- * in registers. */
-#define BY_ROW_COUNT(KERNEL, ROWS)                                                                            \
+/* KERNEL(w, K, n, rows, qx, m0, out, ...) with a constant row count (1 to FAST_ROWS): the accumulators stay in
+ * registers. */
+#define BY_ROW_COUNT(KERNEL, ROWS, ...)                                                                       \
     switch (ROWS) {                                                                                           \
-    case 1: KERNEL(w, K, n, 1, qx, m0, out); break;                                                           \
-    case 2: KERNEL(w, K, n, 2, qx, m0, out); break;                                                           \
-    case 4: KERNEL(w, K, n, 4, qx, m0, out); break;                                                           \
-    case 8: KERNEL(w, K, n, 8, qx, m0, out); break;                                                           \
-    default: KERNEL(w, K, n, ROWS, qx, m0, out);                                                              \
+    case 1: KERNEL(w, K, n, 1, qx, m0, out __VA_OPT__(,) __VA_ARGS__); break;                                 \
+    case 2: KERNEL(w, K, n, 2, qx, m0, out __VA_OPT__(,) __VA_ARGS__); break;                                 \
+    case 3: KERNEL(w, K, n, 3, qx, m0, out __VA_OPT__(,) __VA_ARGS__); break;                                 \
+    case 4: KERNEL(w, K, n, 4, qx, m0, out __VA_OPT__(,) __VA_ARGS__); break;                                 \
+    case 5: KERNEL(w, K, n, 5, qx, m0, out __VA_OPT__(,) __VA_ARGS__); break;                                 \
+    case 6: KERNEL(w, K, n, 6, qx, m0, out __VA_OPT__(,) __VA_ARGS__); break;                                 \
+    case 7: KERNEL(w, K, n, 7, qx, m0, out __VA_OPT__(,) __VA_ARGS__); break;                                 \
+    default: KERNEL(w, K, n, 8, qx, m0, out __VA_OPT__(,) __VA_ARGS__);                                       \
     }
+
+#if HAVE_INT8_512
+ROWS_MATMUL_512(rows_matmul_512_q4, 4, 1) /* 4- and 5-bit codes always have an offset or a minimum */
+ROWS_MATMUL_512(rows_matmul_512_q5, 5, 1)
+ROWS_MATMUL_512(rows_matmul_512_q8, 8, 0)
+ROWS_MATMUL_512(rows_matmul_512_q8_shifted, 8, 1)
+#endif
 
 /* Rows [n0, n1) of y = x W^T from int8 x. */
 static void rows_matmul_int8(const layout_t *w, int64_t M, int64_t K, const qx_t *qx, float *y, int64_t ldy,
                              int64_t n0, int64_t n1) {
+#if HAVE_INT8_512
+    if (w->bits == 8)
+        (w->m_half != NULL || w->offset != 0 ? rows_matmul_512_q8_shifted : rows_matmul_512_q8)(w, M, K, qx, y, ldy, n0, n1);
+    else
+        (w->bits == 5 ? rows_matmul_512_q5 : rows_matmul_512_q4)(w, M, K, qx, y, ldy, n0, n1);
+#else
     float out[FAST_ROWS];
     for (int64_t n = n0; n < n1; n++)
         for (int64_t m0 = 0; m0 < M; m0 += FAST_ROWS) {
             const int64_t rows = M - m0 < FAST_ROWS ? M - m0 : FAST_ROWS;
-#if HAVE_INT8_512
-            if (w->bits != 5 && (K / 32) % 2 == 0 && K / 32 <= MAX_GROUPS_512) {
-                BY_ROW_COUNT(rows_dot_int8_512, rows)
-            } else
-#endif
-            {
-                BY_ROW_COUNT(rows_dot_int8, rows)
-            }
+            BY_ROW_COUNT(rows_dot_int8, rows)
             for (int64_t m = 0; m < rows; m++) y[(m0 + m) * ldy + n] = out[m];
         }
+#endif
 }
 #else
 #define HAVE_INT8_DOT 0
@@ -701,16 +842,15 @@ int swarmkv_grouped_matmul_int8(int64_t M, int64_t N, int64_t K, const float *x,
     layout_t w;
     fill_layout(&w, bits, group, offset, low, high, s_half, s_sub, s_sub_signed, s_per, m_half, m_sub, m_per);
     if (!int8_dot_reads(&w) || K % 32) return 1;
-    int8_t *codes = malloc((size_t)(2 * M * K));
-    float *consts = malloc(sizeof(float) * (size_t)(10 * M * (K / 32)));
+    int8_t *codes = aligned_alloc(64, (size_t)(2 * M * K + 63) / 64 * 64);
+    float *consts = aligned_alloc(64, (sizeof(float) * (size_t)(10 * M * (K / 32)) + 63) / 64 * 64);
     if (codes == NULL || consts == NULL) {
         free(codes);
         free(consts);
         return 2;
     }
-    float *spread = consts + 2 * M * (K / 32);
-    quantize_x(M, K, x, codes, codes + M * K, consts, consts + M * (K / 32), spread);
-    const qx_t qx = {codes, codes + M * K, consts, consts + M * (K / 32), spread};
+    qx_t qx;
+    quantize_x(M, K, x, codes, consts, &qx);
 #pragma omp parallel num_threads(threads)
     matmul_share_int8(&w, M, N, K, &qx, y, ldy);
     free(codes);
