@@ -98,7 +98,7 @@ def run_once(llm: LLM, prompts: list[list[dict[str, str]]], max_tokens: int) -> 
     salt = f"spec-bench-{next(_salts)}"
     before = llm.engine.stats()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, cache_salt=salt)  # type: ignore[arg-type]
+    outputs = llm.generate(prompts, params, cache_salt=salt)
     seconds = time.perf_counter() - start
     after = llm.engine.stats()
     assert all(o.error is None for o in outputs), [o.error for o in outputs]
@@ -158,7 +158,9 @@ def measure(
             "counters": counters,
             "tokens_per_step": tokens_per_step(counters),
             "acceptance": share(counters["spec_accepted_tokens"], counters["spec_draft_tokens"]),
-            "sibling_share": share(counters["spec_accepted_sibling_tokens"], counters["spec_accepted_tokens"]),
+            "sibling_share": share(
+                counters["spec_accepted_sibling_tokens"], counters["spec_accepted_tokens"]
+            ),
             "decode_tok_s": rates,
             "speedup": ratio(rates["on"], rates["off"]),
             "samples": {
@@ -170,7 +172,10 @@ def measure(
 
 
 def identity_check(
-    llms: dict[str, LLM], prompts: dict[str, list[list[dict[str, str]]]], workloads: list[str], max_tokens: int
+    llms: dict[str, LLM],
+    prompts: dict[str, list[list[dict[str, str]]]],
+    workloads: list[str],
+    max_tokens: int,
 ) -> dict[str, bool]:
     """Per workload, whether one greedy run's tokens with speculation on equal off's."""
     return {
@@ -226,7 +231,9 @@ def report(results: dict[str, Any], float_identity: dict[str, bool] | None) -> l
         )
     lines.append("")
     same = all(r["identical"] for r in results.values())
-    lines.append(f"{verdict(same)}  greedy output on == off, every workload, default engine (int8 activations)")
+    lines.append(
+        f"{verdict(same)}  greedy output on == off, every workload, default engine (int8 activations)"
+    )
     if float_identity is not None:
         lines.append(
             f"{verdict(all(float_identity.values()))}  greedy output on == off, every workload, "
@@ -253,7 +260,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    parser.add_argument("--no-float-check", action="store_true", help="skip the float32-activation identity check")
+    parser.add_argument(
+        "--no-float-check", action="store_true", help="skip the float32-activation identity check"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write every figure and sample here")
     parser.add_argument("--quick", action="store_true", help="96 tokens, 1 repeat")
     args = parser.parse_args(argv)
@@ -275,13 +284,23 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_float_check:
         float_llms = make_llms(loaded, args.max_tokens, cpu_int8_activations=False)
         float_identity = identity_check(float_llms, prompts, args.workloads, args.max_tokens)
-    print(f"speculation bench: {args.max_tokens} tokens, {args.repeats} repeats, {args.threads} threads, "
-          f"{time.perf_counter() - started:.0f} s")
+    print(
+        f"speculation bench: {args.max_tokens} tokens, {args.repeats} repeats, {args.threads} threads, "
+        f"{time.perf_counter() - started:.0f} s"
+    )
     for line in report(results, float_identity):
         print(line)
     if args.json is not None:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json), "model": args.model},
-                                         "results": results, "float_identity": float_identity}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": vars(args) | {"json": str(args.json), "model": args.model},
+                    "results": results,
+                    "float_identity": float_identity,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":
