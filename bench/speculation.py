@@ -1,0 +1,307 @@
+"""Speculative decoding on agentic decode workloads (issue 29, item 7): tokens per verification step,
+acceptance, and wall decode tokens/s against speculation off in the same run, on the CPU.
+
+Workloads, chat prompts from the committed bench/speculation_prompts.json, greedy (temperature 0):
+- file_edit: a ~50-line Python file in the prompt, "rewrite it with `foo` renamed to `bar`" (batch 1);
+- tool_call: a tool schema in the system prompt, five paths in the user message to read_file (batch 1);
+- swarm: 8 agents with the same system prompt and tools (one head: same salt, same opening tokens) and
+  different short tasks leading to similar calls, as one batch: the share of accepted tokens drafted from
+  siblings' replies is its figure;
+- prose: "a short story about a lighthouse keeper", the control (little to draft from).
+The model's own greedy output is what gets drafted; no draft model.
+
+Decode time excludes prefill as bench/decode.py does: the time of a run to --max-tokens less that of a run
+to 1 token of the same prompts, (generated - rows) tokens over the difference. Prefix caching is off, and
+every measured run takes a fresh cache salt, so an earlier run's reply is never a sibling draft source for
+a batch-1 workload (the drafter scopes siblings by salt); within the swarm's batch the 8 share one salt.
+Runs are interleaved (workload by workload, on/off order alternating each repeat) over --repeats, and each
+figure is the best sample. Greedy identity compares every run's tokens on against off; it is exact only on
+float32 math, so beside the default engine (the C decode step on int8-quantised activations) a pair of
+engines with `cpu_int8_activations=False` checks it once per workload (--no-float-check skips it). Beside
+other load on a 2-core machine, timings swing: compare the samples in --json, or raise --repeats.
+
+    .venv/bin/python bench/speculation.py [--max-tokens 192] [--repeats 3] [--threads 2]
+        [--workloads file_edit tool_call swarm prose] [--json spec.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from swarmkv import LLM, SamplingParams  # noqa: E402
+from swarmkv.models.loader import LoadedModel, load_model, resolve_model_path  # noqa: E402
+
+PROMPTS = Path(__file__).resolve().parent / "speculation_prompts.json"
+WORKLOADS = ("file_edit", "tool_call", "swarm", "prose")
+MODES = ("off", "on")
+TARGET_TOKENS_PER_STEP = 2.5  # file_edit
+TARGET_SPEEDUP = 1.8  # file_edit, batch 1
+TARGET_SIBLING_SHARE = 0.30  # swarm: accepted tokens drafted from siblings
+TARGET_CONTROL = 0.97  # prose against off
+
+_salts = itertools.count()
+
+
+def load_prompts(path: Path = PROMPTS) -> dict[str, list[list[dict[str, str]]]]:
+    """Each workload's chat prompts (lists of messages): one for the batch-1 workloads, 8 for the swarm."""
+    data = json.loads(path.read_text())
+    out: dict[str, list[list[dict[str, str]]]] = {}
+    for name in WORKLOADS:
+        entry = data[name]
+        if "tasks" in entry:
+            system = {"role": "system", "content": entry["system"]}
+            out[name] = [[system, {"role": "user", "content": task}] for task in entry["tasks"]]
+        else:
+            out[name] = [entry["messages"]]
+    return out
+
+
+@dataclass
+class Run:
+    """One `generate` of a workload's prompts: seconds, each row's tokens, and the spec counters it moved."""
+
+    seconds: float
+    token_ids: list[list[int]]
+    counters: dict[str, int]
+
+    @property
+    def generated(self) -> int:
+        """Tokens generated over every row."""
+        return sum(len(t) for t in self.token_ids)
+
+
+SPEC_KEYS = (
+    "steps",
+    "spec_verify_steps",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+    "spec_accepted_sibling_tokens",
+    "spec_accepted_session_tokens",
+)
+
+
+def run_once(llm: LLM, prompts: list[list[dict[str, str]]], max_tokens: int) -> Run:
+    """One greedy `generate` of every prompt under a fresh shared salt (so no earlier run drafts for it)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    salt = f"spec-bench-{next(_salts)}"
+    before = llm.engine.stats()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, cache_salt=salt)
+    seconds = time.perf_counter() - start
+    after = llm.engine.stats()
+    assert all(o.error is None for o in outputs), [o.error for o in outputs]
+    counters = {k: int(after[k]) - int(before[k]) for k in SPEC_KEYS}
+    return Run(seconds, [list(o.token_ids) for o in outputs], counters)
+
+
+def decode_tok_s(long: Run, short_s: float) -> float | None:
+    """Decode tokens/s of `long` less a 1-token run: (generated - rows) over the time difference."""
+    extra_s = long.seconds - short_s
+    tokens = long.generated - len(long.token_ids)
+    return tokens / extra_s if extra_s > 0 and tokens > 0 else None
+
+
+def make_llms(loaded: LoadedModel, max_tokens: int, **options: Any) -> dict[str, LLM]:
+    """An engine with speculation off and one with it on, over the same weights."""
+    common: dict[str, Any] = {"prefix_caching": False, "max_num_seqs": 8, **options}
+    budget = 8 * (2048 + max_tokens) * loaded.config.kv_bytes_per_token(loaded.dtype)
+    common.setdefault("kv_cache_memory", int(budget * 1.25))
+    return {mode: LLM(loaded=loaded, speculation=mode, **common) for mode in MODES}
+
+
+def measure(
+    llms: dict[str, LLM],
+    prompts: dict[str, list[list[dict[str, str]]]],
+    workloads: list[str],
+    max_tokens: int,
+    repeats: int,
+) -> dict[str, Any]:
+    """Every workload's runs, interleaved, on and off; per workload the best samples, the counters of the
+    runs with speculation on summed, and whether every run's tokens on matched off's."""
+    for llm in llms.values():  # warm-up: one short run each
+        run_once(llm, prompts[workloads[0]][:1], 4)
+    long_s: dict[tuple[str, str], list[float]] = defaultdict(list)
+    short_s: dict[tuple[str, str], list[float]] = defaultdict(list)
+    runs: dict[tuple[str, str], list[Run]] = defaultdict(list)
+    for rep in range(repeats):
+        for name in workloads:
+            for mode in MODES if rep % 2 == 0 else MODES[::-1]:
+                run = run_once(llms[mode], prompts[name], max_tokens)
+                runs[name, mode].append(run)
+                long_s[name, mode].append(run.seconds)
+                short_s[name, mode].append(run_once(llms[mode], prompts[name], 1).seconds)
+    out: dict[str, Any] = {}
+    for name in workloads:
+        on_runs, off_runs = runs[name, "on"], runs[name, "off"]
+        counters = {k: sum(r.counters[k] for r in on_runs) for k in SPEC_KEYS}
+        rates = {}
+        for mode in MODES:
+            best = min(runs[name, mode], key=lambda r: r.seconds)
+            rates[mode] = decode_tok_s(best, min(short_s[name, mode]))
+        identical = all(a.token_ids == off_runs[0].token_ids for a in on_runs + off_runs)
+        out[name] = {
+            "rows": len(prompts[name]),
+            "generated": on_runs[0].generated,
+            "identical": identical,
+            "counters": counters,
+            "tokens_per_step": tokens_per_step(counters),
+            "acceptance": share(counters["spec_accepted_tokens"], counters["spec_draft_tokens"]),
+            "sibling_share": share(
+                counters["spec_accepted_sibling_tokens"], counters["spec_accepted_tokens"]
+            ),
+            "decode_tok_s": rates,
+            "speedup": ratio(rates["on"], rates["off"]),
+            "samples": {
+                mode: {"long_s": long_s[name, mode], "short_s": short_s[name, mode]} for mode in MODES
+            },
+            "text": llms["on"].tokenizer.decode(on_runs[0].token_ids[0]),
+        }
+    return out
+
+
+def identity_check(
+    llms: dict[str, LLM],
+    prompts: dict[str, list[list[dict[str, str]]]],
+    workloads: list[str],
+    max_tokens: int,
+) -> dict[str, bool]:
+    """Per workload, whether one greedy run's tokens with speculation on equal off's."""
+    return {
+        name: run_once(llms["on"], prompts[name], max_tokens).token_ids
+        == run_once(llms["off"], prompts[name], max_tokens).token_ids
+        for name in workloads
+    }
+
+
+def tokens_per_step(counters: dict[str, int]) -> float | None:
+    """Tokens a verification step yielded on average (accepted drafts plus the one it always yields)."""
+    steps = counters["spec_verify_steps"]
+    return (counters["spec_accepted_tokens"] + steps) / steps if steps else None
+
+
+def share(part: int, whole: int) -> float | None:
+    """part / whole, or None when whole is 0."""
+    return part / whole if whole else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either is missing or b is not positive."""
+    return a / b if a is not None and b is not None and b > 0 else None
+
+
+def fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    """A figure as printed, or '-' when missing."""
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def verdict(ok: bool | None) -> str:
+    """PASS, FAIL, or '-' for a figure that could not be measured."""
+    return "-" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def at_least(value: float | None, target: float) -> bool | None:
+    """Whether a measured value meets its target; None when it is missing."""
+    return None if value is None else value >= target
+
+
+def report(results: dict[str, Any], float_identity: dict[str, bool] | None) -> list[str]:
+    """The table and the PASS/FAIL lines."""
+    lines = [
+        f"{'workload':<10} {'rows':>4} {'tokens':>6} {'identical':>9} {'tok/step':>8} {'accept':>7} "
+        f"{'sibling':>7} {'off tok/s':>9} {'on tok/s':>9} {'on/off':>7}"
+    ]
+    for name, r in results.items():
+        lines.append(
+            f"{name:<10} {r['rows']:>4} {r['generated']:>6} {str(r['identical']):>9} "
+            f"{fmt(r['tokens_per_step']):>8} {fmt(r['acceptance'], '.0%'):>7} {fmt(r['sibling_share'], '.0%'):>7} "
+            f"{fmt(r['decode_tok_s']['off'], '.1f'):>9} {fmt(r['decode_tok_s']['on'], '.1f'):>9} "
+            f"{fmt(r['speedup'], '.2f', 'x'):>7}"
+        )
+    lines.append("")
+    same = all(r["identical"] for r in results.values())
+    lines.append(
+        f"{verdict(same)}  greedy output on == off, every workload, default engine (int8 activations)"
+    )
+    if float_identity is not None:
+        lines.append(
+            f"{verdict(all(float_identity.values()))}  greedy output on == off, every workload, "
+            f"float32 activations: {float_identity}"
+        )
+    checks = [
+        ("file_edit", "tokens_per_step", TARGET_TOKENS_PER_STEP, "tokens per verification step, file_edit"),
+        ("file_edit", "speedup", TARGET_SPEEDUP, "decode wall speedup on/off, file_edit, batch 1"),
+        ("swarm", "sibling_share", TARGET_SIBLING_SHARE, "swarm of 8: accepted tokens drafted from siblings"),
+        ("prose", "speedup", TARGET_CONTROL, "prose (control) decode on/off"),
+    ]
+    for name, key, target, label in checks:
+        if name in results:
+            value = results[name][key]
+            lines.append(f"{verdict(at_least(value, target))}  {label}: {fmt(value)} (target >= {target})")
+    return lines
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The bench's options; --quick shortens the run to about a minute."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--model", default=None, help="a GGUF or HF folder (default: the embedded model)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="greedy tokens a run (default 192)")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument(
+        "--no-float-check", action="store_true", help="skip the float32-activation identity check"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write every figure and sample here")
+    parser.add_argument("--quick", action="store_true", help="96 tokens, 1 repeat")
+    args = parser.parse_args(argv)
+    args.max_tokens = args.max_tokens or (96 if args.quick else 192)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the bench and print its table and verdicts."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    loaded = load_model(resolve_model_path(args.model), dtype="float32")
+    prompts = load_prompts()
+    llms = make_llms(loaded, args.max_tokens)
+    started = time.perf_counter()
+    results = measure(llms, prompts, args.workloads, args.max_tokens, args.repeats)
+    float_identity = None
+    if not args.no_float_check:
+        float_llms = make_llms(loaded, args.max_tokens, cpu_int8_activations=False)
+        float_identity = identity_check(float_llms, prompts, args.workloads, args.max_tokens)
+    print(
+        f"speculation bench: {args.max_tokens} tokens, {args.repeats} repeats, {args.threads} threads, "
+        f"{time.perf_counter() - started:.0f} s"
+    )
+    for line in report(results, float_identity):
+        print(line)
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": vars(args) | {"json": str(args.json), "model": args.model},
+                    "results": results,
+                    "float_identity": float_identity,
+                },
+                indent=1,
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()

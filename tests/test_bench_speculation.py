@@ -1,0 +1,64 @@
+"""bench/speculation.py: its prompt set, and a quick measure on a tiny float32 model (structure and greedy
+identity on against off; no timing is asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+from gguf import GGMLQuantizationType as Q
+
+from swarmkv.models.loader import load_model
+from tiny_gguf import write_tiny_gguf
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "speculation.py"
+
+
+@cache
+def load_bench() -> ModuleType:
+    """bench/speculation.py as a module (bench/ is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("bench_speculation", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prompt_set_has_every_workload() -> None:
+    bench = load_bench()
+    prompts = bench.load_prompts()
+    assert set(prompts) == set(bench.WORKLOADS)
+    assert len(prompts["swarm"]) == 8 and all(len(p) == 1 for k, p in prompts.items() if k != "swarm")
+    heads = {p[0]["content"] for p in prompts["swarm"]}
+    assert len(heads) == 1  # one system prompt: one head
+    assert "`foo`" in prompts["file_edit"][0][-1]["content"]
+
+
+def test_quick_measure_on_a_tiny_float_model(tmp_path: Path) -> None:
+    """Token-id prompts stand in for the chat prompts (the tiny model's vocabulary is its own); a repeated
+    prompt gives the drafter something to match."""
+    bench = load_bench()
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", projections=Q.F32)
+    loaded = load_model(path, dtype="float32", weights="float")
+    llms = bench.make_llms(loaded, 16, kv_cache_memory="16MiB")
+    base = [5, 6, 7, 8, 9, 10, 11, 12] * 6
+    prompts = {
+        "file_edit": [base],
+        "tool_call": [base[:20]],
+        "swarm": [base + [20 + i] for i in range(8)],
+        "prose": [[30, 31, 32]],
+    }
+    results = bench.measure(llms, prompts, list(bench.WORKLOADS), 16, 2)
+    assert set(results) == set(bench.WORKLOADS)
+    for name, r in results.items():
+        assert r["identical"], name
+        assert r["rows"] == len(prompts[name])
+        assert set(r["decode_tok_s"]) == {"off", "on"}
+        assert len(r["samples"]["on"]["long_s"]) == 2
+    assert bench.identity_check(llms, prompts, ["swarm"], 16) == {"swarm": True}
+    lines = bench.report(results, {"swarm": True})
+    assert any(line.startswith(("PASS", "FAIL", "-")) and "file_edit" in line for line in lines)
