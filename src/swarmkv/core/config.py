@@ -110,7 +110,8 @@ class EngineConfig:
     max_speculative_rows: int | Literal["auto"] = _opt(
         "auto",
         "a step's decode rows plus draft tokens at most: past it a step is compute-bound and drafts would "
-        "slow it (auto: 16 on the CPU, 64 on a GPU)",
+        "slow it. auto: 8 on the CPU, where bench/speculation.py measured a batch of 8 agents at 0.91x with "
+        "16 rows and 0.92x with 10 (so from 8 decodes on, none drafts), and 64 on a GPU (not measured)",
         flag=False,
     )
     max_open_sessions: int = _opt(
@@ -220,7 +221,7 @@ class EngineConfig:
     def speculative_rows(self, device_type: str) -> int:
         """A step's decode rows plus draft tokens at most on a `device_type` device, auto resolved by it."""
         if self.max_speculative_rows == "auto":
-            return 16 if device_type == "cpu" else 64
+            return 8 if device_type == "cpu" else 64
         return self.max_speculative_rows
 
     @property
