@@ -319,6 +319,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             prefix_caching=False,
             kv_cache_memory=kv_cache_memory(m, args),
             max_num_seqs=max(args.batches),
+            speculation="off",  # decode itself, against llama.cpp's tg128, which drafts nothing
         )
         for fmt, m in models.items()
     }
