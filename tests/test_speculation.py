@@ -248,3 +248,18 @@ def test_the_c_decode_step_verifies_drafts_exactly(tmp_path: Path) -> None:
         if mode == "on":
             assert llm.engine.snapshot().spec_accepted_tokens > 0
     assert outs["on"] == outs["off"]
+
+
+def test_kept_replies_stay_bounded_as_heads_and_sessions_come_and_go() -> None:
+    drafter = Drafter()
+    drafter.max_groups = drafter.max_sessions = 4
+    for i in range(50):
+        drafter.add(f"r{i}", [i] * 40, "salt", f"s{i}")
+        drafter.extend(f"r{i}", [1, 2, 3])
+        drafter.finish(f"r{i}")
+    assert len(drafter._groups) <= 5 and len(drafter._sessions) <= 5
+    drafter.add("live", [7] * 40, "salt", None)
+    drafter.add("other", [7] * 40 + [1], "salt", None)
+    drafter.extend("live", [4, 5, 6, 4, 5])
+    drafter.extend("other", [4, 5])
+    assert drafter.propose("other", 4) is not None  # a live head's pool is never the one dropped

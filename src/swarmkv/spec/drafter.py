@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from swarmkv.spec.suffix_automaton import Matcher, SuffixAutomaton
 
@@ -27,6 +27,7 @@ DraftSource = Literal["own", "sibling", "session"]
 HEAD_TOKENS = 32  # opening tokens that put requests of one salt under one head (a system prompt's start)
 WARM_TOKENS = 32  # own tokens fed to a matcher made mid-reply, so it starts matching at once
 MAX_BACKOFF_STEPS = 64
+MAX_POOLS = 256  # heads and sessions whose replies are kept, each pool bounded too
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,12 @@ class Drafter:
         self._requests: dict[str, _Request] = {}
         self._ids: dict[str, int] = {}  # request id -> its reply's source id
         self._next_id = 0
-        self._groups: dict[tuple[str | None, tuple[int, ...]], _Pool] = {}
+        # Both kept newest last and bounded (a server sees heads and sessions come and go): the least
+        # recently joined pool without live members goes first.
+        self._groups: OrderedDict[tuple[str | None, tuple[int, ...]], _Pool] = OrderedDict()
         self._sessions: OrderedDict[tuple[str | None, str], _Pool] = OrderedDict()
-        self.max_sessions = 4096
+        self.max_groups = MAX_POOLS
+        self.max_sessions = MAX_POOLS
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -132,9 +136,6 @@ class Drafter:
             pool.running.discard(sid)
             pool.members.discard(request_id)
             self._evict(pool)
-        group = self._groups.get(req.group)
-        if group is not None and not group.replies and not group.members:
-            del self._groups[req.group]
 
     def propose(self, request_id: str, max_tokens: int) -> Draft | None:
         """A draft of at most `max_tokens` tokens to follow the request's last, or None (nothing matches well
@@ -180,22 +181,10 @@ class Drafter:
     # The pools.
 
     def _group(self, key: tuple[str | None, tuple[int, ...]]) -> _Pool:
-        pool = self._groups.get(key)
-        if pool is None:
-            pool = self._groups[key] = _Pool(self.max_replies)
-        return pool
+        return _joined(self._groups, key, self.max_replies, self.max_groups)
 
     def _session(self, key: tuple[str | None, str]) -> _Pool:
-        pool = self._sessions.get(key)
-        if pool is None:
-            pool = self._sessions[key] = _Pool(max(1, self.max_replies // 4))
-            while len(self._sessions) > self.max_sessions:
-                oldest, dropped = next(iter(self._sessions.items()))
-                if dropped.members or dropped.running:
-                    break
-                del self._sessions[oldest]
-        self._sessions.move_to_end(key)
-        return pool
+        return _joined(self._sessions, key, max(1, self.max_replies // 8), self.max_sessions)
 
     def _share(
         self, pool: _Pool, source: DraftSource, sid: int, reply: SuffixAutomaton, request_id: str
@@ -225,3 +214,16 @@ class Drafter:
         for token in req.context.tokens[-WARM_TOKENS:]:
             matcher.feed(token)
         return matcher
+
+
+def _joined(pools: OrderedDict[Any, _Pool], key: Any, capacity: int, max_pools: int) -> _Pool:
+    """The pool under `key` (made if new), now the newest; the oldest pools without live members go past
+    `max_pools`."""
+    pool = pools.get(key)
+    if pool is None:
+        pool = pools[key] = _Pool(capacity)
+    pools.move_to_end(key)
+    idle = [k for k, p in pools.items() if not p.members and not p.running and k != key]
+    for old in idle[: max(0, len(pools) - max_pools)]:
+        del pools[old]
+    return pool
