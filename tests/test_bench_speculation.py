@@ -59,6 +59,7 @@ def test_quick_measure_on_a_tiny_float_model(tmp_path: Path) -> None:
         assert r["rows"] == len(prompts[name])
         assert set(r["decode_tok_s"]) == {"off", "on"}
         assert len(r["samples"]["on"]["long_s"]) == 2
+    assert results["file_edit"]["counters"]["spec_accepted_tokens"] > 0  # identity was checked with drafts
     assert bench.identity_check(llms, prompts, ["swarm"], 16) == {"swarm": True}
     lines = bench.report(results, {"swarm": True})
     assert any(line.startswith(("PASS", "FAIL", "-")) and "file_edit" in line for line in lines)

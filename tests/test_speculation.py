@@ -263,3 +263,14 @@ def test_kept_replies_stay_bounded_as_heads_and_sessions_come_and_go() -> None:
     drafter.extend("live", [4, 5, 6, 4, 5])
     drafter.extend("other", [4, 5])
     assert drafter.propose("other", 4) is not None  # a live head's pool is never the one dropped
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("speculation", "sometimes"), ("max_speculative_rows", -1), ("num_speculative_tokens", 0)],
+)
+def test_bad_speculation_settings_are_refused(option: str, value: object) -> None:
+    from swarmkv.core.config import EngineConfig
+
+    with pytest.raises(ValueError, match=option):
+        EngineConfig(**{option: value})  # type: ignore[arg-type]

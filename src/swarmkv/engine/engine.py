@@ -322,28 +322,34 @@ class LLMEngine:
                     self.kv.check_writable(chunk.request_id, chunk.start, chunk.start + chunk.num_tokens)
             masks = self._structured.prefetch(plan.chunks) if self._structured is not None else None
             sampling, logits = self.runner.run(plan)  # the masks are computed meanwhile
-            drafted = any(c.draft for c in sampling)
-            # One row a chunk to sample from: its last (a speculative chunk's are verified apart, below).
-            last = logits
-            if drafted:
-                ends = list(itertools.accumulate(c.num_logits for c in sampling))
-                last = logits[torch.tensor([end - 1 for end in ends], device=logits.device)]
-            if masks is not None:
-                self.structured.apply(masks, sampling, last)
             generators = [self._generators.get(c.request_id, self._generator) for c in sampling]
-            tokens = sample(last, [c.seq.params for c in sampling], generators)
-            verified = self._verify(sampling, logits, generators) if drafted else {}
+            verified = self._verify(sampling, logits, generators) if any(c.draft for c in sampling) else {}
+            # The other chunks sample from their one row (a speculative chunk's rows were verified above).
+            plain = [i for i in range(len(sampling)) if i not in verified]
+            if verified:
+                ends = list(itertools.accumulate(c.num_logits for c in sampling))
+                rows = torch.tensor([ends[i] - 1 for i in plain], dtype=torch.int64, device=logits.device)
+                logits = logits[rows]
+            plain_chunks = [sampling[i] for i in plain]
+            if masks is not None:  # constrained requests are never drafted: all of them are plain
+                self.structured.apply(masks, plain_chunks, logits)
+            sampled = (
+                sample(logits, [c.seq.params for c in plain_chunks], [generators[i] for i in plain])
+                if plain
+                else []
+            )
         except Exception as exc:
             return self._fail_step(plan, exc)
         self.last_step_error = None
         self._time_prefill(plan, time.perf_counter() - start)
         self.core.commit(plan.chunks)
-        deltas = []
-        for i, (chunk, token) in enumerate(zip(sampling, tokens, strict=True)):
-            if i in verified:
-                deltas.append(self._append_verified(chunk, verified[i]))
-            else:
-                deltas.append(self._append_token(chunk, token))
+        tokens = dict(zip(plain, sampled, strict=True))
+        deltas = [
+            self._append_verified(chunk, verified[i])
+            if i in verified
+            else self._append_token(chunk, tokens[i])
+            for i, chunk in enumerate(sampling)
+        ]
         self.core.end_step()
         return deltas
 

@@ -87,9 +87,6 @@ class Drafter:
         self.max_groups = MAX_POOLS
         self.max_sessions = MAX_POOLS
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._requests
-
     def add(self, request_id: str, prompt: list[int], salt: str | None, session_id: str | None) -> None:
         """Start drafting for a request: its context's automaton, and matchers over its head's and session's
         replies (the same salt's only)."""

@@ -25,14 +25,6 @@ class SuffixAutomaton:
         for token in tokens or ():
             self.extend(token)
 
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def num_states(self) -> int:
-        """States built so far (at most twice the tokens)."""
-        return len(self._len)
-
     def extend(self, token: int) -> None:
         """Append one token."""
         nxt, link, length, end = self._next, self._link, self._len, self._end
