@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import numpy as np
 import torch
 
@@ -72,7 +72,7 @@ class MaskJob:
     """Masks being computed for one step: a packed int32 bitmask row per constrained request."""
 
     rows: dict[str, int]  # request id -> row of `bitmask`
-    bitmask: torch.Tensor
+    bitmask: np.ndarray
     done: Future[None]
 
 
@@ -128,9 +128,9 @@ class StructuredDecoding:
                 matchers.append((row.matcher, len(matchers)))
         if not matchers:
             return None
-        bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), self.vocab_size)
+        bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), self.vocab_size)
         done = self._thread.submit(
-            llguidance.torch.fill_next_token_bitmask_par, self._executor, matchers, bitmask
+            llguidance.numpy.fill_next_token_bitmask_par, self._executor, matchers, bitmask
         )
         return MaskJob(rows, bitmask, done)
 
@@ -183,14 +183,17 @@ class StructuredDecoding:
         return row is not None and not row.queued and bool(row.matcher.is_stopped())
 
 
-def _disallowed(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
+def _disallowed(bitmask: np.ndarray, vocab_size: int, device: torch.device) -> torch.Tensor:
     """Packed int32 bitmask rows [N, ceil(V / 32)] -> bool [N, vocab_size], True where a token is banned;
     unpacked by numpy on the CPU (one pass over bytes), by shifts on an accelerator."""
     if device.type == "cpu":
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little")
         banned = torch.from_numpy(bits[:, :vocab_size] == 0)
     else:
-        words = bitmask.to(device, non_blocking=True)
+        # Pinned on a GPU, so the copy does not wait for the device. (The masks are numpy arrays because
+        # llguidance.torch imports torch.compile's stack: seconds of every start-up.)
+        words = torch.from_numpy(bitmask)
+        words = (words.pin_memory() if device.type == "cuda" else words).to(device, non_blocking=True)
         shifts = torch.arange(32, device=device, dtype=torch.int32)
         banned = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size] == 0
     if banned.shape[-1] < vocab_size:  # logits wider than the mask: ids past it are never allowed
