@@ -6,7 +6,8 @@ tools and the JSON tasks below): each tool case is a forced call (tool_choice "r
 agent offered), each JSON case a `response_format` json_schema. Both runs render through the server's own
 renderer and grammar builder (`api.render`, `api.structured_request`). It reports the valid-JSON rate, the
 schema-valid rate and the right tool chosen, with replies cut by max_tokens counted apart, and decode
-tokens/s at batch 1 and 8 for both runs (same run, same machine, so the ratio holds beside other load).
+tokens/s at batch 1 and 8 for each run (same run, same machine, so the ratio holds beside other load). The
+constrained runs: one forced token a step (the CPU default), jump-forward on, and the loop guard off.
 """
 
 from __future__ import annotations
@@ -227,6 +228,7 @@ def run(
     return {
         "constrained": constrained,
         "jump_forward": llm.engine.structured.jump_forward,
+        "loop_guard": llm.engine.config.loop_guard,
         "batch": batch,
         "cases": len(scores),
         "cut_by_max_tokens": len(scores) - len(kept),
@@ -257,10 +259,11 @@ def main() -> None:
     cases = make_cases(num_tool, num_json)
     llm = LLM(kv_cache_memory="512MiB", max_model_len=8192)  # jump_forward auto: off on the CPU
     jumping = LLM(loaded=llm.loaded, kv_cache_memory="512MiB", max_model_len=8192, jump_forward="on")
+    unguarded = LLM(loaded=llm.loaded, kv_cache_memory="512MiB", max_model_len=8192, loop_guard="off")
     batches = (8,) if args.quick else (8, 1)
     for batch in batches:
         subset = cases if batch == 8 else cases[:: max(1, len(cases) // args.batch1_cases)]
-        runs = [(llm, False), (llm, True), (jumping, True)]
+        runs = [(llm, False), (llm, True), (jumping, True), (unguarded, True)]
         rows = [run(engine, subset, constrained, batch, args.max_tokens) for engine, constrained in runs]
         for row in rows:
             print(json.dumps(row), flush=True)
@@ -270,6 +273,9 @@ def main() -> None:
             "constrained_over_unconstrained": round((rows[1]["decode_tokens_per_s"] or 0) / base, 3),
             "constrained_jump_forward_over_unconstrained": round(
                 (rows[2]["decode_tokens_per_s"] or 0) / base, 3
+            ),
+            "constrained_without_loop_guard_over_unconstrained": round(
+                (rows[3]["decode_tokens_per_s"] or 0) / base, 3
             ),
         }
         print(json.dumps(ratios), flush=True)

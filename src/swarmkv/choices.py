@@ -13,6 +13,8 @@ JumpForwardMode = Literal["auto", "on", "off"]
 JUMP_FORWARD_MODES: tuple[JumpForwardMode, ...] = ("auto", "on", "off")
 SpeculationMode = Literal["auto", "on", "off"]
 SPECULATION_MODES: tuple[SpeculationMode, ...] = ("auto", "on", "off")
+LoopGuardMode = Literal["constrained", "all", "off"]
+LOOP_GUARD_MODES: tuple[LoopGuardMode, ...] = ("constrained", "all", "off")
 
 KVCacheDtype = Literal["auto", "float16", "bfloat16", "float32", "fp8_e4m3"]
 KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = ("auto", "float16", "bfloat16", "float32", "fp8_e4m3")

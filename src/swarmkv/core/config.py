@@ -15,11 +15,13 @@ from swarmkv.choices import (
     CASCADE_MODES,
     JUMP_FORWARD_MODES,
     KV_CACHE_DTYPES,
+    LOOP_GUARD_MODES,
     SPECULATION_MODES,
     AttentionBackendName,
     CascadeMode,
     JumpForwardMode,
     KVCacheDtype,
+    LoopGuardMode,
     SpeculationMode,
     WeightsOption,
 )
@@ -99,6 +101,12 @@ class EngineConfig:
         "in the next step as one chunk; off appends one a step in place of a sampled one; auto: on off the "
         "CPU (there a chunk of several tokens costs a pass of the torch modules beside the C decode step)",
     )
+    loop_guard: LoopGuardMode = _opt(
+        "constrained",
+        "steer a reply out of a verbatim loop (a string repeating itself until max_tokens cuts it): once "
+        "its last 32+ tokens repeat a period 3+ times, the token continuing the loop gets DRY's growing "
+        "penalty. constrained: replies under a grammar, which a cut would leave unparsable; all; off",
+    )
     speculation: SpeculationMode = _opt(
         "auto",
         "speculative decoding without a draft model: drafts from suffix automata over each request's own "
@@ -161,6 +169,8 @@ class EngineConfig:
             raise ValueError(
                 f"cascade_attention must be one of {CASCADE_MODES}, got {self.cascade_attention!r}"
             )
+        if self.loop_guard not in LOOP_GUARD_MODES:
+            raise ValueError(f"loop_guard must be one of {LOOP_GUARD_MODES}, got {self.loop_guard!r}")
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {self.speculation!r}")
         rows = self.max_speculative_rows

@@ -123,6 +123,12 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_accepted_sibling_tokens: int = 0
     spec_accepted_session_tokens: int = 0
+    # Constrained decoding (the engine's, not the core's: zero in a model-free core): grammars compiled and
+    # found compiled, tokens a grammar forced, and rows whose verbatim loop's continuation was penalised.
+    grammars_compiled: int = 0
+    grammar_cache_hits: int = 0
+    forced_tokens: int = 0
+    loop_guard_penalties: int = 0
     state: StateStats | None = None  # hybrids only
 
     @property

@@ -8,6 +8,7 @@ go back (their earlier KV stays cached), the runner forgets their rows, and the 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -38,6 +39,7 @@ from swarmkv.kv import pages_for
 from swarmkv.models.loader import LoadedModel
 from swarmkv.spec import Drafter
 from swarmkv.structured.decoding import StructuredDecoding
+from swarmkv.structured.loop_guard import LoopGuard
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestDelta"]
 
@@ -151,6 +153,7 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator] = {}
         self._generator = torch.Generator().manual_seed(config.seed)
         self._structured: StructuredDecoding | None = None  # built by the first constrained request
+        self.loop_guard = LoopGuard() if config.loop_guard != "off" else None
         self.last_step_error: str | None = None  # set while the latest step failed
 
     @staticmethod
@@ -211,9 +214,20 @@ class LLMEngine:
         seq = self.core.add_request(request_id, prompt_token_ids, params, cache_salt, session_id, is_pin)
         if grammar is not None:
             self.structured.add(request_id, grammar)
-        elif self.drafter is not None and not is_pin and (params.greedy or params.seed is None):
-            # Not under a grammar (its mask would have to vet every draft token), nor for a seeded sampling
-            # request: its draws would depend on what the drafts were, so the seed would not reproduce it.
+        mode = self.config.loop_guard
+        guarded = not is_pin and (mode == "all" or (mode == "constrained" and grammar is not None))
+        if guarded:
+            assert self.loop_guard is not None
+            self.loop_guard.add(request_id)
+        elif (
+            grammar is None
+            and self.drafter is not None
+            and not is_pin
+            and (params.greedy or params.seed is None)
+        ):
+            # Not under a grammar (its mask would have to vet every draft token) or the loop guard (its
+            # penalty at a draft's row would depend on the draft), nor for a seeded sampling request: its
+            # draws would depend on what the drafts were, so the seed would not reproduce it.
             self.drafter.add(request_id, seq.prompt_token_ids, cache_salt, session_id)
         if params.seed is not None:
             self._generators[request_id] = torch.Generator().manual_seed(params.seed)
@@ -331,6 +345,8 @@ class LLMEngine:
                 rows = torch.tensor([ends[i] - 1 for i in plain], dtype=torch.int64, device=logits.device)
                 logits = logits[rows]
             plain_chunks = [sampling[i] for i in plain]
+            if self.loop_guard is not None:
+                self.loop_guard.apply(plain_chunks, logits)
             if masks is not None:  # constrained requests are never drafted: all of them are plain
                 self.structured.apply(masks, plain_chunks, logits)
             sampled = (
@@ -442,6 +458,8 @@ class LLMEngine:
         self.core.accept(seq, min(num_computed, len(appended)))
         if self.drafter is not None:
             self.drafter.extend(seq.request_id, appended)
+        if self.loop_guard is not None:
+            self.loop_guard.extend(seq.request_id, appended)
         self.counters.generated_tokens += 0 if seq.is_pin else len(appended)  # a pin's token is dropped
         delta = self.outputs.process(seq.request_id, seq.output_token_ids, appended, reason)
         if delta.finished:
@@ -456,6 +474,8 @@ class LLMEngine:
         self._generators.pop(request_id, None)
         if self._structured is not None:
             self._structured.drop(request_id)
+        if self.loop_guard is not None:
+            self.loop_guard.drop(request_id)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and release its pages; False if it is unknown or already finished."""
@@ -467,6 +487,8 @@ class LLMEngine:
         self._generators.pop(request_id, None)
         if self._structured is not None:
             self._structured.drop(request_id)
+        if self.loop_guard is not None:
+            self.loop_guard.drop(request_id)
         return True
 
     def get_sequence(self, request_id: str) -> Sequence | None:
@@ -488,7 +510,15 @@ class LLMEngine:
 
     def snapshot(self) -> EngineStats:
         """KV and work counters, in pages, bytes and tokens: the typed form every reader uses."""
-        return self.core.snapshot()
+        stats = self.core.snapshot()
+        structured, guard = self._structured, self.loop_guard
+        return dataclasses.replace(
+            stats,
+            grammars_compiled=structured.grammars.num_compiled if structured is not None else 0,
+            grammar_cache_hits=structured.grammars.num_hits if structured is not None else 0,
+            forced_tokens=structured.num_forced_tokens if structured is not None else 0,
+            loop_guard_penalties=guard.num_penalised if guard is not None else 0,
+        )
 
     def stats(self) -> dict[str, Any]:
         """`snapshot()` as a flat dict (the public API), with a GGUF's weights per type as held."""

@@ -127,6 +127,18 @@ _COUNTERS: tuple[tuple[str, str, Read], ...] = (
         "Accepted draft tokens that came from the session's earlier replies.",
         lambda s: s.spec_accepted_session_tokens,
     ),
+    ("grammars_compiled", "Grammars compiled for constrained replies.", lambda s: s.grammars_compiled),
+    (
+        "grammar_cache_hits",
+        "Constrained requests whose grammar was found compiled (agents sharing their tools).",
+        lambda s: s.grammar_cache_hits,
+    ),
+    ("forced_tokens", "Tokens appended because a grammar allowed nothing else.", lambda s: s.forced_tokens),
+    (
+        "loop_guard_penalties",
+        "Rows whose reply repeated itself verbatim and whose loop continuation was penalised.",
+        lambda s: s.loop_guard_penalties,
+    ),
     ("preemptions", "Requests preempted (pages dropped, recomputed later).", lambda s: s.preemptions),
     (
         "swap_preemptions",

@@ -1,0 +1,153 @@
+"""The loop guard: a reply repeating itself verbatim is steered out of the loop, a copy is left alone.
+
+The engine tests run a float32 bigram over the Qwen3 vocabulary built here: "A" predicts "B" and "B"
+predicts "A", each by a logit of MARGIN, with the closing quote half as likely. Under a grammar for
+`{"s": <string>}` its greedy reply loops "ABAB..." until max_tokens without the guard; with it, the loop's
+continuation is penalised once the loop spans MIN_SPAN tokens, the quote wins, and the reply parses.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest_tokenizer_helpers import qwen_tokenizer
+from engine_helpers import tiny_config
+from swarmkv import LLM
+from swarmkv.core.sampling_params import SamplingParams
+from swarmkv.models.decoder import DecoderForCausalLM
+from swarmkv.models.loader import LoadedModel
+from swarmkv.structured import loop_guard
+from swarmkv.structured.grammars import json_schema_grammar
+from swarmkv.structured.loop_guard import LoopGuard
+from tiny_models import qwen_vocab_size
+
+MARGIN = 8.0
+GRAMMAR = json_schema_grammar(
+    {
+        "type": "object",
+        "properties": {"s": {"type": "string"}},
+        "required": ["s"],
+        "additionalProperties": False,
+    }
+)
+
+
+def _guard(tokens: list[int]) -> tuple[int, float] | None:
+    guard = LoopGuard()
+    guard.add("r")
+    guard.extend("r", tokens)
+    return guard.penalty("r")
+
+
+def test_a_loop_is_penalised_from_its_span_on_and_more_each_token() -> None:
+    loop = [5, 6] * 40
+    assert _guard(loop[: loop_guard.MIN_SPAN - 1]) is None
+    assert _guard(loop[: loop_guard.MIN_SPAN]) == (5, loop_guard.MULTIPLIER)  # 6 ended it: 5 continues
+    token, amount = _guard(loop[: loop_guard.MIN_SPAN + 3]) or (0, 0.0)
+    assert token == 6 and amount == pytest.approx(loop_guard.MULTIPLIER * loop_guard.BASE**3)
+    # Long loops: the exponent is capped, so the penalty stays a finite float.
+    assert _guard([5, 6] * 3000) == (5, loop_guard.MULTIPLIER * loop_guard.BASE**loop_guard.MAX_EXPONENT)
+
+
+def test_a_long_period_needs_its_copies_and_a_copy_apart_from_its_source_is_no_loop() -> None:
+    sentence = list(range(100, 120))  # 20 tokens
+    assert _guard(sentence * 2 + sentence[:19]) is None  # 59 tokens: under 3 periods
+    assert _guard(sentence * 3) == (100, loop_guard.MULTIPLIER)
+    old = list(range(200, 260))
+    assert _guard([1, *old, 2, 3, *old]) is None  # an edit's new text repeating its old text
+    assert _guard(list(range(300, 400))) is None
+
+
+@cache
+def bigram_loaded() -> LoadedModel:
+    """The looping bigram: zero attention and MLP, so the residual stream is the last token's class."""
+    tok = qwen_tokenizer()
+    a, b, quote, brace = (tok.encode(t, add_special_tokens=False) for t in ("A", "B", '"', "}"))
+    assert all(len(ids) == 1 for ids in (a, b, quote, brace))
+    a_id, b_id, quote_id, brace_id = a[0], b[0], quote[0], brace[0]
+    config = tiny_config(vocab_size=qwen_vocab_size())
+    model = DecoderForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.norm.weight.fill_(1.0)
+        # Classes 0 ("A"), 1 ("B"), 2 (any other token), each a one-hot embedding.
+        model.embed_tokens.weight[:, 2] = 1.0
+        model.embed_tokens.weight[a_id] = 0.0
+        model.embed_tokens.weight[a_id, 0] = 1.0
+        model.embed_tokens.weight[b_id] = 0.0
+        model.embed_tokens.weight[b_id, 1] = 1.0
+        scale = MARGIN / config.hidden_size**0.5  # the final RMSNorm scales a one-hot by sqrt(hidden)
+        head = model.lm_head.weight
+        head[b_id, 0] = head[a_id, 1] = head[a_id, 2] = scale
+        head[quote_id, 0] = head[quote_id, 1] = scale / 2
+        head[brace_id, 2] = scale / 4
+    model.rotary.build(torch.device("cpu"))
+    return LoadedModel(
+        Path("bigram"), "bigram", config, model.eval(), tok, torch.float32, torch.device("cpu")
+    )
+
+
+def _prompt() -> list[int]:
+    return qwen_tokenizer().encode("Write s.", add_special_tokens=False)
+
+
+@cache
+def _llm(mode: str, jump_forward: str = "auto") -> LLM:
+    return LLM(loaded=bigram_loaded(), kv_cache_memory=16 * 2**20, loop_guard=mode, jump_forward=jump_forward)
+
+
+def _reply(
+    mode: str, grammar: str | None = GRAMMAR, jump_forward: str = "auto"
+) -> tuple[Any, dict[str, int]]:
+    """The reply, and the engine's counters it moved."""
+    llm = _llm(mode, jump_forward)
+    before = llm.engine.stats()
+    (out,) = llm.generate([_prompt()], SamplingParams(max_tokens=96, temperature=0, grammar=grammar))
+    llm.engine.check_integrity()
+    after = llm.engine.stats()
+    return out, {
+        k: after[k] - before[k] for k in ("loop_guard_penalties", "grammars_compiled", "spec_draft_tokens")
+    }
+
+
+def test_without_the_guard_the_bigram_loops_until_max_tokens() -> None:
+    out, moved = _reply("off")
+    assert out.finish_reason == "length" and "ABABABAB" in out.text
+    assert moved["loop_guard_penalties"] == 0
+
+
+@pytest.mark.parametrize("jump_forward", ["on", "off"])
+def test_with_the_guard_the_constrained_reply_leaves_the_loop_and_parses(jump_forward: str) -> None:
+    out, moved = _reply("constrained", jump_forward=jump_forward)
+    assert out.finish_reason == "stop", out.text
+    value = json.loads(out.text)
+    # The loop ran past its span by the few tokens the penalty took to pass MARGIN / 2.
+    assert set(value["s"]) == {"A", "B"} and loop_guard.MIN_SPAN <= len(value["s"]) <= loop_guard.MIN_SPAN + 8
+    assert moved["loop_guard_penalties"] > 0 and moved["grammars_compiled"] <= 1
+
+
+def test_jump_forward_does_not_change_a_guarded_reply() -> None:
+    on, _ = _reply("constrained", jump_forward="on")
+    off, _ = _reply("constrained", jump_forward="off")
+    assert on.token_ids == off.token_ids  # the penalty depends on the reply's tokens alone
+
+
+def test_the_guard_is_for_constrained_replies_unless_all() -> None:
+    out, moved = _reply("constrained", grammar=None)
+    assert out.finish_reason == "length" and moved["loop_guard_penalties"] == 0
+    assert moved["spec_draft_tokens"] > 0  # unguarded, the loop is drafted from its own text
+    out, moved = _reply("all", grammar=None)
+    assert moved["loop_guard_penalties"] > 0 and "ABABABAB" * 5 not in out.text
+    assert moved["spec_draft_tokens"] == 0  # a guarded request is never drafted
+
+
+def test_a_bad_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="loop_guard"):
+        LLM(loaded=bigram_loaded(), kv_cache_memory=16 * 2**20, loop_guard="sometimes")
