@@ -6,9 +6,11 @@ The model is bench/hybrid.py's random Qwen3.5 text model (8 layers, 3 Gated Delt
 512, the Qwen3 vocabulary), float32. A random model copies nothing of its own accord, so the copy workload
 hands it text to copy the way a swarm does: a first request's reply R to a prompt P is kept, and the timed
 request, P + R[:16] under the same head and salt, continues exactly as R did, which the drafter proposes from
-that sibling's reply (every draft accepted while its state stays exact). The control workload is a fresh
-random prompt under its own salt: nothing to draft from but its own context, which a random model rarely
-repeats, so it prices failed drafts and their back-off.
+that sibling's reply (every draft accepted while its state stays exact). The diverge workload changes one
+token of P halfway through before appending R[:16]: the drafter proposes R's continuation as before, but the
+reply soon parts from R, so it prices rejected drafts and the drafter's back-off. The control workload is a
+fresh random prompt under its own salt: nothing to draft from but its own context, which a random model
+rarely repeats (speculation on should cost nothing there).
 
 Each timed request is stepped by hand: its first step (the prefill and first token) is left out, every later
 step is timed. Decode tokens/s is the tokens after the first over those steps' time; a verification step is
@@ -16,8 +18,8 @@ one that verified a draft, a decode step one of the run with speculation off. On
 swapped each repeat, and each figure is the best (tokens/s) or the median (step times) over --repeats; greedy
 identity on against off is checked on every run. Prints JSON.
 
-    .venv/bin/python bench/speculation_hybrid.py [--prompt-tokens 128] [--max-tokens 64] [--repeats 3]
-        [--threads 2] [--json out.json]
+    .venv/bin/python bench/speculation_hybrid.py [--prompt-tokens 128] [--max-tokens 48] [--repeats 3]
+        [--threads 1] [--json out.json]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import itertools
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -37,13 +40,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from hybrid import SMALL_SHAPE, build_checkpoint  # noqa: E402
 from swarmkv import LLM, SamplingParams  # noqa: E402
 from swarmkv.engine.engine import LLMEngine  # noqa: E402
 from swarmkv.models.loader import LoadedModel, load_model  # noqa: E402
 
 MODES = ("off", "on")
-WORKLOADS = ("copy", "control")
+WORKLOADS = ("copy", "diverge", "control")
 COPIED_TOKENS = 16
 
 _ids = itertools.count()
@@ -92,13 +94,17 @@ def timed_request(engine: LLMEngine, prompt: list[int], params: SamplingParams, 
 def workload_prompt(
     engine: LLMEngine, name: str, prompt: list[int], max_tokens: int
 ) -> tuple[list[int], str]:
-    """The timed prompt of a workload and its salt; for `copy`, after the sibling whose reply it continues."""
+    """The timed prompt of a workload and its salt; for `copy` and `diverge`, after the sibling whose reply
+    it is drafted from."""
     salt = f"hybrid-spec-{next(_ids)}"
     if name == "control":
         return prompt, salt
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens + COPIED_TOKENS, ignore_eos=True)
     reply = timed_request(engine, prompt, params, salt).token_ids
-    return prompt + reply[:COPIED_TOKENS], salt
+    timed = list(prompt)
+    if name == "diverge":
+        timed[len(timed) // 2] = (timed[len(timed) // 2] + 1) % (max(prompt) + 1)
+    return timed + reply[:COPIED_TOKENS], salt
 
 
 def make_engines(loaded: LoadedModel, **options: Any) -> dict[str, LLMEngine]:
@@ -117,6 +123,7 @@ def measure(
         timed_request(engine, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), "w")
     out: dict[str, Any] = {}
     for name in WORKLOADS:
+        start = time.perf_counter()
         runs: dict[str, list[Run]] = {mode: [] for mode in MODES}
         for rep in range(repeats):
             prompt = torch.randint(0, vocab, (prompt_tokens,), generator=generator).tolist()
@@ -125,6 +132,8 @@ def measure(
                 timed, salt = workload_prompt(engine, name, prompt, max_tokens)
                 runs[mode].append(timed_request(engine, timed, params, salt))
         out[name] = summarise(runs, repeats)
+        out[name]["seconds"] = round(time.perf_counter() - start, 1)
+        print(f"{name}: {out[name]['seconds']} s", file=sys.stderr, flush=True)
     return out
 
 
@@ -158,14 +167,17 @@ def summarise(runs: dict[str, list[Run]], repeats: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    """Build the model, measure both workloads on and off, print JSON."""
+    """Build the model, measure every workload on and off, print JSON."""
+    from hybrid import SMALL_SHAPE, build_checkpoint  # bench/hybrid.py, beside this script
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    # One thread: on a 2-core machine shared with other work, a second one's spinning tripled step times.
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
