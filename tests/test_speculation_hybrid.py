@@ -195,3 +195,31 @@ def test_a_failed_verification_leaves_the_next_requests_exact(loaded: LoadedMode
     again = {mode: step_all(e, [prompt])[0].output_token_ids for mode, e in engines.items()}
     assert again["on"] == again["off"] and replies["on"] == replies["off"]
     assert engine.snapshot().spec_accepted_tokens > 0
+
+
+def test_per_position_states_are_those_of_each_prefix() -> None:
+    """A speculative chunk's kept state after row j is the state a prefill of its first j + 1 rows leaves,
+    and its outputs are the prefill's."""
+    from swarmkv.engine.recurrent_step import conv_positions, delta_rule_positions
+    from swarmkv.models import gated_delta
+
+    torch.manual_seed(0)
+    n, channels, kernel, heads, key_heads, dim = 5, 6, 4, 4, 2, 8
+    x, window, weight = (
+        torch.randn(n, channels),
+        torch.randn(channels, kernel - 1),
+        torch.randn(channels, kernel),
+    )
+    out, windows = conv_positions(x, window, weight)
+    torch.testing.assert_close(out, gated_delta.causal_conv(x, window, weight)[0])
+    for j in range(n):
+        torch.testing.assert_close(windows[j], gated_delta.causal_conv(x[: j + 1], window, weight)[1])
+    q, k = torch.randn(n, key_heads, dim), torch.randn(n, key_heads, dim)
+    v, g, beta = torch.randn(n, heads, dim), -torch.rand(n, heads), torch.rand(n, heads)
+    state = torch.randn(heads, dim, dim)
+    out, states = delta_rule_positions(q, k, v, g, beta, state)
+    torch.testing.assert_close(out, gated_delta.gated_delta_chunked(q, k, v, g, beta, state)[0])
+    for j in range(n):
+        rows = slice(0, j + 1)
+        prefix = gated_delta.gated_delta_chunked(q[rows], k[rows], v[rows], g[rows], beta[rows], state)[1]
+        torch.testing.assert_close(states[j], prefix)
