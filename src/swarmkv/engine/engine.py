@@ -24,7 +24,7 @@ from swarmkv.core.scheduler import Chunk, PreemptionCost, StepPlan
 from swarmkv.core.sequence import FinishReason, Sequence
 from swarmkv.core.stats import EngineStats
 from swarmkv.engine import cpu_decode
-from swarmkv.engine.backend import resolve_attention_backend
+from swarmkv.engine.backend import Backend, resolve_attention_backend
 from swarmkv.engine.host_kv import HostKV
 from swarmkv.engine.kv_cache import KVCache, kv_storage_dtype
 from swarmkv.engine.kv_calibration import calibrate_kv_scales
@@ -104,8 +104,9 @@ class LLMEngine:
             config.swap_bytes_per_s or (12e9 if gpu else 4e9),
             config.prefill_s_per_token or (1e-4 if gpu else 3e-3),
         )
+        self.attention_backend = resolve_attention_backend(config.attention_backend, loaded.device)
         drafter = None
-        if self._speculates(config, loaded):
+        if self._speculates(config, loaded, self.attention_backend):
             drafter = Drafter(config.num_speculative_tokens)
         self.core = EngineCore(
             config,
@@ -133,7 +134,6 @@ class LLMEngine:
         )
         max_pages = pages_for(self.max_model_len, config.block_size)  # a request that fills the context
         page_table = PageTable(config.max_num_seqs, max_pages, config.block_size, loaded.device)
-        self.attention_backend = resolve_attention_backend(config.attention_backend, loaded.device)
         self.runner = ModelRunner(
             loaded.model,
             kv_tensors,
@@ -157,16 +157,19 @@ class LLMEngine:
         self.last_step_error: str | None = None  # set while the latest step failed
 
     @staticmethod
-    def _speculates(config: EngineConfig, loaded: LoadedModel) -> bool:
-        """Whether drafts are verified: `speculation` resolved for this model (ValueError for `on` where it
-        cannot be exact)."""
+    def _speculates(config: EngineConfig, loaded: LoadedModel, backend: Backend) -> bool:
+        """Whether drafts are verified: `speculation` resolved for this model and backend (ValueError for
+        `on` where verification cannot be exact). A hybrid's verification keeps its recurrent state exact
+        by the state after each drafted position (`StateCache.rewind`), which the torch backend keeps and
+        the triton backend's in-place kernels do not yet."""
         if config.speculation == "off":
             return False
-        if loaded.config.is_hybrid:
+        if loaded.config.is_hybrid and backend == "triton":
             if config.speculation == "on":
                 raise ValueError(
-                    "speculation=on needs a model without recurrent state: a hybrid's linear-attention state "
-                    "cannot drop a rejected draft's positions"
+                    "speculation=on on a hybrid needs attention_backend=torch: the triton backend's "
+                    "linear-attention kernels keep no state per drafted position, so a rejected draft "
+                    "token could not be dropped from the recurrent state"
                 )
             return False
         return True
@@ -398,7 +401,7 @@ class LLMEngine:
         source = self.drafter.record(chunk.request_id, len(chunk.draft), num_accepted)
         c.spec_accepted_sibling_tokens += num_accepted if source == "sibling" else 0
         c.spec_accepted_session_tokens += num_accepted if source == "session" else 0
-        return self.append_tokens(chunk.seq, tokens, num_computed=num_accepted)
+        return self.append_tokens(chunk.seq, tokens, num_computed=num_accepted, drafted=True)
 
     def _time_prefill(self, plan: StepPlan, elapsed_s: float) -> None:
         """Refine the per-token prefill cost that swap-or-recompute decisions weigh, from a prefill step."""
@@ -431,14 +434,20 @@ class LLMEngine:
         return self.append_tokens(seq, tokens, grammar_complete=complete)
 
     def append_tokens(
-        self, seq: Sequence, tokens: list[int], grammar_complete: bool = False, num_computed: int = 0
+        self,
+        seq: Sequence,
+        tokens: list[int],
+        grammar_complete: bool = False,
+        num_computed: int = 0,
+        drafted: bool = False,
     ) -> RequestDelta:
         """The multi-token append: add `tokens` to a running request's reply, up to the first that ends it
         (a stop id, max_tokens, the context). The next step computes those past the first as one chunk, as a
         prefill's chunk is computed, so the KV and the prefix cache stay exact; forced runs (jump-forward)
         come through here, and a speculative step's yield: its first `num_computed` tokens are accepted
-        draft tokens, whose KV that step computed, so they count as computed at once. `grammar_complete`:
-        nothing may follow (the reply's grammar ended), so the request stops."""
+        draft tokens, whose KV that step computed, so they count as computed at once (`drafted`: a hybrid's
+        recurrent state is rewound to them). `grammar_complete`: nothing may follow (the reply's grammar
+        ended), so the request stops."""
         params = seq.params
         reason: FinishReason | None = None
         appended: list[int] = []
@@ -455,7 +464,11 @@ class LLMEngine:
                 break
         if reason is None and grammar_complete:
             reason = "stop"
-        self.core.accept(seq, min(num_computed, len(appended)))
+        num_accepted = min(num_computed, len(appended))
+        if drafted and self.states is not None:
+            # Before a finish snapshots it: the state after the chunk's last token and the accepted drafts.
+            self.states.rewind(self.kv.state_slots([seq.request_id])[seq.request_id], 1 + num_accepted)
+        self.core.accept(seq, num_accepted)
         if self.drafter is not None:
             self.drafter.extend(seq.request_id, appended)
         if self.loop_guard is not None:
