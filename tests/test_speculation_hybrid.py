@@ -164,12 +164,12 @@ def test_kept_states_equal_those_decoding_without_drafts(loaded: LoadedModel) ->
     assert compared >= 4  # the replies' ends at least
 
 
-def test_speculation_on_a_hybrid_under_triton_is_off_or_refused(loaded: LoadedModel) -> None:
-    """The triton backend's recurrent kernels update states in place, keeping none per drafted position."""
-    assert not LLMEngine._speculates(EngineConfig(), loaded, "triton")
-    assert LLMEngine._speculates(EngineConfig(speculation="on"), loaded, "torch")
-    with pytest.raises(ValueError, match="attention_backend=torch"):
-        LLMEngine._speculates(EngineConfig(speculation="on"), loaded, "triton")
+def test_speculation_is_on_for_hybrids_on_either_backend() -> None:
+    """auto and on verify drafts on every model and backend (the triton backend's recurrent kernels keep
+    the state after each drafted position too: tests/test_triton_speculation_hybrid.py); off does not."""
+    assert LLMEngine._speculates(EngineConfig())
+    assert LLMEngine._speculates(EngineConfig(speculation="on"))
+    assert not LLMEngine._speculates(EngineConfig(speculation="off"))
 
 
 def test_a_failed_verification_leaves_the_next_requests_exact(loaded: LoadedModel) -> None:

@@ -118,6 +118,53 @@ def test_delta_rule_kernel_matches_torch_and_updates_states_in_place() -> None:
     torch.testing.assert_close(states, expected_states, rtol=1e-5, atol=1e-5)  # slots 2 and 5 untouched too
 
 
+def test_conv_positions_are_the_windows_after_each_row_and_leave_the_slots() -> None:
+    """A speculative chunk's kept windows: after row j of a sequence, the window a conv of its first j + 1
+    rows leaves (lengths 1 and 2 shorter than the window; a padding sequence keeps nothing)."""
+    torch.manual_seed(0)
+    channels, kernel_size = 70, 4  # two channel blocks
+    starts, slots, spans = _layout()
+    x = torch.randn(sum(LENGTHS), channels + 8, device=DEVICE)[:, :channels]
+    windows = torch.randn(NUM_SLOTS, channels, kernel_size - 1, device=DEVICE)
+    before = windows.clone()
+
+    kept = kernels.conv_positions(x, windows, starts, slots, sum(LENGTHS))
+
+    weight = torch.randn(channels, kernel_size, device=DEVICE)
+    for start, length, slot in spans:
+        if slot < 0:
+            continue
+        for j in range(length):
+            _, expected = reference.causal_conv(x[start : start + j + 1], windows[slot], weight)
+            torch.testing.assert_close(kept[start + j], expected, rtol=0, atol=0)
+    torch.testing.assert_close(windows, before, rtol=0, atol=0)
+
+
+def test_delta_rule_kernel_keeps_the_state_after_each_row_of_a_range() -> None:
+    """The rows kept (the last two sequences', as a step's speculative chunks follow its prefills) hold
+    the state after each; the outputs and new states are those without keeping."""
+    starts, slots, spans = _layout()
+    inputs = _delta_inputs(sum(LENGTHS))
+    states = 0.1 * torch.randn(NUM_SLOTS, 4, 16, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    expected, expected_states = _torch_delta(inputs, states, spans)
+    kept_from = spans[3][0]
+    kept = torch.full((sum(LENGTHS) - kept_from, 4, 16, 16), float("nan"), device=DEVICE)
+    before = states.clone()
+
+    got = kernels.gated_delta_recurrent(*inputs, states, starts, slots, kept=kept, kept_from=kept_from)
+
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(states, expected_states, rtol=1e-5, atol=1e-5)
+    q, k, v, g, beta = inputs
+    for start, length, slot in spans[3:]:
+        for j in range(length):
+            rows = slice(start, start + j + 1)
+            _, prefix = reference.gated_delta_chunked(
+                q[rows], k[rows], v[rows], g[rows], beta[rows], before[slot].clone(), chunk_size=8
+            )
+            torch.testing.assert_close(kept[start + j - kept_from], prefix, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's chunked kernel is autotuned: GPUs only")
 def test_fla_chunked_prefill_matches_torch() -> None:
     lengths, prefill_slots = [70, 3, 129], [2, 0, 5]  # over fla's 64-token chunks

@@ -111,9 +111,9 @@ class EngineConfig:
         "auto",
         "speculative decoding without a draft model: drafts from suffix automata over each request's own "
         "context, its siblings' replies under the same head and its session's earlier turns, verified "
-        "exactly several tokens a pass. auto: on, but for hybrids on the triton backend (its kernels keep "
-        "no state per drafted position to rewind to), and never for a request under a grammar or the "
-        "loop guard; on; off",
+        "exactly several tokens a pass (a hybrid's recurrent state rewound to the last accepted "
+        "position, on either backend). auto: on, but never for a request under a grammar or the loop "
+        "guard; on; off",
     )
     num_speculative_tokens: int = _opt(8, "draft tokens a request may verify in one step at most")
     max_speculative_rows: int | Literal["auto"] = _opt(

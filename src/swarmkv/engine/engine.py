@@ -24,7 +24,7 @@ from swarmkv.core.scheduler import Chunk, PreemptionCost, StepPlan
 from swarmkv.core.sequence import FinishReason, Sequence
 from swarmkv.core.stats import EngineStats
 from swarmkv.engine import cpu_decode
-from swarmkv.engine.backend import Backend, resolve_attention_backend
+from swarmkv.engine.backend import resolve_attention_backend
 from swarmkv.engine.host_kv import HostKV
 from swarmkv.engine.kv_cache import KVCache, kv_storage_dtype
 from swarmkv.engine.kv_calibration import calibrate_kv_scales
@@ -106,7 +106,7 @@ class LLMEngine:
         )
         self.attention_backend = resolve_attention_backend(config.attention_backend, loaded.device)
         drafter = None
-        if self._speculates(config, loaded, self.attention_backend):
+        if self._speculates(config):
             drafter = Drafter(config.num_speculative_tokens)
         self.core = EngineCore(
             config,
@@ -157,22 +157,12 @@ class LLMEngine:
         self.last_step_error: str | None = None  # set while the latest step failed
 
     @staticmethod
-    def _speculates(config: EngineConfig, loaded: LoadedModel, backend: Backend) -> bool:
-        """Whether drafts are verified: `speculation` resolved for this model and backend (ValueError for
-        `on` where verification cannot be exact). A hybrid's verification keeps its recurrent state exact
-        by the state after each drafted position (`StateCache.rewind`), which the torch backend keeps and
-        the triton backend's in-place kernels do not yet."""
-        if config.speculation == "off":
-            return False
-        if loaded.config.is_hybrid and backend == "triton":
-            if config.speculation == "on":
-                raise ValueError(
-                    "speculation=on on a hybrid needs attention_backend=torch: the triton backend's "
-                    "linear-attention kernels keep no state per drafted position, so a rejected draft "
-                    "token could not be dropped from the recurrent state"
-                )
-            return False
-        return True
+    def _speculates(config: EngineConfig) -> bool:
+        """Whether drafts are verified: `speculation` is not off. Verification is exact on every model and
+        backend: a hybrid keeps the state after each drafted position (the torch backend's `RecurrentStep`,
+        the triton backend's `TritonRecurrentStep`) and is rewound to the last accepted one
+        (`StateCache.rewind`)."""
+        return config.speculation != "off"
 
     @property
     def healthy(self) -> bool:

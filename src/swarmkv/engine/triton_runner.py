@@ -121,17 +121,29 @@ class TritonRunner:
         )
         packed = self._pack(step, shape, step.logit_rows)
         meta = StepMetadata(packed.to(self.device, non_blocking=True), shape)
-        return self.forward(meta, tuple(c.num_tokens for c in prefills))
+        # Speculative chunks follow the plain prefill chunks (ModelRunner.run orders them so).
+        speculative = [c for c in prefills if c.draft]
+        assert all(c.draft for c in prefills[len(prefills) - len(speculative) :])
+        speculative_slots = tuple(state_slots[c.request_id] for c in speculative) if self.states else ()
+        return self.forward(meta, tuple(c.num_tokens for c in prefills), speculative_slots)
 
-    def forward(self, meta: StepMetadata, prefill_tokens: tuple[int, ...] = ()) -> torch.Tensor:
+    def forward(
+        self,
+        meta: StepMetadata,
+        prefill_tokens: tuple[int, ...] = (),
+        speculative_slots: tuple[int, ...] = (),
+    ) -> torch.Tensor:
         """The model over one step's device metadata: float32 logits of its logit rows. `prefill_tokens`:
-        the lengths of its prefill chunks (none in a graph), which a hybrid's chunked kernels take."""
+        the lengths of its prefill chunks (none in a graph), which a hybrid's chunked kernels take;
+        `speculative_slots`: a hybrid's state slots of its speculative chunks, the last prefill chunks."""
         attention = TritonAttention(
             self.kv_cache, self.page_table.table, meta, self.num_heads, self.head_dim, self.extend_tokens
         )
         backend: AttentionBackend = attention
         if self.states is not None:
-            backend = TritonRecurrentStep(attention, self.states, meta, prefill_tokens, self.chunked_prefill)
+            backend = TritonRecurrentStep(
+                attention, self.states, meta, prefill_tokens, self.chunked_prefill, speculative_slots
+            )
         hidden = self.model(meta.input_ids, meta.positions, backend, self.ops)
         return self.model.compute_logits(hidden[meta.logit_rows])
 

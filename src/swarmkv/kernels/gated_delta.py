@@ -36,6 +36,32 @@ def _window_of(windows_ptr, slot, channels, num_channels, WINDOW_LEN: tl.constex
 
 
 @triton.jit
+def _window_after(
+    x_ptr,
+    x_row_stride,
+    window,
+    start,
+    length,
+    channels,
+    keep,
+    WINDOW_LEN: tl.constexpr,
+    WINDOW_POW2: tl.constexpr,
+):
+    """The last K-1 inputs of window ++ x[start : start + length], [BLOCK_C, WINDOW_POW2] (0 outside `keep`,
+    the live entries)."""
+    source = length - WINDOW_LEN + tl.arange(0, WINDOW_POW2)
+    from_x = tl.load(
+        x_ptr + (start + source)[None, :] * x_row_stride + channels[:, None],
+        mask=keep & (source >= 0)[None, :],
+        other=0.0,
+    )
+    from_window = tl.load(
+        window[:, None] + (source + WINDOW_LEN)[None, :], mask=keep & (source < 0)[None, :], other=0.0
+    )
+    return from_x.to(window.dtype.element_ty) + from_window.to(window.dtype.element_ty)
+
+
+@triton.jit
 def _store_new_window(
     x_ptr,
     x_row_stride,
@@ -49,17 +75,10 @@ def _store_new_window(
 ):
     """Overwrite the window with the last K-1 inputs of window ++ x[start : start + length]."""
     index = tl.arange(0, WINDOW_POW2)
-    source = length - WINDOW_LEN + index
     keep = (index < WINDOW_LEN)[None, :] & keep_channels[:, None]
-    from_x = tl.load(
-        x_ptr + (start + source)[None, :] * x_row_stride + channels[:, None],
-        mask=keep & (source >= 0)[None, :],
-        other=0.0,
+    new_window = _window_after(
+        x_ptr, x_row_stride, window, start, length, channels, keep, WINDOW_LEN, WINDOW_POW2
     )
-    from_window = tl.load(
-        window[:, None] + (source + WINDOW_LEN)[None, :], mask=keep & (source < 0)[None, :], other=0.0
-    )
-    new_window = from_x.to(window.dtype.element_ty) + from_window.to(window.dtype.element_ty)
     # Entries move within a window: every thread's reads finish before any thread writes.
     tl.debug_barrier()
     tl.store(window[:, None] + index[None, :], new_window, mask=keep)
@@ -206,6 +225,61 @@ def causal_conv(
 
 
 @triton.jit
+def _conv_positions_kernel(
+    x_ptr,
+    x_row_stride,
+    windows_ptr,
+    kept_ptr,
+    starts_ptr,
+    slots_ptr,
+    num_channels,
+    KERNEL: tl.constexpr,
+    WINDOW_POW2: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """One program per (sequence, channel block): the window after each of the sequence's rows, at that
+    row's index from the first sequence's first row in kept [R, C, K-1]; the slots' windows are only read."""
+    start, length, slot = _sequence(starts_ptr, slots_ptr, tl.program_id(0))
+    first = tl.load(starts_ptr)
+    window_len: tl.constexpr = KERNEL - 1
+    channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    window = _window_of(windows_ptr, slot, channels, num_channels, window_len)
+    index = tl.arange(0, WINDOW_POW2)
+    keep = (index < window_len)[None, :] & ((channels < num_channels) & (slot >= 0))[:, None]
+    for row in range(length):
+        kept = _window_after(
+            x_ptr, x_row_stride, window, start, row + 1, channels, keep, window_len, WINDOW_POW2
+        )
+        at = (start - first + row).to(tl.int64) * num_channels + channels
+        tl.store(kept_ptr + at[:, None] * window_len + index[None, :], kept, mask=keep)
+
+
+def conv_positions(
+    x: torch.Tensor, windows: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, num_rows: int
+) -> torch.Tensor:
+    """The conv window after each row of the sequences `starts` and `slots` describe (rows [starts[0],
+    starts[-1]) of x [T, C], `num_rows` of them), as decoding those rows one at a time leaves it in the
+    slot: [num_rows, C, K-1] in windows.dtype. Reads `windows` [slots, C, K-1] before `causal_conv` updates
+    them (the launches run in order on the stream)."""
+    num_channels, window_len = windows.shape[1:]
+    assert x.stride(1) == 1 and windows.is_contiguous() and x.shape[1] == num_channels
+    kept = torch.empty(num_rows, num_channels, window_len, dtype=windows.dtype, device=windows.device)
+    _conv_positions_kernel[(slots.shape[0], triton.cdiv(num_channels, CONV_BLOCK_CHANNELS))](
+        x,
+        x.stride(0),
+        windows,
+        kept,
+        starts,
+        slots,
+        num_channels,
+        KERNEL=window_len + 1,
+        WINDOW_POW2=triton.next_power_of_2(window_len),
+        BLOCK_C=CONV_BLOCK_CHANNELS,
+    )
+    return kept
+
+
+@triton.jit
 def _gated_delta_kernel(
     q_ptr,
     k_ptr,
@@ -216,6 +290,9 @@ def _gated_delta_kernel(
     states_ptr,
     starts_ptr,
     slots_ptr,
+    kept_ptr,
+    kept_from,
+    kept_end,
     q_row_stride,
     q_head_stride,
     k_row_stride,
@@ -230,8 +307,10 @@ def _gated_delta_kernel(
     DV: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
-    """One program per (sequence, value head, value block): its state tile through its tokens, in order."""
+    """One program per (sequence, value head, value block): its state tile through its tokens, in order;
+    with KEEP, the tile after each row in [kept_from, kept_end) too, at kept[row - kept_from]."""
     seq = tl.program_id(0) // NUM_V_HEADS
     v_head = tl.program_id(0) % NUM_V_HEADS
     k_head = v_head // (NUM_V_HEADS // NUM_K_HEADS)
@@ -267,6 +346,13 @@ def _gated_delta_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=value_mask,
         )
+        if KEEP:
+            kept_row = tl.maximum(row - kept_from, 0).to(tl.int64)
+            tl.store(
+                kept_ptr + (kept_row * NUM_V_HEADS + v_head) * DK * DV + keys[:, None] * DV + values[None, :],
+                state.to(kept_ptr.dtype.element_ty),
+                mask=tile_mask & (row >= kept_from) & (row < kept_end),
+            )
     tl.store(tile, state.to(states_ptr.dtype.element_ty), mask=tile_mask & has_state)
 
 
@@ -280,11 +366,14 @@ def gated_delta_recurrent(
     starts: torch.Tensor,
     slots: torch.Tensor,
     out: torch.Tensor | None = None,
+    kept: torch.Tensor | None = None,
+    kept_from: int = 0,
 ) -> torch.Tensor:
     """The gated delta rule token by token per sequence, from and into `states` [slots, Hv, Dk, Dv] in place:
     q, k [T, Hk, Dk], v [T, Hv, Dv] (last dim contiguous), g (log decay) and beta [T, Hv] contiguous. q and
     k are L2-normalised, q scaled by Dk**-0.5, as `models.gated_delta` does. Returns `out` [T, Hv, Dv] (new,
-    in v.dtype, unless given), of which only the sequences' rows are written."""
+    in v.dtype, unless given), of which only the sequences' rows are written. `kept` [R, Hv, Dk, Dv], if
+    given, receives the state after each row kept_from .. kept_from + R - 1 (a speculative chunk's rows)."""
     num_tokens, num_k_heads, dk = k.shape
     num_v_heads, dv = v.shape[1:]
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and q.stride() == k.stride()
@@ -293,6 +382,8 @@ def gated_delta_recurrent(
     if out is None:
         out = torch.empty(num_tokens, num_v_heads, dv, dtype=v.dtype, device=v.device)
     assert out.shape == v.shape and out.is_contiguous()
+    if kept is not None:
+        assert kept.shape[1:] == states.shape[1:] and kept.is_contiguous()
     block_v = min(DELTA_BLOCK_V, triton.next_power_of_2(dv))
     grid = (slots.shape[0] * num_v_heads, triton.cdiv(dv, block_v))
     _gated_delta_kernel[grid](
@@ -305,6 +396,9 @@ def gated_delta_recurrent(
         states,
         starts,
         slots,
+        states if kept is None else kept,
+        kept_from,
+        kept_from + (0 if kept is None else kept.shape[0]),
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -319,6 +413,7 @@ def gated_delta_recurrent(
         DV=dv,
         BLOCK_K=triton.next_power_of_2(dk),
         BLOCK_V=block_v,
+        KEEP=kept is not None,
     )
     return out
 
