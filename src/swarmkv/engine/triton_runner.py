@@ -124,7 +124,9 @@ class TritonRunner:
         # Speculative chunks follow the plain prefill chunks (ModelRunner.run orders them so).
         speculative = [c for c in prefills if c.draft]
         assert all(c.draft for c in prefills[len(prefills) - len(speculative) :])
-        speculative_slots = tuple(state_slots[c.request_id] for c in speculative) if self.states else ()
+        speculative_slots = (
+            tuple(state_slots[c.request_id] for c in speculative) if self.states is not None else ()
+        )
         return self.forward(meta, tuple(c.num_tokens for c in prefills), speculative_slots)
 
     def forward(
