@@ -62,18 +62,6 @@ class SuffixAutomaton:
         state = self._link[self._last] if self.tokens else 0
         return (self._len[state], self._end[state]) if state > 0 else (0, -1)
 
-    def followers(self, min_length: int) -> dict[int, int]:
-        """Every token that followed an earlier occurrence of one of the text's suffixes at least
-        `min_length` long, with the longest such suffix: the tokens that would extend a repeat, and by how
-        much (what DRY penalises). Walks the suffix links while the suffixes are that long."""
-        out: dict[int, int] = {}
-        state = self._link[self._last] if self.tokens else 0
-        while state > 0 and self._len[state] >= min_length:
-            for token in self._next[state]:
-                out.setdefault(token, self._len[state])  # deeper states come first: the longer match
-            state = self._link[state]
-        return out
-
     def following(self, end: int, num_tokens: int) -> list[int]:
         """Up to `num_tokens` tokens after index `end`: the continuation of an occurrence ending there."""
         return self.tokens[end + 1 : end + 1 + num_tokens]

@@ -11,10 +11,6 @@ penalty (llama.cpp's `dry_*` sampler), applied to loops only. The loop then ends
 sure of it the model is, and the grammar still decides what may come instead. A copy that does not touch its
 source, such as an edit's new text repeating its old text, is not a loop and is left alone.
 
-A reply that has looped once tends to resume in a variant (a sentence whose verb changes each time it is
-broken). From its first loop on, the guard is DRY proper: every token that would extend a repeat of the reply's
-own text at least `MIN_REPEAT` tokens long loses `MULTIPLIER * BASE ** (length - MIN_REPEAT)`.
-
 The penalty is a function of the reply's tokens alone, so it is the same whichever way they were appended
 (one a step, forced runs at once, after a preemption).
 """
@@ -30,7 +26,6 @@ from swarmkv.spec.suffix_automaton import SuffixAutomaton
 
 MIN_SPAN = 32  # tokens a loop covers before it is penalised
 MIN_COPIES = 3  # periods it covers (so a line written twice in a row is no loop)
-MIN_REPEAT = 8  # once a reply has looped: the shortest repeat of its own text penalised
 MULTIPLIER = 0.8  # DRY's defaults as llama.cpp documents them
 BASE = 1.75
 MAX_EXPONENT = 64  # past it the penalty is already beyond any logit gap
@@ -41,10 +36,7 @@ class LoopGuard:
 
     def __init__(self) -> None:
         self._replies: dict[str, SuffixAutomaton] = {}
-        self._looped: set[str] = (
-            set()
-        )  # replies that have looped: every repeat of their own text is penalised
-        self.num_penalised = 0  # rows given a penalty
+        self.num_penalised = 0  # rows whose loop continuation was penalised
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._replies
@@ -63,41 +55,27 @@ class LoopGuard:
     def drop(self, request_id: str) -> None:
         """Forget a request (finished, aborted or failed)."""
         self._replies.pop(request_id, None)
-        self._looped.discard(request_id)
 
-    def penalties(self, request_id: str) -> dict[int, float]:
-        """The amounts to lower the next token's logits by (by token): a loop's continuation, and once the
-        reply has looped, every extension of a repeat of its own text; empty while neither applies."""
+    def penalty(self, request_id: str) -> tuple[int, float] | None:
+        """(token, amount) to lower the next token's logit by, while the reply is in a loop; else None."""
         reply = self._replies.get(request_id)
         if reply is None or not reply.tokens:
-            return {}
-        out: dict[int, float] = {}
-        if request_id in self._looped:
-            for token, length in reply.followers(MIN_REPEAT).items():
-                out[token] = _dry(length - MIN_REPEAT)
+            return None
         length, end = reply.repeat()
         period = len(reply.tokens) - 1 - end
         if length < period:  # no earlier occurrence (end -1), or one apart from the suffix: a copy
-            return out
+            return None
         span, start = length + period, max(MIN_SPAN, MIN_COPIES * period)
-        if span >= start:
-            self._looped.add(request_id)
-            token = reply.tokens[end + 1]
-            out[token] = max(out.get(token, 0.0), _dry(span - start))
-        return out
+        if span < start:
+            return None
+        return reply.tokens[end + 1], MULTIPLIER * BASE ** min(span - start, MAX_EXPONENT)
 
     def apply(self, sampling: Sequence[Chunk], logits: torch.Tensor) -> None:
-        """Lower, in place, each guarded row's penalised tokens (row i of `logits` samples `sampling[i]`)."""
+        """Lower, in place, each guarded row's loop continuation (row i of `logits` samples `sampling[i]`)."""
         for row, chunk in enumerate(sampling):
-            found = self.penalties(chunk.request_id)
-            if found:
-                tokens = torch.tensor(list(found), device=logits.device)
-                amounts = torch.tensor(list(found.values()), dtype=logits.dtype, device=logits.device)
+            found = self.penalty(chunk.request_id)
+            if found is not None:
+                token, amount = found
                 with torch.inference_mode():  # the runner's logits are inference tensors
-                    logits[row].index_add_(0, tokens, -amounts)
+                    logits[row, token] -= amount
                 self.num_penalised += 1
-
-
-def _dry(excess: int) -> float:
-    """DRY's penalty for a repeat `excess` tokens past where it starts to count."""
-    return MULTIPLIER * BASE ** min(excess, MAX_EXPONENT)
