@@ -38,9 +38,6 @@ class LoopGuard:
         self._replies: dict[str, SuffixAutomaton] = {}
         self.num_penalised = 0  # rows whose loop continuation was penalised
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._replies
-
     def add(self, request_id: str) -> None:
         """Guard a request from its first reply token on."""
         self._replies[request_id] = SuffixAutomaton()
