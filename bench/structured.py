@@ -210,6 +210,7 @@ def run(
 ) -> dict[str, Any]:
     """Every case in batches of `batch`; rates over the replies not cut, and decode tokens/s."""
     scores, tokens, elapsed = [], 0, 0.0
+    before = llm.engine.stats()
     for start in range(0, len(cases), batch):
         group = cases[start : start + batch]
         prepared = [_prepare(llm, c, constrained, max_tokens) for c in group]
@@ -236,6 +237,7 @@ def run(
         "schema_valid": rate(kept, "schema_valid"),
         "right_tool": rate(tool_scores, "right_tool"),
         "decode_tokens_per_s": round(tokens / elapsed, 1) if elapsed else None,
+        **{k: llm.engine.stats()[k] - before[k] for k in ("loop_guard_penalties", "loop_guard_closing")},
     }
 
 
@@ -247,6 +249,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--num-cases", type=int, help="run the first N of the set's cases (default: all 210)")
     parser.add_argument("--batch1-cases", type=int, default=24, help="cases, spread over the set, at batch 1")
+    parser.add_argument("--batches", type=int, nargs="+", choices=(1, 8), help="default: 8 then 1 (--quick: 8)")
     args = parser.parse_args()
     if args.compare_libraries:
         import structured_libraries
@@ -260,7 +263,7 @@ def main() -> None:
     llm = LLM(kv_cache_memory="512MiB", max_model_len=8192)  # jump_forward auto: off on the CPU
     jumping = LLM(loaded=llm.loaded, kv_cache_memory="512MiB", max_model_len=8192, jump_forward="on")
     unguarded = LLM(loaded=llm.loaded, kv_cache_memory="512MiB", max_model_len=8192, loop_guard="off")
-    batches = (8,) if args.quick else (8, 1)
+    batches = args.batches or ((8,) if args.quick else (8, 1))
     for batch in batches:
         subset = cases if batch == 8 else cases[:: max(1, len(cases) // args.batch1_cases)]
         runs = [(llm, False), (llm, True), (jumping, True), (unguarded, True)]

@@ -4,6 +4,8 @@ The engine tests run a float32 bigram over the Qwen3 vocabulary built here: "A" 
 predicts "A", each by a logit of MARGIN, with the closing quote half as likely. Under a grammar for
 `{"s": <string>}` its greedy reply loops "ABAB..." until max_tokens without the guard; with it, the loop's
 continuation is penalised once the loop spans MIN_SPAN tokens, the quote wins, and the reply parses.
+A second bigram resumes a broken loop ("ABAB...ACABAB..."), as the embedded model resumes its own in
+variants; only the close bias ends it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from swarmkv.models.decoder import DecoderForCausalLM
 from swarmkv.models.loader import LoadedModel
 from swarmkv.structured import loop_guard
 from swarmkv.structured.grammars import json_schema_grammar
-from swarmkv.structured.loop_guard import LoopGuard
+from swarmkv.structured.loop_guard import JsonStrings, LoopGuard
 from tiny_models import qwen_vocab_size
 
 MARGIN = 8.0
@@ -151,3 +153,98 @@ def test_the_guard_is_for_constrained_replies_unless_all() -> None:
 def test_a_bad_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="loop_guard"):
         LLM(loaded=bigram_loaded(), kv_cache_memory=16 * 2**20, loop_guard="sometimes")
+
+
+# A vocabulary for the string tracking: 1 is `"`, 2 `", "` (closes one string, opens the next), 3 `\\`,
+# 4 `\\"` (an escaped quote); every other token is text without either.
+QUOTING = {1: b'"', 2: b'", "', 3: b"\\", 4: b'\\"'}
+
+
+def _strings_guard(tokens: list[int]) -> LoopGuard:
+    guard = LoopGuard()
+    guard.add("r", JsonStrings(1, QUOTING), prefix='{"s": ')
+    guard.extend("r", tokens)
+    return guard
+
+
+def test_a_string_looped_in_has_its_quote_raised_until_it_closes() -> None:
+    loop = [5, 6] * 20  # spans MIN_SPAN at token 32: tokens 33.. are written in a looped string
+    assert _strings_guard([1, *loop[:31]]).closing("r") is None
+    guard = _strings_guard([1, *loop])
+    written = len(loop) - loop_guard.MIN_SPAN
+    amount = loop_guard.MULTIPLIER * loop_guard.BASE ** (written / loop_guard.CLOSE_RATE)
+    assert guard.closing("r") == (1, pytest.approx(amount))
+    guard.extend("r", [7, 8])  # out of the loop, still in the string: still raised, and more
+    assert guard.closing("r")[1] > amount  # type: ignore[index]
+    guard.extend("r", [1])  # closed
+    assert guard.closing("r") is None
+    guard.extend("r", [1, 9])  # a new string has not looped
+    assert guard.closing("r") is None
+
+
+def test_the_string_state_follows_escapes_and_a_token_that_closes_and_opens() -> None:
+    loop = [5, 6] * 20
+    assert _strings_guard(loop).closing("r") is None  # the loop is outside any string: `{"s": ABAB`
+    assert _strings_guard([1, *loop, 2]).closing("r") is None  # `", "`: a new string
+    assert _strings_guard([1, *loop, 4]).closing("r") is not None  # `\"` is text in the string
+    assert _strings_guard([1, *loop, 3]).closing("r") is None  # after a backslash a quote is text
+    assert _strings_guard([1, *loop, 3, 9]).closing("r") is not None
+    guard = LoopGuard()
+    guard.add("r")  # an unconstrained reply: the penalty only
+    guard.extend("r", [1, *loop])
+    assert guard.penalty("r") is not None and guard.closing("r") is None
+
+
+def test_json_strings_finds_the_quote_and_the_quoting_tokens() -> None:
+    pieces = [b"a", b'"', b'":', b"\\n", b"b"]
+    strings = JsonStrings.of(len(pieces), lambda t: pieces[t])
+    assert strings.quote == 1 and set(strings.quoting) == {1, 2, 3}
+    with pytest.raises(ValueError, match="quote"):
+        JsonStrings.of(1, lambda t: b"a")
+
+
+@cache
+def variant_loaded() -> LoadedModel:
+    """A bigram whose broken loop resumes: "A" predicts "B", then "C", then "D" (each a logit below the
+    last), and each of those predicts "A". The quote is no likelier than any other token."""
+    tok = qwen_tokenizer()
+    ids = {t: tok.encode(t, add_special_tokens=False) for t in ("A", "B", "C", "D")}
+    assert all(len(v) == 1 for v in ids.values())
+    a_id, b_id, c_id, d_id = (ids[t][0] for t in "ABCD")
+    config = tiny_config(vocab_size=qwen_vocab_size())
+    model = DecoderForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.norm.weight.fill_(1.0)
+        # Classes 0 ("A") and 1 (any other token), each a one-hot embedding.
+        model.embed_tokens.weight[:, 1] = 1.0
+        model.embed_tokens.weight[a_id] = 0.0
+        model.embed_tokens.weight[a_id, 0] = 1.0
+        scale = MARGIN / config.hidden_size**0.5
+        head = model.lm_head.weight
+        head[a_id, 1] = scale
+        for rank, token in enumerate((b_id, c_id, d_id)):
+            head[token, 0] = scale * (1.0 - rank / 8)
+    model.rotary.build(torch.device("cpu"))
+    return LoadedModel(
+        Path("variants"), "variants", config, model.eval(), tok, torch.float32, torch.device("cpu")
+    )
+
+
+def test_a_loop_resumed_in_variants_is_ended_by_closing_its_string(monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM(loaded=variant_loaded(), kv_cache_memory=16 * 2**20)
+    params = SamplingParams(max_tokens=128, temperature=0, grammar=GRAMMAR)
+    before = llm.engine.stats()
+    (out,) = llm.generate([_prompt()], params)
+    after = llm.engine.stats()
+    assert out.finish_reason == "stop", out.text
+    value = json.loads(out.text)["s"]
+    assert value.startswith("ABAB") and len(value) <= loop_guard.MIN_SPAN + 24
+    assert after["loop_guard_closing"] > before["loop_guard_closing"]
+    llm.engine.check_integrity()
+    # The penalty alone breaks the loop, and the model resumes it each time until cut.
+    monkeypatch.setattr(LoopGuard, "closing", lambda self, request_id: None)
+    (cut,) = llm.generate([_prompt()], params)
+    assert cut.finish_reason == "length" and cut.text.count("AC") >= 2, cut.text
+    assert cut.text.endswith("ABAB" * 2)

@@ -124,11 +124,13 @@ class EngineStats:
     spec_accepted_sibling_tokens: int = 0
     spec_accepted_session_tokens: int = 0
     # Constrained decoding (the engine's, not the core's: zero in a model-free core): grammars compiled and
-    # found compiled, tokens a grammar forced, and rows whose verbatim loop's continuation was penalised.
+    # found compiled, tokens a grammar forced, rows whose verbatim loop's continuation was penalised, and
+    # rows whose string, looped in, had its closing quote raised.
     grammars_compiled: int = 0
     grammar_cache_hits: int = 0
     forced_tokens: int = 0
     loop_guard_penalties: int = 0
+    loop_guard_closing: int = 0
     state: StateStats | None = None  # hybrids only
 
     @property

@@ -211,7 +211,10 @@ class LLMEngine:
         guarded = not is_pin and (mode == "all" or (mode == "constrained" and grammar is not None))
         if guarded:
             assert self.loop_guard is not None
-            self.loop_guard.add(request_id)
+            if grammar is not None:
+                self.loop_guard.add(request_id, self.structured.json_strings, params.grammar_prefix)
+            else:
+                self.loop_guard.add(request_id)
         elif (
             grammar is None
             and self.drafter is not None
@@ -521,6 +524,7 @@ class LLMEngine:
             grammar_cache_hits=structured.grammars.num_hits if structured is not None else 0,
             forced_tokens=structured.num_forced_tokens if structured is not None else 0,
             loop_guard_penalties=guard.num_penalised if guard is not None else 0,
+            loop_guard_closing=guard.num_closing if guard is not None else 0,
         )
 
     def stats(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import torch
 
 from swarmkv.core.scheduler import Chunk
 from swarmkv.structured.grammars import UnsupportedSchemaError
+from swarmkv.structured.loop_guard import JsonStrings
 from swarmkv.tokenizer import Tokenizer
 
 MAX_CACHED_GRAMMARS = 512
@@ -87,6 +88,15 @@ class StructuredDecoding:
         self._executor = llguidance.LLExecutor(num_threads=1)  # beside the forward's threads, not over them
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarmkv-grammar-masks")
         self.num_forced_tokens = 0
+        self._json_strings: JsonStrings | None = None
+
+    @property
+    def json_strings(self) -> JsonStrings:
+        """The vocabulary's quoting tokens, for the loop guard's close bias (built on first use)."""
+        if self._json_strings is None:
+            tokenizer = self.grammars.tokenizer
+            self._json_strings = JsonStrings.of(self.vocab_size, lambda t: tokenizer.decode_bytes([t]))
+        return self._json_strings
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._rows

@@ -11,13 +11,23 @@ penalty (llama.cpp's `dry_*` sampler), applied to loops only. The loop then ends
 sure of it the model is, and the grammar still decides what may come instead. A copy that does not touch its
 source, such as an edit's new text repeating its old text, is not a loop and is left alone.
 
-The penalty is a function of the reply's tokens alone, so it is the same whichever way they were appended
-(one a step, forced runs at once, after a preemption).
+A small model broken out of a loop inside a JSON string often resumes it in a variant (`takes a string`
+becomes `accepts a string`, `1.1.1` becomes `2.2.2`), and no budget is then large enough. So a constrained
+reply that looped inside a string is also steered to close that string: from the loop on, the quote token's
+logit is raised by `MULTIPLIER * BASE ** (t / CLOSE_RATE)`, t being the tokens written in the string since,
+until the string is closed. The grammar decides whether a quote may come; inside a JSON string an allowed
+quote ends it. The string state is followed over the reply's bytes (`JsonStrings`), so it holds for JSON
+replies, JSON tool calls (the markup around them has no quote) and JSON values in XML calls; an XML call's raw
+text value has no quotes to close it, so there only the penalty acts.
+
+Both the penalty and the close bias are functions of the reply's tokens alone, so they are the same whichever
+way the tokens were appended (one a step, forced runs at once, after a preemption).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -29,25 +39,92 @@ MIN_COPIES = 3  # periods it covers (so a line written twice in a row is no loop
 MULTIPLIER = 0.8  # DRY's defaults as llama.cpp documents them
 BASE = 1.75
 MAX_EXPONENT = 64  # past it the penalty is already beyond any logit gap
+CLOSE_RATE = 4  # tokens in a looped string per step of the close bias's exponent
+
+
+class JsonStrings:
+    """The quote token, and the bytes of every token holding a quote or a backslash (the only bytes that
+    change whether a JSON text is inside a string)."""
+
+    def __init__(self, quote: int, quoting: dict[int, bytes]) -> None:
+        self.quote = quote
+        self.quoting = quoting
+
+    @classmethod
+    def of(cls, vocab_size: int, decode: Callable[[int], bytes]) -> JsonStrings:
+        """From a vocabulary's per-token bytes; the quote token is the one whose bytes are `"`."""
+        quoting, quote = {}, -1
+        for token in range(vocab_size):
+            piece = decode(token)
+            if b'"' in piece or b"\\" in piece:
+                quoting[token] = piece
+                if piece == b'"':
+                    quote = token
+        if quote < 0:
+            raise ValueError("the vocabulary has no token for a lone quote")
+        return cls(quote, quoting)
+
+
+@dataclass
+class _Reply:
+    """One guarded reply: its automaton, and where its text stands in JSON strings."""
+
+    automaton: SuffixAutomaton
+    strings: JsonStrings | None  # None: no close bias (an unconstrained reply)
+    in_string: bool = False
+    escaped: bool = False  # the previous byte inside a string was an unescaped backslash
+    looped_in_string: int = -1  # tokens written in the current string since it looped; -1: it has not
+
+    def step_bytes(self, piece: bytes) -> bool:
+        """Follow `piece`; whether a string was closed in it."""
+        closed = False
+        for byte in piece:
+            if not self.in_string:
+                self.in_string = byte == 0x22
+            elif self.escaped:
+                self.escaped = False
+            elif byte == 0x5C:
+                self.escaped = True
+            elif byte == 0x22:
+                self.in_string, closed = False, True
+        return closed
 
 
 class LoopGuard:
     """The guarded requests' replies; the engine calls add, extend, apply and drop."""
 
     def __init__(self) -> None:
-        self._replies: dict[str, SuffixAutomaton] = {}
+        self._replies: dict[str, _Reply] = {}
         self.num_penalised = 0  # rows whose loop continuation was penalised
+        self.num_closing = 0  # rows whose looped string's closing quote was raised
 
-    def add(self, request_id: str) -> None:
-        """Guard a request from its first reply token on."""
-        self._replies[request_id] = SuffixAutomaton()
+    def add(self, request_id: str, strings: JsonStrings | None = None, prefix: str = "") -> None:
+        """Guard a request from its first reply token on. `strings`: steer a string it loops in to close
+        (a constrained reply); `prefix`: the grammar's text the prompt already ends with."""
+        reply = _Reply(SuffixAutomaton(), strings)
+        reply.step_bytes(prefix.encode())
+        self._replies[request_id] = reply
 
     def extend(self, request_id: str, tokens: Sequence[int]) -> None:
         """Tokens appended to a guarded request's reply (others are ignored)."""
         reply = self._replies.get(request_id)
-        if reply is not None:
-            for token in tokens:
-                reply.extend(token)
+        if reply is None:
+            return
+        for token in tokens:
+            looped = self._loop(reply.automaton) is not None  # the position `token` was sampled at
+            reply.automaton.extend(token)
+            if reply.strings is None:
+                continue
+            was_in_string, closed = reply.in_string, False
+            piece = reply.strings.quoting.get(token)
+            if piece is not None:
+                closed = reply.step_bytes(piece)
+            elif reply.escaped:  # a token without a quote or backslash: its first byte was escaped
+                reply.escaped = False
+            if closed or not was_in_string or not reply.in_string:  # a string ended, or one opened
+                reply.looped_in_string = -1
+            elif looped or reply.looped_in_string >= 0:
+                reply.looped_in_string = max(reply.looped_in_string, 0) + 1
 
     def drop(self, request_id: str) -> None:
         """Forget a request (finished, aborted or failed)."""
@@ -56,7 +133,20 @@ class LoopGuard:
     def penalty(self, request_id: str) -> tuple[int, float] | None:
         """(token, amount) to lower the next token's logit by, while the reply is in a loop; else None."""
         reply = self._replies.get(request_id)
-        if reply is None or not reply.tokens:
+        return self._loop(reply.automaton) if reply is not None else None
+
+    def closing(self, request_id: str) -> tuple[int, float] | None:
+        """(quote token, amount) to raise the next token's logit by, while the reply is in a string it looped
+        in; else None."""
+        reply = self._replies.get(request_id)
+        if reply is None or reply.strings is None or reply.looped_in_string < 0 or reply.escaped:
+            return None
+        exponent = min(reply.looped_in_string / CLOSE_RATE, MAX_EXPONENT)
+        return reply.strings.quote, MULTIPLIER * BASE**exponent
+
+    @staticmethod
+    def _loop(reply: SuffixAutomaton) -> tuple[int, float] | None:
+        if not reply.tokens:
             return None
         length, end = reply.repeat()
         period = len(reply.tokens) - 1 - end
@@ -68,11 +158,15 @@ class LoopGuard:
         return reply.tokens[end + 1], MULTIPLIER * BASE ** min(span - start, MAX_EXPONENT)
 
     def apply(self, sampling: Sequence[Chunk], logits: torch.Tensor) -> None:
-        """Lower, in place, each guarded row's loop continuation (row i of `logits` samples `sampling[i]`)."""
+        """Lower, in place, each guarded row's loop continuation and raise its looped string's closing quote
+        (row i of `logits` samples `sampling[i]`)."""
         for row, chunk in enumerate(sampling):
             found = self.penalty(chunk.request_id)
-            if found is not None:
-                token, amount = found
-                with torch.inference_mode():  # the runner's logits are inference tensors
-                    logits[row, token] -= amount
-                self.num_penalised += 1
+            closing = self.closing(chunk.request_id)
+            with torch.inference_mode():  # the runner's logits are inference tensors
+                if found is not None:
+                    logits[row, found[0]] -= found[1]
+                    self.num_penalised += 1
+                if closing is not None:
+                    logits[row, closing[0]] += closing[1]
+                    self.num_closing += 1

@@ -139,6 +139,11 @@ _COUNTERS: tuple[tuple[str, str, Read], ...] = (
         "Rows whose reply repeated itself verbatim and whose loop continuation was penalised.",
         lambda s: s.loop_guard_penalties,
     ),
+    (
+        "loop_guard_closing",
+        "Rows inside a JSON string the reply had looped in, whose closing quote was raised.",
+        lambda s: s.loop_guard_closing,
+    ),
     ("preemptions", "Requests preempted (pages dropped, recomputed later).", lambda s: s.preemptions),
     (
         "swap_preemptions",
