@@ -249,7 +249,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--num-cases", type=int, help="run the first N of the set's cases (default: all 210)")
     parser.add_argument("--batch1-cases", type=int, default=24, help="cases, spread over the set, at batch 1")
-    parser.add_argument("--batches", type=int, nargs="+", choices=(1, 8), help="default: 8 then 1 (--quick: 8)")
+    parser.add_argument(
+        "--batches", type=int, nargs="+", choices=(1, 8), help="default: 8 then 1 (--quick: 8)"
+    )
     args = parser.parse_args()
     if args.compare_libraries:
         import structured_libraries
