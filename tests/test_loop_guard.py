@@ -66,6 +66,24 @@ def test_a_long_period_needs_its_copies_and_a_copy_apart_from_its_source_is_no_l
     assert _guard(list(range(300, 400))) is None
 
 
+def _one_hot_bigram(classes: list[int]) -> tuple[DecoderForCausalLM, float]:
+    """A model with zero attention and MLP, so the residual stream is the last token's class: `classes[i]` is
+    class i, every other token the last class. Its LM head is zero (the caller sets it), and the logit
+    `scale` a head weight gives is returned beside it."""
+    config = tiny_config(vocab_size=qwen_vocab_size())
+    model = DecoderForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.norm.weight.fill_(1.0)
+        model.embed_tokens.weight[:, len(classes)] = 1.0
+        for i, token in enumerate(classes):
+            model.embed_tokens.weight[token] = 0.0
+            model.embed_tokens.weight[token, i] = 1.0
+    model.rotary.build(torch.device("cpu"))
+    return model, MARGIN / config.hidden_size**0.5  # the final RMSNorm scales a one-hot by sqrt(hidden)
+
+
 @cache
 def bigram_loaded() -> LoadedModel:
     """The looping bigram: zero attention and MLP, so the residual stream is the last token's class."""
@@ -73,26 +91,14 @@ def bigram_loaded() -> LoadedModel:
     a, b, quote, brace = (tok.encode(t, add_special_tokens=False) for t in ("A", "B", '"', "}"))
     assert all(len(ids) == 1 for ids in (a, b, quote, brace))
     a_id, b_id, quote_id, brace_id = a[0], b[0], quote[0], brace[0]
-    config = tiny_config(vocab_size=qwen_vocab_size())
-    model = DecoderForCausalLM(config).to(torch.float32)
+    model, scale = _one_hot_bigram([a_id, b_id])  # classes 0 ("A"), 1 ("B"), 2 (any other token)
     with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-        model.norm.weight.fill_(1.0)
-        # Classes 0 ("A"), 1 ("B"), 2 (any other token), each a one-hot embedding.
-        model.embed_tokens.weight[:, 2] = 1.0
-        model.embed_tokens.weight[a_id] = 0.0
-        model.embed_tokens.weight[a_id, 0] = 1.0
-        model.embed_tokens.weight[b_id] = 0.0
-        model.embed_tokens.weight[b_id, 1] = 1.0
-        scale = MARGIN / config.hidden_size**0.5  # the final RMSNorm scales a one-hot by sqrt(hidden)
         head = model.lm_head.weight
         head[b_id, 0] = head[a_id, 1] = head[a_id, 2] = scale
         head[quote_id, 0] = head[quote_id, 1] = scale / 2
         head[brace_id, 2] = scale / 4
-    model.rotary.build(torch.device("cpu"))
     return LoadedModel(
-        Path("bigram"), "bigram", config, model.eval(), tok, torch.float32, torch.device("cpu")
+        Path("bigram"), "bigram", model.config, model.eval(), tok, torch.float32, torch.device("cpu")
     )
 
 
@@ -211,24 +217,14 @@ def variant_loaded() -> LoadedModel:
     ids = {t: tok.encode(t, add_special_tokens=False) for t in ("A", "B", "C", "D")}
     assert all(len(v) == 1 for v in ids.values())
     a_id, b_id, c_id, d_id = (ids[t][0] for t in "ABCD")
-    config = tiny_config(vocab_size=qwen_vocab_size())
-    model = DecoderForCausalLM(config).to(torch.float32)
+    model, scale = _one_hot_bigram([a_id])  # classes 0 ("A") and 1 (any other token)
     with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-        model.norm.weight.fill_(1.0)
-        # Classes 0 ("A") and 1 (any other token), each a one-hot embedding.
-        model.embed_tokens.weight[:, 1] = 1.0
-        model.embed_tokens.weight[a_id] = 0.0
-        model.embed_tokens.weight[a_id, 0] = 1.0
-        scale = MARGIN / config.hidden_size**0.5
         head = model.lm_head.weight
         head[a_id, 1] = scale
         for rank, token in enumerate((b_id, c_id, d_id)):
             head[token, 0] = scale * (1.0 - rank / 8)
-    model.rotary.build(torch.device("cpu"))
     return LoadedModel(
-        Path("variants"), "variants", config, model.eval(), tok, torch.float32, torch.device("cpu")
+        Path("variants"), "variants", model.config, model.eval(), tok, torch.float32, torch.device("cpu")
     )
 
 
