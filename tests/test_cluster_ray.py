@@ -31,6 +31,7 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from conftest_tokenizer_helpers import qwen_dir  # noqa: E402
+from swarmkv.cluster.cli import PATIENT_SERVE_ENV, patient_serve  # noqa: E402
 from swarmkv.cluster.cluster_metrics import merge  # noqa: E402
 from swarmkv.cluster.config import ClusterConfig  # noqa: E402
 from swarmkv.cluster.forward import REPLICA_HEADER, ROUTE_HEADER  # noqa: E402
@@ -90,6 +91,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     model = make_tiny_checkpoint(
         tmp_path_factory.mktemp("tiny") / MODEL, "qwen3", max_position_embeddings=4096
     )
+    patient_serve()
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2, log_to_driver=False)
     port = _free_port()
     try:
@@ -182,6 +184,17 @@ def test_an_unknown_model_is_a_404_in_the_openai_shape(cluster: Cluster) -> None
 def _swarmkv(*args: str) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "swarmkv.cli", *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_local_ray_gives_the_serve_proxy_time_but_keeps_the_users_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ready, health = PATIENT_SERVE_ENV
+    monkeypatch.delenv(ready, raising=False)
+    monkeypatch.setenv(health, "7")
+    patient_serve()
+    assert os.environ[ready] == PATIENT_SERVE_ENV[ready] and float(os.environ[ready]) > 5
+    assert os.environ[health] == "7"
 
 
 NO_RAY = (

@@ -100,10 +100,27 @@ def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         raise ValueError(f"cannot reach the Ray cluster at {address}: {exc}") from exc
 
 
+# Ray Serve kills an HTTP proxy that is not ready within 5 s, or whose health check takes over 10 s. A local
+# Ray on a small, busy machine (2 cores under load) can take longer to start the proxy's process, and then
+# `serve.start` fails with "The actor is dead because it was killed by `ray.kill`". A local Ray's processes
+# inherit this process's environment, so these are set (where the user has not) before it starts.
+PATIENT_SERVE_ENV = {
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30",
+}
+
+
+def patient_serve() -> None:
+    """Give Ray Serve's proxy the `PATIENT_SERVE_ENV` timeouts, unless the environment already sets them."""
+    for name, value in PATIENT_SERVE_ENV.items():
+        os.environ.setdefault(name, value)
+
+
 def start_ray(address: str | None, replicas: int) -> bool:
     """Connect to `address` or start a local Ray; whether we started it (and must stop it)."""
     import ray
 
+    patient_serve()
     if address is not None and address != "auto":
         check_reachable(address)
     try:
