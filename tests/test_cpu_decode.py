@@ -20,7 +20,7 @@ from swarmkv.kernels import cpu_grouped
 from swarmkv.kernels.cpu_decode import reads_half_kv
 from swarmkv.models.gguf_quantize import quantize
 from swarmkv.models.gguf_quants import SPECS, parse_blocks
-from tiny_gguf import write_tiny_gguf
+from tiny_gguf import SHAPE, write_tiny_gguf
 
 Q = GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not cpu_grouped.available(), reason="no C compiler for the CPU kernels")
@@ -270,6 +270,45 @@ def test_the_int8_kernel_at_every_row_count(kind: GGMLQuantizationType, build: s
         torch.testing.assert_close(
             cpu_grouped.matmul_int8(x, weight, library), expected, atol=1e-5, rtol=1e-4
         )
+
+
+def test_int8_activations_give_the_likely_tokens_the_float32_heads_logits(tmp_path: Path) -> None:
+    """Float32 projections and a Q8_0 head: int8 activations change only the head, whose 8 highest logits a
+    row are computed again from float32 x (decode.c's rescore_top), so they are the float32 step's, and the
+    top token with them."""
+    path = write_tiny_gguf(
+        tmp_path / "q8-head.gguf",
+        arch="qwen3",
+        projections=Q.F32,
+        # "output.weight" is also a pattern of every attn_output.weight: those are named whole
+        types={"output.weight": Q.Q8_0}
+        | {f"blk.{i}.attn_output.weight": Q.F32 for i in range(SHAPE["layers"])},
+        tied=False,
+    )
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="64MiB")
+    model, cache = llm.loaded.model, llm.engine.runner.kv_cache
+    table = PageTable(1, 4, 16, torch.device("cpu"))
+    table.append("row", [0, 1, 2, 3])
+    ids, one = (
+        torch.randint(5, 500, (48,), generator=torch.Generator().manual_seed(0)),
+        torch.zeros(1, dtype=torch.int64),
+    )
+    logits = {}
+    for int8 in (False, True):
+        step = cpu_decode.describe(model, cache, table, int8_activations=int8)
+        logits[int8] = torch.cat(
+            [step.step(ids[t : t + 1], one, torch.tensor([t]), [1], [0]) for t in range(48)]
+        )
+    # The 8 rescored were the int8 head's highest; one whose float32 value is lower can fall under a 9th.
+    top = logits[True].topk(8, dim=-1).indices
+    scale = float(logits[False].abs().max())
+    same = torch.isclose(
+        logits[True].gather(1, top), logits[False].gather(1, top), atol=1e-5 * scale, rtol=1e-5
+    )
+    assert bool(same[:, 0].all()) and float(same.float().mean()) > 0.9, same
+    assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
+    # the other logits are the int8 head's: the rounding shows there
+    assert float((logits[True] - logits[False]).abs().max()) > 1e-4 * scale
 
 
 @pytest.mark.parametrize("name", ["llama-q4_1", "llama-q5_0-f16", "qwen3-q8_0"])

@@ -157,9 +157,12 @@ def _qwen35_metadata(writer: GGUFWriter) -> None:
 
 
 def tensor_type(name: str, types: dict[str, GGMLQuantizationType], default: GGMLQuantizationType) -> Q:
-    """The type `name` is written in: the first pattern of `types` it contains, else `default`; norms F32."""
+    """The type `name` is written in: `types[name]` where it names the tensor, else the first pattern of `types`
+    it contains, else `default`; norms F32."""
     if name.endswith("norm.weight"):
         return Q.F32
+    if name in types:
+        return types[name]
     return next((kind for pattern, kind in types.items() if pattern in name), default)
 
 

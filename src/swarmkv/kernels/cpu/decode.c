@@ -163,6 +163,38 @@ static void linear(const linear_t *l, int64_t M, const float *x, float *y, scrat
     }
 }
 
+/* With int8 activations, half the top-token changes against float32 come from the LM head (measured over
+ * 1,024 tokens of the README on the embedded model: 95.4% agreement, 97.2% with a float32 head), at ties
+ * a few hundredths of a logit apart. So each row's RESCORE highest logits are computed again from float32 x
+ * against the dequantised rows: the likely tokens get the float32 head's values, for about RESCORE dot
+ * products a row beside the head's 49,152. Runs inside the parallel region; ends at omp for's barrier. */
+#define RESCORE 8
+static void rescore_top(const linear_t *l, int64_t M, const float *x, float *y) {
+    const int64_t K = l->K, N = l->N;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        float *row = y + m * N, top_value[RESCORE], w[K];
+        int64_t top[RESCORE];
+        int count = 0;
+        for (int64_t n = 0; n < N; n++) { /* the RESCORE highest, in descending order; NaN never enters */
+            const float v = row[n];
+            if (count == RESCORE && !(v > top_value[RESCORE - 1])) continue;
+            if (count < RESCORE && !(v == v)) continue;
+            int i = count < RESCORE ? count++ : RESCORE - 1;
+            for (; i > 0 && top_value[i - 1] < v; i--) top_value[i] = top_value[i - 1], top[i] = top[i - 1];
+            top_value[i] = v, top[i] = n;
+        }
+        for (int i = 0; i < count; i++) {
+            const int64_t n = top[i];
+            const block_t *blk = l->blocks;
+            while (n >= blk->start + blk->rows) blk++;
+            if (blk->w.bits == 0 || !int8_dot_reads(&blk->w)) continue; /* already float32 */
+            dequantize_row(&blk->w, K, n - blk->start, w);
+            row[n] = dot_f32(x + m * K, w, K) + (l->bias != NULL ? l->bias[n] : 0.0f);
+        }
+    }
+}
+
 /* out = w * x / sqrt(mean(x^2) + eps), as the reference's float32 order: x * rsqrt(...), then times w. */
 static inline void rms_norm_row(const float *x, const float *w, float eps, int64_t n, float *out) {
     float lanes[16] = {0.0f};
@@ -601,6 +633,7 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
             rms_norm_row(s.resid + r * H, m->final_norm, m->eps, H, s.x + r * H);
         }
         linear(&m->lm_head, M, s.x, logits, &s, m->int8_activations);
+        if (m->int8_activations) rescore_top(&m->lm_head, M, s.x, logits);
     }
     free(s.items);
     free(s.part);
