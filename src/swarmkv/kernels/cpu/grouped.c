@@ -516,6 +516,89 @@ static inline __attribute__((always_inline)) void rows_dot_int8(const layout_t *
     }
 }
 
+/* rows_dot_int8 for the common layouts, 4- or 8-bit codes with a float16 constant per group (Q4_0, Q4_1, Q8_0):
+ * `s * dx` of every group and row is formed 8 groups at a time first, so the group loop is loads, integer dots
+ * and one FMA a row, two groups at a time into two accumulators (the FMA chain no longer waits on itself each
+ * group); the offsets and minimums against the groups' sums are one 8-wide FMA per 8 groups. The order of the
+ * arithmetic is a function of K alone, so a row gives the same result at every row count. */
+#if defined(__F16C__)
+#define HAVE_INT8_PLAIN 1
+static inline int int8_plain_reads(const layout_t *w) {
+    return (w->bits == 4 || w->bits == 8) && w->s_sub == NULL && (w->m_half == NULL || w->m_sub == NULL);
+}
+
+static inline __attribute__((always_inline)) void rows_dot_int8_plain(const layout_t *w, int64_t K, int64_t n,
+                                                                      int64_t M, const qx_t *qx, int64_t m0,
+                                                                      float *out) {
+    const int64_t groups = K / 32, octets = groups / 8 * 8;
+    const int eight = w->bits == 8;
+    const uint16_t *sh = w->s_half + n * groups, *mh = w->m_half != NULL ? w->m_half + n * groups : NULL;
+    const int8_t *x = (eight ? qx->natural : qx->paired) + m0 * K;
+    const float *dx = qx->scale + m0 * groups, *xs = qx->sum + m0 * groups;
+    const __m256 offset = _mm256_set1_ps(-(float)w->offset);
+    float sdx[FAST_ROWS * groups];
+    __m256 acc[FAST_ROWS], odd[FAST_ROWS], shift[FAST_ROWS];
+    float rest[FAST_ROWS];
+    for (int64_t m = 0; m < M; m++) {
+        acc[m] = odd[m] = shift[m] = _mm256_setzero_ps();
+        rest[m] = 0.0f;
+    }
+    int64_t g = 0;
+    for (; g < octets; g += 8) {
+        const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sh + g)));
+        __m256 hv = _mm256_mul_ps(sv, offset);
+        if (mh != NULL) hv = _mm256_add_ps(hv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mh + g))));
+        for (int64_t m = 0; m < M; m++) {
+            _mm256_storeu_ps(sdx + m * groups + g, _mm256_mul_ps(sv, _mm256_loadu_ps(dx + m * groups + g)));
+            shift[m] = _mm256_fmadd_ps(hv, _mm256_loadu_ps(xs + m * groups + g), shift[m]);
+        }
+    }
+    for (; g < groups; g++) {
+        const float sg = half_to_float(sh[g]);
+        const float hg = -sg * (float)w->offset + (mh != NULL ? half_to_float(mh[g]) : 0.0f);
+        for (int64_t m = 0; m < M; m++) {
+            sdx[m * groups + g] = sg * dx[m * groups + g];
+            rest[m] += hg * xs[m * groups + g];
+        }
+    }
+    for (g = 0; g < groups; g += 2) {
+        const int pair = g + 1 < groups;
+        __m256i c0, c1 = _mm256_setzero_si256(), s0 = c0 = _mm256_setzero_si256(), s1 = c1;
+        if (eight) {
+            const int8_t *row = (const int8_t *)w->low + n * K + g * 32;
+            s0 = _mm256_loadu_si256((const __m256i *)row), c0 = _mm256_sign_epi8(s0, s0);
+            if (pair) s1 = _mm256_loadu_si256((const __m256i *)(row + 32)), c1 = _mm256_sign_epi8(s1, s1);
+        } else {
+            c0 = nibble_codes(w->low + n * (K / 2) + g * 16, NULL);
+            if (pair) c1 = nibble_codes(w->low + n * (K / 2) + g * 16 + 16, NULL);
+        }
+        for (int64_t m = 0; m < M; m++) {
+            const int8_t *xm = x + m * K + g * 32;
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)xm);
+            if (eight) x0 = _mm256_sign_epi8(x0, s0);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(c0, x0)), _mm256_broadcast_ss(sdx + m * groups + g), acc[m]);
+            if (pair) {
+                __m256i x1 = _mm256_loadu_si256((const __m256i *)(xm + 32));
+                if (eight) x1 = _mm256_sign_epi8(x1, s1);
+                odd[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(c1, x1)), _mm256_broadcast_ss(sdx + m * groups + g + 1), odd[m]);
+            }
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        const __m256 v = _mm256_add_ps(acc[m], odd[m]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        __m128 t = _mm_add_ps(_mm256_castps256_ps128(shift[m]), _mm256_extractf128_ps(shift[m], 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+        t = _mm_add_ss(t, _mm_movehdup_ps(t));
+        out[m] = (rest[m] + _mm_cvtss_f32(t)) + _mm_cvtss_f32(h);
+    }
+}
+#else
+#define HAVE_INT8_PLAIN 0
+#endif
+
 #if HAVE_INT8_512
 #define CHUNK_GROUPS 64 /* groups of a row whose constants are spread at once (a multiple of 16) */
 
@@ -733,10 +816,20 @@ static void rows_matmul_int8(const layout_t *w, int64_t M, int64_t K, const qx_t
         (w->bits == 5 ? rows_matmul_512_q5 : rows_matmul_512_q4)(w, M, K, qx, y, ldy, n0, n1);
 #else
     float out[FAST_ROWS];
+#if HAVE_INT8_PLAIN
+    const int plain = int8_plain_reads(w);
+#endif
     for (int64_t n = n0; n < n1; n++)
         for (int64_t m0 = 0; m0 < M; m0 += FAST_ROWS) {
             const int64_t rows = M - m0 < FAST_ROWS ? M - m0 : FAST_ROWS;
-            BY_ROW_COUNT(rows_dot_int8, rows)
+#if HAVE_INT8_PLAIN
+            if (plain) {
+                BY_ROW_COUNT(rows_dot_int8_plain, rows)
+            } else
+#endif
+            {
+                BY_ROW_COUNT(rows_dot_int8, rows)
+            }
             for (int64_t m = 0; m < rows; m++) y[(m0 + m) * ldy + n] = out[m];
         }
 #endif
