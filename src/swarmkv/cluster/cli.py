@@ -120,11 +120,11 @@ def start_ray(address: str | None, replicas: int) -> bool:
     """Connect to `address` or start a local Ray; whether we started it (and must stop it)."""
     import ray
 
-    patient_serve()
     if address is not None and address != "auto":
         check_reachable(address)
     try:
         if address is None:
+            patient_serve()  # the local Ray's processes inherit it; a running cluster keeps its own
             ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(replicas / 2) + 1), include_dashboard=False)
         else:
             ray.init(address=address)

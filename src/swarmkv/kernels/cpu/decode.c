@@ -178,8 +178,7 @@ static void rescore_top(const linear_t *l, int64_t M, const float *x, float *y) 
         int count = 0;
         for (int64_t n = 0; n < N; n++) { /* the RESCORE highest, in descending order; NaN never enters */
             const float v = row[n];
-            if (count == RESCORE && !(v > top_value[RESCORE - 1])) continue;
-            if (count < RESCORE && !(v == v)) continue;
+            if (!(v == v) || (count == RESCORE && v <= top_value[RESCORE - 1])) continue;
             int i = count < RESCORE ? count++ : RESCORE - 1;
             for (; i > 0 && top_value[i - 1] < v; i--) top_value[i] = top_value[i - 1], top[i] = top[i - 1];
             top_value[i] = v, top[i] = n;

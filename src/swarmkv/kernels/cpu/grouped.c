@@ -179,6 +179,14 @@ static inline __m256 cvt_i8(const int8_t *p) {
 }
 static inline __m256 cvt_u8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
 
+/* The sum of v's 8 lanes: halves, then pairs, then the last two. */
+static inline float hsum256(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
 #define FAST_ROWS 8 /* rows of x one pass over a weight row serves */
 
 /* 8 codes as int32 lanes: nibbles from 8 bytes (low or high halves), plus the bits above them from `hi`
@@ -259,12 +267,7 @@ static inline __m256i code_lanes(__m128i nibbles8, int bits, __m256i hi, __m256i
                 rest[m] += shift * xsum[m * groups + g];                                                       \
             }                                                                                                  \
         }                                                                                                      \
-        for (int64_t m = 0; m < M; m++) {                                                                      \
-            __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));          \
-            h = _mm_add_ps(h, _mm_movehl_ps(h, h));                                                            \
-            h = _mm_add_ss(h, _mm_movehdup_ps(h));                                                             \
-            out[m] = rest[m] + _mm_cvtss_f32(h);                                                               \
-        }                                                                                                      \
+        for (int64_t m = 0; m < M; m++) out[m] = rest[m] + hsum256(acc[m]);                                    \
     }
 
 ROWS_DOT_FAST(rows_dot_fast_32, 32)
@@ -508,12 +511,7 @@ static inline __attribute__((always_inline)) void rows_dot_int8(const layout_t *
             for (int64_t m = 0; m < M; m++) rest[m] += shift * xs[m * groups + g];
         }
     }
-    for (int64_t m = 0; m < M; m++) {
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        out[m] = rest[m] + _mm_cvtss_f32(h);
-    }
+    for (int64_t m = 0; m < M; m++) out[m] = rest[m] + hsum256(acc[m]);
 }
 
 /* rows_dot_int8 for the common layouts, 4- or 8-bit codes with a float16 constant per group (Q4_0, Q4_1, Q8_0):
@@ -563,7 +561,7 @@ static inline __attribute__((always_inline)) void rows_dot_int8_plain(const layo
     }
     for (g = 0; g < groups; g += 2) {
         const int pair = g + 1 < groups;
-        __m256i c0, c1 = _mm256_setzero_si256(), s0 = c0 = _mm256_setzero_si256(), s1 = c1;
+        __m256i c0, c1 = _mm256_setzero_si256(), s0 = c1, s1 = c1; /* s: 8-bit codes' signs */
         if (eight) {
             const int8_t *row = (const int8_t *)w->low + n * K + g * 32;
             s0 = _mm256_loadu_si256((const __m256i *)row), c0 = _mm256_sign_epi8(s0, s0);
@@ -584,16 +582,7 @@ static inline __attribute__((always_inline)) void rows_dot_int8_plain(const layo
             }
         }
     }
-    for (int64_t m = 0; m < M; m++) {
-        const __m256 v = _mm256_add_ps(acc[m], odd[m]);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        __m128 t = _mm_add_ps(_mm256_castps256_ps128(shift[m]), _mm256_extractf128_ps(shift[m], 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-        t = _mm_add_ss(t, _mm_movehdup_ps(t));
-        out[m] = (rest[m] + _mm_cvtss_f32(t)) + _mm_cvtss_f32(h);
-    }
+    for (int64_t m = 0; m < M; m++) out[m] = (rest[m] + hsum256(shift[m])) + hsum256(_mm256_add_ps(acc[m], odd[m]));
 }
 #else
 #define HAVE_INT8_PLAIN 0
