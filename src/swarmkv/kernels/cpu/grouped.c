@@ -409,6 +409,38 @@ static void quantize_x(int64_t M, int64_t K, const float *x, int8_t *codes, floa
     float *scale = consts, *sum = consts + M * groups;
     qx->scale = scale, qx->sum = sum, qx->natural = first, qx->paired = second;
 #endif
+#if !HAVE_INT8_512 && defined(__AVX2__)
+    /* the loop below, 8 lanes at a time: the same operations (|x|'s maximum, amax / 127, 1 / d, x * inv rounded
+     * to nearest even as nearbyintf does), so the same codes and constants */
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *v = x + m * K + g * 32;
+            const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+            __m256 top = _mm256_setzero_ps();
+            for (int j = 0; j < 32; j += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(v + j), magnitude));
+            __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+            t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(t4, _mm_movehdup_ps(t4)));
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            __m256i q32[4];
+            for (int j = 0; j < 4; j++) q32[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), _mm256_set1_ps(inv)));
+            /* int32 -> int8 in element order: the packs interleave 128-bit lanes, the permute restores them */
+            const __m256i q16a = _mm256_packs_epi32(q32[0], q32[1]), q16b = _mm256_packs_epi32(q32[2], q32[3]);
+            const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            const __m256i sums = _mm256_madd_epi16(_mm256_add_epi16(q16a, q16b), _mm256_set1_epi16(1));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            const int total = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+            scale[m * groups + g] = d;
+            sum[m * groups + g] = d * (float)total;
+            _mm256_storeu_si256((__m256i *)(first + m * K + g * 32), q8);
+            /* even elements, then odd: bytes 0, 2, .., 30 then 1, 3, .., 31 (shuffles within 128-bit lanes) */
+            const __m256i split = _mm256_shuffle_epi8(q8, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                                           0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+            _mm256_storeu_si256((__m256i *)(second + m * K + g * 32), _mm256_permute4x64_epi64(split, 0xD8));
+        }
+    return;
+#endif
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < groups; g++) {
             const float *v = x + m * K + g * 32;
@@ -514,75 +546,105 @@ static inline __attribute__((always_inline)) void rows_dot_int8(const layout_t *
     for (int64_t m = 0; m < M; m++) out[m] = rest[m] + hsum256(acc[m]);
 }
 
-/* rows_dot_int8 for the common layouts, 4- or 8-bit codes with a float16 constant per group (Q4_0, Q4_1, Q8_0):
- * `s * dx` of every group and row is formed 8 groups at a time first, so the group loop is loads, integer dots
- * and one FMA a row, two groups at a time into two accumulators (the FMA chain no longer waits on itself each
- * group); the offsets and minimums against the groups' sums are one 8-wide FMA per 8 groups. The order of the
- * arithmetic is a function of K alone, so a row gives the same result at every row count. */
+/* rows_dot_int8 for the common layouts, 4- or 8-bit codes with a float16 constant per group (Q4_0, Q4_1, Q8_0),
+ * for R weight rows [n, n + R) against M rows of x (R * M <= FAST_ROWS; out[r * M + m]). `s * dx` of every group
+ * and pair of rows is formed 8 groups at a time first; the offsets and minimums against the groups' sums are one
+ * 8-wide FMA per 8 groups. The group loop is then loads, integer dots and one FMA:
+ * - 4-bit codes, two groups at a time: one 32-byte load holds both groups' nibbles, whose low halves are their
+ *   even elements and high halves their odd ones; both groups' int16 dot sums are added before the one madd, so
+ *   the lanes of one vector hold two groups (four each), scaled by their two constants;
+ * - 8-bit codes, a group at a time into two accumulators over even and odd groups.
+ * Each (weight row, x row) pair sees the same arithmetic in the same order at every R and M: a row gives the same
+ * result at every row count and position in the batch. */
 #if defined(__F16C__)
 #define HAVE_INT8_PLAIN 1
-static inline int int8_plain_reads(const layout_t *w) {
-    return (w->bits == 4 || w->bits == 8) && w->s_sub == NULL && (w->m_half == NULL || w->m_sub == NULL);
+static inline int int8_plain_reads(const layout_t *w, int64_t K) {
+    return (w->bits == 8 || (w->bits == 4 && K % 64 == 0)) && w->s_sub == NULL && (w->m_half == NULL || w->m_sub == NULL);
 }
 
 static inline __attribute__((always_inline)) void rows_dot_int8_plain(const layout_t *w, int64_t K, int64_t n,
-                                                                      int64_t M, const qx_t *qx, int64_t m0,
-                                                                      float *out) {
-    const int64_t groups = K / 32, octets = groups / 8 * 8;
+                                                                      int64_t R, int64_t M, const qx_t *qx,
+                                                                      int64_t m0, float *out) {
+    const int64_t groups = K / 32, octets = groups / 8 * 8, padded = (groups + 7) / 8 * 8;
     const int eight = w->bits == 8;
-    const uint16_t *sh = w->s_half + n * groups, *mh = w->m_half != NULL ? w->m_half + n * groups : NULL;
     const int8_t *x = (eight ? qx->natural : qx->paired) + m0 * K;
     const float *dx = qx->scale + m0 * groups, *xs = qx->sum + m0 * groups;
     const __m256 offset = _mm256_set1_ps(-(float)w->offset);
-    float sdx[FAST_ROWS * groups];
+    float sdx[FAST_ROWS * padded]; /* [R * M, padded]: row pair i's s * dx of each group */
     __m256 acc[FAST_ROWS], odd[FAST_ROWS], shift[FAST_ROWS];
     float rest[FAST_ROWS];
-    for (int64_t m = 0; m < M; m++) {
-        acc[m] = odd[m] = shift[m] = _mm256_setzero_ps();
-        rest[m] = 0.0f;
+    for (int64_t i = 0; i < R * M; i++) {
+        acc[i] = odd[i] = shift[i] = _mm256_setzero_ps();
+        rest[i] = 0.0f;
     }
-    int64_t g = 0;
-    for (; g < octets; g += 8) {
-        const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sh + g)));
-        __m256 hv = _mm256_mul_ps(sv, offset);
-        if (mh != NULL) hv = _mm256_add_ps(hv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mh + g))));
-        for (int64_t m = 0; m < M; m++) {
-            _mm256_storeu_ps(sdx + m * groups + g, _mm256_mul_ps(sv, _mm256_loadu_ps(dx + m * groups + g)));
-            shift[m] = _mm256_fmadd_ps(hv, _mm256_loadu_ps(xs + m * groups + g), shift[m]);
+    for (int64_t r = 0; r < R; r++) {
+        const uint16_t *sh = w->s_half + (n + r) * groups;
+        const uint16_t *mh = w->m_half != NULL ? w->m_half + (n + r) * groups : NULL;
+        int64_t g = 0;
+        for (; g < octets; g += 8) {
+            const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sh + g)));
+            __m256 hv = _mm256_mul_ps(sv, offset);
+            if (mh != NULL) hv = _mm256_add_ps(hv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mh + g))));
+            for (int64_t m = 0; m < M; m++) {
+                const int64_t i = r * M + m;
+                _mm256_storeu_ps(sdx + i * padded + g, _mm256_mul_ps(sv, _mm256_loadu_ps(dx + m * groups + g)));
+                shift[i] = _mm256_fmadd_ps(hv, _mm256_loadu_ps(xs + m * groups + g), shift[i]);
+            }
         }
-    }
-    for (; g < groups; g++) {
-        const float sg = half_to_float(sh[g]);
-        const float hg = -sg * (float)w->offset + (mh != NULL ? half_to_float(mh[g]) : 0.0f);
-        for (int64_t m = 0; m < M; m++) {
-            sdx[m * groups + g] = sg * dx[m * groups + g];
-            rest[m] += hg * xs[m * groups + g];
-        }
-    }
-    for (g = 0; g < groups; g += 2) {
-        const int pair = g + 1 < groups;
-        __m256i c0, c1 = _mm256_setzero_si256(), s0 = c1, s1 = c1; /* s: 8-bit codes' signs */
-        if (eight) {
-            const int8_t *row = (const int8_t *)w->low + n * K + g * 32;
-            s0 = _mm256_loadu_si256((const __m256i *)row), c0 = _mm256_sign_epi8(s0, s0);
-            if (pair) s1 = _mm256_loadu_si256((const __m256i *)(row + 32)), c1 = _mm256_sign_epi8(s1, s1);
-        } else {
-            c0 = nibble_codes(w->low + n * (K / 2) + g * 16, NULL);
-            if (pair) c1 = nibble_codes(w->low + n * (K / 2) + g * 16 + 16, NULL);
-        }
-        for (int64_t m = 0; m < M; m++) {
-            const int8_t *xm = x + m * K + g * 32;
-            __m256i x0 = _mm256_loadu_si256((const __m256i *)xm);
-            if (eight) x0 = _mm256_sign_epi8(x0, s0);
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(c0, x0)), _mm256_broadcast_ss(sdx + m * groups + g), acc[m]);
-            if (pair) {
-                __m256i x1 = _mm256_loadu_si256((const __m256i *)(xm + 32));
-                if (eight) x1 = _mm256_sign_epi8(x1, s1);
-                odd[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(c1, x1)), _mm256_broadcast_ss(sdx + m * groups + g + 1), odd[m]);
+        for (; g < groups; g++) {
+            const float sg = half_to_float(sh[g]);
+            const float hg = -sg * (float)w->offset + (mh != NULL ? half_to_float(mh[g]) : 0.0f);
+            for (int64_t m = 0; m < M; m++) {
+                sdx[(r * M + m) * padded + g] = sg * dx[m * groups + g];
+                rest[r * M + m] += hg * xs[m * groups + g];
             }
         }
     }
-    for (int64_t m = 0; m < M; m++) out[m] = (rest[m] + hsum256(shift[m])) + hsum256(_mm256_add_ps(acc[m], odd[m]));
+    if (eight) {
+        for (int64_t g = 0; g < groups; g += 2) {
+            const int pair = g + 1 < groups;
+            for (int64_t r = 0; r < R; r++) {
+                const int8_t *row = (const int8_t *)w->low + (n + r) * K + g * 32;
+                const __m256i s0 = _mm256_loadu_si256((const __m256i *)row), c0 = _mm256_sign_epi8(s0, s0);
+                __m256i s1 = _mm256_setzero_si256(), c1 = s1; /* the codes' signs, and their magnitudes */
+                if (pair) s1 = _mm256_loadu_si256((const __m256i *)(row + 32)), c1 = _mm256_sign_epi8(s1, s1);
+                for (int64_t m = 0; m < M; m++) {
+                    const int64_t i = r * M + m;
+                    const int8_t *xm = x + m * K + g * 32;
+                    const __m256i x0 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xm), s0);
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(c0, x0)), _mm256_broadcast_ss(sdx + i * padded + g), acc[i]);
+                    if (pair) {
+                        const __m256i x1 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xm + 32)), s1);
+                        odd[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(c1, x1)), _mm256_broadcast_ss(sdx + i * padded + g + 1), odd[i]);
+                    }
+                }
+            }
+        }
+    } else {
+        const __m256i low4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
+        const __m256i first = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1); /* lanes of pair j: groups 2j, 2j + 1 */
+        for (int64_t g = 0; g < groups; g += 2) {
+            const __m256i pick = _mm256_add_epi32(first, _mm256_set1_epi32((int)(g % 8)));
+            for (int64_t r = 0; r < R; r++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w->low + (n + r) * (K / 2) + g * 16));
+                const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                for (int64_t m = 0; m < M; m++) {
+                    const int64_t i = r * M + m;
+                    const int8_t *xm = x + m * K + g * 32; /* groups g, g + 1: each its even elements, then odd */
+                    const __m256i p0 = _mm256_loadu_si256((const __m256i *)xm);
+                    const __m256i p1 = _mm256_loadu_si256((const __m256i *)(xm + 32));
+                    const __m256i evens = _mm256_permute2x128_si256(p0, p1, 0x20);
+                    const __m256i odds = _mm256_permute2x128_si256(p0, p1, 0x31);
+                    /* |sums| <= 4 * 15 * 127: the int16 adds cannot saturate */
+                    const __m256i sum16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, evens), _mm256_maddubs_epi16(hi, odds));
+                    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, ones));
+                    const __m256 scale = _mm256_permutevar8x32_ps(_mm256_loadu_ps(sdx + i * padded + g / 8 * 8), pick);
+                    acc[i] = _mm256_fmadd_ps(dot, scale, acc[i]);
+                }
+            }
+        }
+    }
+    for (int64_t i = 0; i < R * M; i++) out[i] = (rest[i] + hsum256(shift[i])) + hsum256(_mm256_add_ps(acc[i], odd[i]));
 }
 #else
 #define HAVE_INT8_PLAIN 0
@@ -806,19 +868,46 @@ static void rows_matmul_int8(const layout_t *w, int64_t M, int64_t K, const qx_t
 #else
     float out[FAST_ROWS];
 #if HAVE_INT8_PLAIN
-    const int plain = int8_plain_reads(w);
+    if (int8_plain_reads(w, K)) {
+        /* 4-bit codes: several weight rows a pass where x has few rows, sharing x's loads and each row's fixed
+         * costs (8-bit codes gain nothing from it: their sign trick is per row, and the accumulators spill) */
+        const int64_t R = w->bits == 8 ? 1 : M <= 2 ? 4 : M <= 4 ? 2 : 1;
+        for (int64_t n = n0; n < n1;) {
+            if (R > 1 && n + R <= n1) {
+                switch (M) { /* R follows from M */
+                case 1: rows_dot_int8_plain(w, K, n, 4, 1, qx, 0, out); break;
+                case 2: rows_dot_int8_plain(w, K, n, 4, 2, qx, 0, out); break;
+                case 3: rows_dot_int8_plain(w, K, n, 2, 3, qx, 0, out); break;
+                default: rows_dot_int8_plain(w, K, n, 2, 4, qx, 0, out);
+                }
+                for (int64_t r = 0; r < R; r++)
+                    for (int64_t m = 0; m < M; m++) y[m * ldy + n + r] = out[r * M + m];
+                n += R;
+                continue;
+            }
+            for (int64_t m0 = 0; m0 < M; m0 += FAST_ROWS) {
+                const int64_t rows = M - m0 < FAST_ROWS ? M - m0 : FAST_ROWS;
+                switch (rows) {
+                case 1: rows_dot_int8_plain(w, K, n, 1, 1, qx, m0, out); break;
+                case 2: rows_dot_int8_plain(w, K, n, 1, 2, qx, m0, out); break;
+                case 3: rows_dot_int8_plain(w, K, n, 1, 3, qx, m0, out); break;
+                case 4: rows_dot_int8_plain(w, K, n, 1, 4, qx, m0, out); break;
+                case 5: rows_dot_int8_plain(w, K, n, 1, 5, qx, m0, out); break;
+                case 6: rows_dot_int8_plain(w, K, n, 1, 6, qx, m0, out); break;
+                case 7: rows_dot_int8_plain(w, K, n, 1, 7, qx, m0, out); break;
+                default: rows_dot_int8_plain(w, K, n, 1, 8, qx, m0, out);
+                }
+                for (int64_t m = 0; m < rows; m++) y[(m0 + m) * ldy + n] = out[m];
+            }
+            n++;
+        }
+        return;
+    }
 #endif
     for (int64_t n = n0; n < n1; n++)
         for (int64_t m0 = 0; m0 < M; m0 += FAST_ROWS) {
             const int64_t rows = M - m0 < FAST_ROWS ? M - m0 : FAST_ROWS;
-#if HAVE_INT8_PLAIN
-            if (plain) {
-                BY_ROW_COUNT(rows_dot_int8_plain, rows)
-            } else
-#endif
-            {
-                BY_ROW_COUNT(rows_dot_int8, rows)
-            }
+            BY_ROW_COUNT(rows_dot_int8, rows)
             for (int64_t m = 0; m < rows; m++) y[(m0 + m) * ldy + n] = out[m];
         }
 #endif
