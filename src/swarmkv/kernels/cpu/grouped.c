@@ -563,8 +563,8 @@ static inline int int8_plain_reads(const layout_t *w, int64_t K) {
 }
 
 static inline __attribute__((always_inline)) void rows_dot_int8_plain(const layout_t *w, int64_t K, int64_t n,
-                                                                      int64_t R, int64_t M, const qx_t *qx,
-                                                                      int64_t m0, float *out) {
+                                                                      int64_t M, const qx_t *qx, int64_t m0,
+                                                                      float *out, int64_t R) {
     const int64_t groups = K / 32, octets = groups / 8 * 8, padded = (groups + 7) / 8 * 8;
     const int eight = w->bits == 8;
     const int8_t *x = (eight ? qx->natural : qx->paired) + m0 * K;
@@ -875,10 +875,10 @@ static void rows_matmul_int8(const layout_t *w, int64_t M, int64_t K, const qx_t
         for (int64_t n = n0; n < n1;) {
             if (R > 1 && n + R <= n1) {
                 switch (M) { /* R follows from M */
-                case 1: rows_dot_int8_plain(w, K, n, 4, 1, qx, 0, out); break;
-                case 2: rows_dot_int8_plain(w, K, n, 4, 2, qx, 0, out); break;
-                case 3: rows_dot_int8_plain(w, K, n, 2, 3, qx, 0, out); break;
-                default: rows_dot_int8_plain(w, K, n, 2, 4, qx, 0, out);
+                case 1: rows_dot_int8_plain(w, K, n, 1, qx, 0, out, 4); break;
+                case 2: rows_dot_int8_plain(w, K, n, 2, qx, 0, out, 4); break;
+                case 3: rows_dot_int8_plain(w, K, n, 3, qx, 0, out, 2); break;
+                default: rows_dot_int8_plain(w, K, n, 4, qx, 0, out, 2);
                 }
                 for (int64_t r = 0; r < R; r++)
                     for (int64_t m = 0; m < M; m++) y[m * ldy + n + r] = out[r * M + m];
@@ -887,16 +887,7 @@ static void rows_matmul_int8(const layout_t *w, int64_t M, int64_t K, const qx_t
             }
             for (int64_t m0 = 0; m0 < M; m0 += FAST_ROWS) {
                 const int64_t rows = M - m0 < FAST_ROWS ? M - m0 : FAST_ROWS;
-                switch (rows) {
-                case 1: rows_dot_int8_plain(w, K, n, 1, 1, qx, m0, out); break;
-                case 2: rows_dot_int8_plain(w, K, n, 1, 2, qx, m0, out); break;
-                case 3: rows_dot_int8_plain(w, K, n, 1, 3, qx, m0, out); break;
-                case 4: rows_dot_int8_plain(w, K, n, 1, 4, qx, m0, out); break;
-                case 5: rows_dot_int8_plain(w, K, n, 1, 5, qx, m0, out); break;
-                case 6: rows_dot_int8_plain(w, K, n, 1, 6, qx, m0, out); break;
-                case 7: rows_dot_int8_plain(w, K, n, 1, 7, qx, m0, out); break;
-                default: rows_dot_int8_plain(w, K, n, 1, 8, qx, m0, out);
-                }
+                BY_ROW_COUNT(rows_dot_int8_plain, rows, 1)
                 for (int64_t m = 0; m < rows; m++) y[(m0 + m) * ldy + n] = out[m];
             }
             n++;
