@@ -69,7 +69,7 @@ typedef struct {
 typedef struct {
     float *resid, *x, *qkv, *attn, *gu, *act, *out;
     float *xd, *xsum16, *xsum32;
-    int8_t *codes;    /* [2, M, widest]: int8 x in the two orders this build's kernel reads (quantize_x) */
+    int8_t *codes;    /* [3, M, widest]: int8 x in the orders this build's kernel reads (quantize_x) */
     float *qconsts;   /* [10, M, widest / 32]: their scales, scaled sums and the kernel's spread forms */
     qx_t qx;
     item_t *items; /* attention work items */
@@ -310,6 +310,76 @@ ATTEND_TILE_FIXED(attend_tile_64, 64)
 ATTEND_TILE_FIXED(attend_tile_128, 128)
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* The lane sums of eight vectors, as one vector in their order. */
+static inline __m256 sum8(const __m256 *v) {
+    const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d); /* per 128-bit half: v0..v3, v4..v7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+/* attend_tile in 256-bit vectors for a head size known when compiled (64, 128): eight keys' scores at a time in
+ * eight accumulators, reduced together; the weighted values 64 dims at a time in registers. */
+#define ATTEND_TILE_FIXED8(NAME, DIM)                                                                            \
+    static void NAME(const model_t *m, const layer_t *L, const int64_t *slots, int64_t n, int64_t kvh,          \
+                     const float *const *q, softmax_t *const *st, int count) {                                  \
+        enum { V = DIM / 8 };                                                                                   \
+        const int64_t stride = m->kv_heads * DIM;                                                               \
+        const float *keys[TILE], *values[TILE];                                                                 \
+        for (int64_t j = 0; j < n; j++) {                                                                       \
+            keys[j] = (const float *)L->k_cache + slots[j] * stride + kvh * DIM;                                \
+            values[j] = (const float *)L->v_cache + slots[j] * stride + kvh * DIM;                              \
+        }                                                                                                       \
+        for (int c = 0; c < count; c++) {                                                                       \
+            softmax_t *sm = st[c];                                                                              \
+            const float *qc = q[c];                                                                             \
+            float p[TILE];                                                                                      \
+            int64_t j = 0;                                                                                      \
+            for (; j + 8 <= n; j += 8) {                                                                        \
+                __m256 acc[8];                                                                                  \
+                for (int k = 0; k < 8; k++) acc[k] = _mm256_mul_ps(_mm256_loadu_ps(qc), _mm256_loadu_ps(keys[j + k])); \
+                for (int v = 1; v < V; v++) {                                                                   \
+                    const __m256 qv = _mm256_loadu_ps(qc + 8 * v);                                              \
+                    for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[j + k] + 8 * v), acc[k]); \
+                }                                                                                               \
+                _mm256_storeu_ps(p + j, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(m->scale)));                    \
+            }                                                                                                   \
+            for (; j < n; j++) {                                                                                \
+                __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qc), _mm256_loadu_ps(keys[j]));                      \
+                for (int v = 1; v < V; v++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qc + 8 * v), _mm256_loadu_ps(keys[j] + 8 * v), acc); \
+                p[j] = hsum256(acc) * m->scale;                                                                 \
+            }                                                                                                   \
+            float tile_max = -INFINITY;                                                                         \
+            for (int64_t k = 0; k < n; k++) tile_max = p[k] > tile_max ? p[k] : tile_max;                       \
+            const float new_max = tile_max > sm->max ? tile_max : sm->max;                                      \
+            const float alpha = sm->max == -INFINITY ? 0.0f : exp_nonpositive(sm->max - new_max);               \
+            for (int64_t k = 0; k < n; k++) p[k] = exp_nonpositive(p[k] - new_max);                             \
+            float total = 0.0f;                                                                                 \
+            for (int64_t k = 0; k < n; k++) total += p[k];                                                      \
+            sm->sum = sm->sum * alpha + total;                                                                  \
+            sm->max = new_max;                                                                                  \
+            const __m256 scale = _mm256_set1_ps(alpha);                                                         \
+            for (int v0 = 0; v0 < V; v0 += 8) { /* 64 dims: eight accumulators */                               \
+                __m256 a[8];                                                                                    \
+                for (int v = 0; v < 8; v++) a[v] = _mm256_mul_ps(_mm256_loadu_ps(sm->acc + 8 * (v0 + v)), scale); \
+                for (int64_t k = 0; k < n; k++) {                                                               \
+                    const __m256 w = _mm256_set1_ps(p[k]);                                                      \
+                    for (int v = 0; v < 8; v++) a[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(values[k] + 8 * (v0 + v)), a[v]); \
+                }                                                                                               \
+                for (int v = 0; v < 8; v++) _mm256_storeu_ps(sm->acc + 8 * (v0 + v), a[v]);                     \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+ATTEND_TILE_FIXED8(attend_tile_64, 64)
+ATTEND_TILE_FIXED8(attend_tile_128, 128)
+#define HAVE_ATTEND_FIXED 1
+#elif defined(__AVX512F__)
+#define HAVE_ATTEND_FIXED 1
+#else
+#define HAVE_ATTEND_FIXED 0
+#endif
+
 static void attend_tile_any(const model_t *m, const layer_t *L, const int64_t *slots, int64_t n, int64_t kvh,
                         const float *const *q, softmax_t *const *st, int count) {
     const int64_t D = m->head_dim, stride = m->kv_heads * D;
@@ -359,7 +429,7 @@ static inline float *partial(float *part, int64_t heads, int64_t chunks, int64_t
 /* A tile's attention, at the head size's specialised kernel where there is one. */
 static inline void attend_tile(const model_t *m, const layer_t *L, const int64_t *slots, int64_t n, int64_t kvh,
                                const float *const *q, softmax_t *const *st, int count) {
-#if defined(__AVX512F__)
+#if HAVE_ATTEND_FIXED
     if (m->head_dim == 64) return attend_tile_64(m, L, slots, n, kvh, q, st, count);
     if (m->head_dim == 128) return attend_tile_128(m, L, slots, n, kvh, q, st, count);
 #endif
@@ -559,7 +629,7 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
     scratch_t s;
     float *arena = malloc(sizeof(float) * (size_t)(M * (3 * H + qkv_width + m->heads * D + 3 * I + widest) +
                                                    M * widest / 16 * 2 + M * widest / 32 * 10));
-    int8_t *codes = aligned_alloc(64, (size_t)(2 * M * widest + 63) / 64 * 64); /* whole 512-bit loads */
+    int8_t *codes = aligned_alloc(64, (size_t)(3 * M * widest + 63) / 64 * 64); /* whole 512-bit loads */
     if (arena == NULL || codes == NULL) {
         free(arena);
         free(codes);

@@ -385,6 +385,9 @@ typedef struct {
     const float *sum;      /* [M, K/32]: dx * the group's sum of codes (for offsets and minimums) */
     const int8_t *natural; /* [M, K]: x / dx rounded, in element order (against 8-bit codes) */
     const int8_t *paired;  /* [M, K]: the same, each group's even elements then its odd ones (against nibbles) */
+    const int8_t *pairs;   /* [M, K]: groups two at a time (2p, 2p + 1): 2p's even elements, 2p + 1's, 2p's odd
+                            * ones, 2p + 1's (one load each against two groups' nibbles); a last odd group as paired */
+    const float *scale4;   /* [M, K/32 * 4]: dx four times a group (a pair's 8 lanes as its dot's int32 lanes) */
     /* the 512-bit kernel's: K in blocks of four groups (the last of t <= 4), each block's rows side by side so
      * that a block of every row is one run (64-byte aligned where the buffers are), each row's part of it
      * two runs of t * 16 codes */
@@ -395,19 +398,21 @@ typedef struct {
                            * its sum in a group's first lane, 0 in the other three */
 } qx_t;
 
-/* Quantise M rows of x [M, K] (K a multiple of 32) into codes [2, M, K] and consts [10, M, K / 32]: the forms
+/* Quantise M rows of x [M, K] (K a multiple of 32) into codes [3, M, K] and consts [10, M, K / 32]: the forms
  * this build's kernel reads, which qx then points at. */
 static void quantize_x(int64_t M, int64_t K, const float *x, int8_t *codes, float *consts, qx_t *qx) {
     const int64_t groups = K / 32;
-    int8_t *first = codes, *second = codes + M * K;
+    int8_t *first = codes, *second = codes + M * K, *third = codes + 2 * M * K;
     memset(qx, 0, sizeof *qx);
 #if HAVE_INT8_512
     /* consts4 takes 8 M groups of the 10 M groups' room: 64-byte aligned where 15 floats are to spare */
     float *consts4 = 2 * M * groups >= 15 ? (float *)(((uintptr_t)consts + 63) & ~(uintptr_t)63) : consts;
     qx->rows = M, qx->quad4 = first, qx->quad8 = (const uint8_t *)second, qx->consts4 = consts4;
+    (void)third;
 #else
-    float *scale = consts, *sum = consts + M * groups;
-    qx->scale = scale, qx->sum = sum, qx->natural = first, qx->paired = second;
+    float *scale = consts, *sum = consts + M * groups, *scale4 = consts + 2 * M * groups;
+    qx->scale = scale, qx->sum = sum, qx->natural = first, qx->paired = second, qx->pairs = third;
+    qx->scale4 = scale4;
 #endif
 #if !HAVE_INT8_512 && defined(__AVX2__)
     /* the loop below, 8 lanes at a time: the same operations (|x|'s maximum, amax / 127, 1 / d, x * inv rounded
@@ -437,7 +442,16 @@ static void quantize_x(int64_t M, int64_t K, const float *x, int8_t *codes, floa
             /* even elements, then odd: bytes 0, 2, .., 30 then 1, 3, .., 31 (shuffles within 128-bit lanes) */
             const __m256i split = _mm256_shuffle_epi8(q8, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                                                            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
-            _mm256_storeu_si256((__m256i *)(second + m * K + g * 32), _mm256_permute4x64_epi64(split, 0xD8));
+            const __m256i paired = _mm256_permute4x64_epi64(split, 0xD8);
+            _mm256_storeu_si256((__m256i *)(second + m * K + g * 32), paired);
+            int8_t *pair = third + m * K + g / 2 * 64;
+            if (g + 1 == groups && groups % 2) {
+                _mm256_storeu_si256((__m256i *)pair, paired);
+            } else {
+                _mm_storeu_si128((__m128i *)(pair + g % 2 * 16), _mm256_castsi256_si128(paired));
+                _mm_storeu_si128((__m128i *)(pair + 32 + g % 2 * 16), _mm256_extracti128_si256(paired, 1));
+            }
+            _mm_storeu_ps(scale4 + (m * groups + g) * 4, _mm_set1_ps(d));
         }
     return;
 #endif
@@ -464,10 +478,13 @@ static void quantize_x(int64_t M, int64_t K, const float *x, int8_t *codes, floa
 #else
             scale[m * groups + g] = d;
             sum[m * groups + g] = d * (float)total;
+            const int lone = g + 1 == groups && groups % 2;
             for (int j = 0; j < 32; j++) {
                 first[m * K + g * 32 + j] = q[j];
                 second[m * K + g * 32 + (j & 1) * 16 + j / 2] = q[j];
+                third[m * K + g / 2 * 64 + (j & 1) * (lone ? 16 : 32) + (lone ? 0 : g % 2 * 16) + j / 2] = q[j];
             }
+            for (int i = 0; i < 4; i++) scale4[(m * groups + g) * 4 + i] = d;
 #endif
         }
 }
@@ -547,13 +564,15 @@ static inline __attribute__((always_inline)) void rows_dot_int8(const layout_t *
 }
 
 /* rows_dot_int8 for the common layouts, 4- or 8-bit codes with a float16 constant per group (Q4_0, Q4_1, Q8_0),
- * for R weight rows [n, n + R) against M rows of x (R * M <= FAST_ROWS; out[r * M + m]). `s * dx` of every group
- * and pair of rows is formed 8 groups at a time first; the offsets and minimums against the groups' sums are one
- * 8-wide FMA per 8 groups. The group loop is then loads, integer dots and one FMA:
+ * for R weight rows [n, n + R) against M rows of x (R * M <= FAST_ROWS; out[r * M + m]). The offsets and
+ * minimums against the groups' sums are one 8-wide FMA per 8 groups, first. The group loop is then loads, integer
+ * dots and one FMA:
  * - 4-bit codes, two groups at a time: one 32-byte load holds both groups' nibbles, whose low halves are their
  *   even elements and high halves their odd ones; both groups' int16 dot sums are added before the one madd, so
- *   the lanes of one vector hold two groups (four each), scaled by their two constants;
- * - 8-bit codes, a group at a time into two accumulators over even and odd groups.
+ *   the lanes of one vector hold two groups (four each), scaled by s * dx from each weight row's spread scales
+ *   (formed first) and x's (quantize_x's pairs and scale4 forms: no permutes in the loop);
+ * - 8-bit codes, a group at a time into two accumulators over even and odd groups, s * dx formed first for every
+ *   pair of rows.
  * Each (weight row, x row) pair sees the same arithmetic in the same order at every R and M: a row gives the same
  * result at every row count and position in the batch. */
 #if defined(__F16C__)
@@ -567,10 +586,11 @@ static inline __attribute__((always_inline)) void rows_dot_int8_plain(const layo
                                                                       float *out, int64_t R) {
     const int64_t groups = K / 32, octets = groups / 8 * 8, padded = (groups + 7) / 8 * 8;
     const int eight = w->bits == 8;
-    const int8_t *x = (eight ? qx->natural : qx->paired) + m0 * K;
     const float *dx = qx->scale + m0 * groups, *xs = qx->sum + m0 * groups;
     const __m256 offset = _mm256_set1_ps(-(float)w->offset);
-    float sdx[FAST_ROWS * padded]; /* [R * M, padded]: row pair i's s * dx of each group */
+    /* 8-bit codes: [R * M, padded], pair i's s * dx of each group; 4-bit: [R, groups * 4], row r's s four times a
+     * group (times x's scale4 in the loop: the same product) */
+    float sdx[FAST_ROWS * padded * (eight ? 1 : 4)];
     __m256 acc[FAST_ROWS], odd[FAST_ROWS], shift[FAST_ROWS];
     float rest[FAST_ROWS];
     for (int64_t i = 0; i < R * M; i++) {
@@ -587,20 +607,27 @@ static inline __attribute__((always_inline)) void rows_dot_int8_plain(const layo
             if (mh != NULL) hv = _mm256_add_ps(hv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mh + g))));
             for (int64_t m = 0; m < M; m++) {
                 const int64_t i = r * M + m;
-                _mm256_storeu_ps(sdx + i * padded + g, _mm256_mul_ps(sv, _mm256_loadu_ps(dx + m * groups + g)));
+                if (eight) _mm256_storeu_ps(sdx + i * padded + g, _mm256_mul_ps(sv, _mm256_loadu_ps(dx + m * groups + g)));
                 shift[i] = _mm256_fmadd_ps(hv, _mm256_loadu_ps(xs + m * groups + g), shift[i]);
             }
+            if (!eight)
+                for (int j = 0; j < 4; j++) /* groups g + 2j, g + 2j + 1: four lanes each */
+                    _mm256_storeu_ps(sdx + (r * groups + g + 2 * j) * 4,
+                                     _mm256_permutevar8x32_ps(sv, _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1,
+                                                                                    2 * j + 1, 2 * j + 1, 2 * j + 1)));
         }
         for (; g < groups; g++) {
             const float sg = half_to_float(sh[g]);
             const float hg = -sg * (float)w->offset + (mh != NULL ? half_to_float(mh[g]) : 0.0f);
             for (int64_t m = 0; m < M; m++) {
-                sdx[(r * M + m) * padded + g] = sg * dx[m * groups + g];
+                if (eight) sdx[(r * M + m) * padded + g] = sg * dx[m * groups + g];
                 rest[r * M + m] += hg * xs[m * groups + g];
             }
+            if (!eight) _mm_storeu_ps(sdx + (r * groups + g) * 4, _mm_set1_ps(sg));
         }
     }
     if (eight) {
+        const int8_t *x = qx->natural + m0 * K;
         for (int64_t g = 0; g < groups; g += 2) {
             const int pair = g + 1 < groups;
             for (int64_t r = 0; r < R; r++) {
@@ -621,24 +648,28 @@ static inline __attribute__((always_inline)) void rows_dot_int8_plain(const layo
             }
         }
     } else {
+        /* x in pairs of groups: one load of each row's even elements of both groups, one of its odd ones, and
+         * one of its scales, shared by the R weight rows */
+        const int8_t *x = qx->pairs + m0 * K;
+        const float *dx4 = qx->scale4 + m0 * groups * 4;
         const __m256i low4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
-        const __m256i first = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1); /* lanes of pair j: groups 2j, 2j + 1 */
         for (int64_t g = 0; g < groups; g += 2) {
-            const __m256i pick = _mm256_add_epi32(first, _mm256_set1_epi32((int)(g % 8)));
+            __m256i lo[FAST_ROWS], hi[FAST_ROWS];
             for (int64_t r = 0; r < R; r++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(w->low + (n + r) * (K / 2) + g * 16));
-                const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                for (int64_t m = 0; m < M; m++) {
+                lo[r] = _mm256_and_si256(v, low4), hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            }
+            for (int64_t m = 0; m < M; m++) {
+                const int8_t *xm = x + m * K + g * 32;
+                const __m256i evens = _mm256_loadu_si256((const __m256i *)xm);
+                const __m256i odds = _mm256_loadu_si256((const __m256i *)(xm + 32));
+                const __m256 d = _mm256_loadu_ps(dx4 + m * groups * 4 + g * 4);
+                for (int64_t r = 0; r < R; r++) {
                     const int64_t i = r * M + m;
-                    const int8_t *xm = x + m * K + g * 32; /* groups g, g + 1: each its even elements, then odd */
-                    const __m256i p0 = _mm256_loadu_si256((const __m256i *)xm);
-                    const __m256i p1 = _mm256_loadu_si256((const __m256i *)(xm + 32));
-                    const __m256i evens = _mm256_permute2x128_si256(p0, p1, 0x20);
-                    const __m256i odds = _mm256_permute2x128_si256(p0, p1, 0x31);
                     /* |sums| <= 4 * 15 * 127: the int16 adds cannot saturate */
-                    const __m256i sum16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, evens), _mm256_maddubs_epi16(hi, odds));
+                    const __m256i sum16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], evens), _mm256_maddubs_epi16(hi[r], odds));
                     const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, ones));
-                    const __m256 scale = _mm256_permutevar8x32_ps(_mm256_loadu_ps(sdx + i * padded + g / 8 * 8), pick);
+                    const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(sdx + (r * groups + g) * 4), d);
                     acc[i] = _mm256_fmadd_ps(dot, scale, acc[i]);
                 }
             }
@@ -1004,7 +1035,7 @@ int swarmkv_grouped_matmul_int8(int64_t M, int64_t N, int64_t K, const float *x,
     layout_t w;
     fill_layout(&w, bits, group, offset, low, high, s_half, s_sub, s_sub_signed, s_per, m_half, m_sub, m_per);
     if (!int8_dot_reads(&w) || K % 32) return 1;
-    int8_t *codes = aligned_alloc(64, (size_t)(2 * M * K + 63) / 64 * 64);
+    int8_t *codes = aligned_alloc(64, (size_t)(3 * M * K + 63) / 64 * 64);
     float *consts = aligned_alloc(64, (sizeof(float) * (size_t)(10 * M * (K / 32)) + 63) / 64 * 64);
     if (codes == NULL || consts == NULL) {
         free(codes);
