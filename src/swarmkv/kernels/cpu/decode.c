@@ -237,6 +237,31 @@ typedef struct {
     float acc[MAX_HEAD_DIM];
 } softmax_t;
 
+/* The float32 K and V rows of KV head `kvh` at `n` slots. */
+static inline void tile_rows(const model_t *m, const layer_t *L, const int64_t *slots, int64_t n, int64_t kvh,
+                             const float **keys, const float **values) {
+    const int64_t D = m->head_dim, stride = m->kv_heads * D;
+    for (int64_t j = 0; j < n; j++) {
+        keys[j] = (const float *)L->k_cache + slots[j] * stride + kvh * D;
+        values[j] = (const float *)L->v_cache + slots[j] * stride + kvh * D;
+    }
+}
+
+/* A tile's scores p[n] into softmax weights against the state's running maximum, folded into its sum and
+ * maximum; returns the factor its accumulator takes first. */
+static inline float fold_weights(softmax_t *sm, float *p, int64_t n) {
+    float tile_max = -INFINITY;
+    for (int64_t k = 0; k < n; k++) tile_max = p[k] > tile_max ? p[k] : tile_max;
+    const float new_max = tile_max > sm->max ? tile_max : sm->max;
+    const float alpha = sm->max == -INFINITY ? 0.0f : exp_nonpositive(sm->max - new_max);
+    for (int64_t k = 0; k < n; k++) p[k] = exp_nonpositive(p[k] - new_max);
+    float total = 0.0f;
+    for (int64_t k = 0; k < n; k++) total += p[k];
+    sm->sum = sm->sum * alpha + total;
+    sm->max = new_max;
+    return alpha;
+}
+
 /* Fold keys [t0, t1) of `row` (one tile) into the states of `count` query heads q (of KV head `kvh`). */
 #if defined(__AVX512F__)
 /* The lane sums of sixteen vectors, as one vector in their order: pairs, then quads, then 128-bit halves. */
@@ -261,18 +286,13 @@ static inline __m512 sum16(const __m512 *v) {
     static void NAME(const model_t *m, const layer_t *L, const int64_t *slots, int64_t n, int64_t kvh,          \
                      const float *const *q, softmax_t *const *st, int count) {                                  \
         enum { V = DIM / 16 };                                                                                  \
-        const int64_t stride = m->kv_heads * DIM;                                                               \
         const float *keys[TILE], *values[TILE];                                                                 \
-        for (int64_t j = 0; j < n; j++) {                                                                       \
-            keys[j] = (const float *)L->k_cache + slots[j] * stride + kvh * DIM;                                \
-            values[j] = (const float *)L->v_cache + slots[j] * stride + kvh * DIM;                              \
-        }                                                                                                       \
+        tile_rows(m, L, slots, n, kvh, keys, values);                                                           \
         for (int c = 0; c < count; c++) {                                                                       \
             softmax_t *sm = st[c];                                                                              \
             __m512 qv[V];                                                                                       \
             for (int v = 0; v < V; v++) qv[v] = _mm512_loadu_ps(q[c] + 16 * v);                                 \
             float p[TILE];                                                                                      \
-            float tile_max = -INFINITY;                                                                         \
             int64_t j = 0;                                                                                      \
             for (; j + 16 <= n; j += 16) { /* sixteen keys, their sums reduced together */                      \
                 __m512 acc[16];                                                                                 \
@@ -288,14 +308,7 @@ static inline __m512 sum16(const __m512 *v) {
                 for (int v = 1; v < V; v++) acc = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(keys[j] + 16 * v), acc); \
                 p[j] = _mm512_reduce_add_ps(acc) * m->scale;                                                    \
             }                                                                                                   \
-            for (int64_t k = 0; k < n; k++) tile_max = p[k] > tile_max ? p[k] : tile_max;                       \
-            const float new_max = tile_max > sm->max ? tile_max : sm->max;                                      \
-            const float alpha = sm->max == -INFINITY ? 0.0f : exp_nonpositive(sm->max - new_max);               \
-            for (int64_t j = 0; j < n; j++) p[j] = exp_nonpositive(p[j] - new_max);                             \
-            float total = 0.0f;                                                                                 \
-            for (int64_t j = 0; j < n; j++) total += p[j];                                                      \
-            sm->sum = sm->sum * alpha + total;                                                                  \
-            sm->max = new_max;                                                                                  \
+            const float alpha = fold_weights(sm, p, n);                                                             \
             __m512 a[V];                                                                                        \
             const __m512 scale = _mm512_set1_ps(alpha);                                                         \
             for (int v = 0; v < V; v++) a[v] = _mm512_mul_ps(_mm512_loadu_ps(sm->acc + 16 * v), scale);        \
@@ -325,12 +338,8 @@ static inline __m256 sum8(const __m256 *v) {
     static void NAME(const model_t *m, const layer_t *L, const int64_t *slots, int64_t n, int64_t kvh,          \
                      const float *const *q, softmax_t *const *st, int count) {                                  \
         enum { V = DIM / 8 };                                                                                   \
-        const int64_t stride = m->kv_heads * DIM;                                                               \
         const float *keys[TILE], *values[TILE];                                                                 \
-        for (int64_t j = 0; j < n; j++) {                                                                       \
-            keys[j] = (const float *)L->k_cache + slots[j] * stride + kvh * DIM;                                \
-            values[j] = (const float *)L->v_cache + slots[j] * stride + kvh * DIM;                              \
-        }                                                                                                       \
+        tile_rows(m, L, slots, n, kvh, keys, values);                                                           \
         for (int c = 0; c < count; c++) {                                                                       \
             softmax_t *sm = st[c];                                                                              \
             const float *qc = q[c];                                                                             \
@@ -350,15 +359,7 @@ static inline __m256 sum8(const __m256 *v) {
                 for (int v = 1; v < V; v++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qc + 8 * v), _mm256_loadu_ps(keys[j] + 8 * v), acc); \
                 p[j] = hsum256(acc) * m->scale;                                                                 \
             }                                                                                                   \
-            float tile_max = -INFINITY;                                                                         \
-            for (int64_t k = 0; k < n; k++) tile_max = p[k] > tile_max ? p[k] : tile_max;                       \
-            const float new_max = tile_max > sm->max ? tile_max : sm->max;                                      \
-            const float alpha = sm->max == -INFINITY ? 0.0f : exp_nonpositive(sm->max - new_max);               \
-            for (int64_t k = 0; k < n; k++) p[k] = exp_nonpositive(p[k] - new_max);                             \
-            float total = 0.0f;                                                                                 \
-            for (int64_t k = 0; k < n; k++) total += p[k];                                                      \
-            sm->sum = sm->sum * alpha + total;                                                                  \
-            sm->max = new_max;                                                                                  \
+            const float alpha = fold_weights(sm, p, n);                                                             \
             const __m256 scale = _mm256_set1_ps(alpha);                                                         \
             for (int v0 = 0; v0 < V; v0 += 8) { /* 64 dims: eight accumulators */                               \
                 __m256 a[8];                                                                                    \
@@ -382,12 +383,9 @@ ATTEND_TILE_FIXED8(attend_tile_128, 128)
 
 static void attend_tile_any(const model_t *m, const layer_t *L, const int64_t *slots, int64_t n, int64_t kvh,
                         const float *const *q, softmax_t *const *st, int count) {
-    const int64_t D = m->head_dim, stride = m->kv_heads * D;
+    const int64_t D = m->head_dim;
     const float *keys[TILE], *values[TILE];
-    for (int64_t j = 0; j < n; j++) {
-        keys[j] = (const float *)L->k_cache + slots[j] * stride + kvh * D;
-        values[j] = (const float *)L->v_cache + slots[j] * stride + kvh * D;
-    }
+    tile_rows(m, L, slots, n, kvh, keys, values);
     for (int c0 = 0; c0 < count; c0 += HEAD_BLOCK) { /* a few query heads at a time, each key read once */
         const int cb = count - c0 < HEAD_BLOCK ? count - c0 : HEAD_BLOCK;
         float p[HEAD_BLOCK][TILE];
@@ -395,16 +393,8 @@ static void attend_tile_any(const model_t *m, const layer_t *L, const int64_t *s
             for (int c = 0; c < cb; c++) p[c][j] = dot_f32(q[c0 + c], keys[j], D) * m->scale;
         for (int c = 0; c < cb; c++) {
             softmax_t *sm = st[c0 + c];
-            float tile_max = -INFINITY;
-            for (int64_t j = 0; j < n; j++) tile_max = p[c][j] > tile_max ? p[c][j] : tile_max;
-            const float new_max = tile_max > sm->max ? tile_max : sm->max;
-            const float alpha = sm->max == -INFINITY ? 0.0f : exp_nonpositive(sm->max - new_max);
-            for (int64_t j = 0; j < n; j++) p[c][j] = exp_nonpositive(p[c][j] - new_max);
-            float total = 0.0f;
-            for (int64_t j = 0; j < n; j++) total += p[c][j];
-            sm->sum = sm->sum * alpha + total;
+            const float alpha = fold_weights(sm, p[c], n);
             for (int64_t d = 0; d < D; d++) sm->acc[d] *= alpha;
-            sm->max = new_max;
         }
         for (int64_t d0 = 0; d0 < D; d0 += 16) { /* the weighted values, 16 dims at a time in registers */
             float a[HEAD_BLOCK][16];
