@@ -69,8 +69,8 @@ typedef struct {
 typedef struct {
     float *resid, *x, *qkv, *attn, *gu, *act, *out;
     float *xd, *xsum16, *xsum32;
-    int8_t *codes;    /* [3, M, widest]: int8 x in the orders this build's kernel reads (quantize_x) */
-    float *qconsts;   /* [10, M, widest / 32]: their scales, scaled sums and the kernel's spread forms */
+    int8_t *codes;    /* [4, M, widest]: int8 x in the orders this build's kernel reads (quantize_x) */
+    float *qconsts;   /* [12, M, widest / 32]: their scales, scaled sums and the kernel's spread forms */
     qx_t qx;
     item_t *items; /* attention work items */
     float *part;   /* [M, heads, chunks, 2 + head_dim]: each chunk's partial softmax state */
@@ -618,8 +618,8 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
     widest = widest > m->heads * D ? widest : m->heads * D;
     scratch_t s;
     float *arena = malloc(sizeof(float) * (size_t)(M * (3 * H + qkv_width + m->heads * D + 3 * I + widest) +
-                                                   M * widest / 16 * 2 + M * widest / 32 * 10));
-    int8_t *codes = aligned_alloc(64, (size_t)(3 * M * widest + 63) / 64 * 64); /* whole 512-bit loads */
+                                                   M * widest / 16 * 2 + M * widest / 32 * 12));
+    int8_t *codes = aligned_alloc(64, (size_t)(4 * M * widest + 63) / 64 * 64); /* whole 512-bit loads */
     if (arena == NULL || codes == NULL) {
         free(arena);
         free(codes);

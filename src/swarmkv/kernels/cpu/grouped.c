@@ -388,6 +388,8 @@ typedef struct {
     const int8_t *pairs;   /* [M, K]: groups two at a time (2p, 2p + 1): 2p's even elements, 2p + 1's, 2p's odd
                             * ones, 2p + 1's (one load each against two groups' nibbles); a last odd group as paired */
     const float *scale4;   /* [M, K/32 * 4]: dx four times a group (a pair's 8 lanes as its dot's int32 lanes) */
+    /* the 512-bit build's 16-row kernel (tile16) reads scale, sum, natural and paired, and: */
+    const int32_t *bias8;  /* [M, K/32]: -128 times the group's sum of codes (8-bit codes are flipped to unsigned) */
     /* the 512-bit kernel's: K in blocks of four groups (the last of t <= 4), each block's rows side by side so
      * that a block of every row is one run (64-byte aligned where the buffers are), each row's part of it
      * two runs of t * 16 codes */
@@ -398,18 +400,22 @@ typedef struct {
                            * its sum in a group's first lane, 0 in the other three */
 } qx_t;
 
-/* Quantise M rows of x [M, K] (K a multiple of 32) into codes [3, M, K] and consts [10, M, K / 32]: the forms
- * this build's kernel reads, which qx then points at. */
+/* Quantise M rows of x [M, K] (K a multiple of 32) into codes [4, M, K] and consts [12, M, K / 32]: the forms
+ * this build's kernels read, which qx then points at. */
 static void quantize_x(int64_t M, int64_t K, const float *x, int8_t *codes, float *consts, qx_t *qx) {
     const int64_t groups = K / 32;
-    int8_t *first = codes, *second = codes + M * K, *third = codes + 2 * M * K;
+    int8_t *first = codes, *second = codes + M * K, *third = codes + 2 * M * K, *fourth = codes + 3 * M * K;
     memset(qx, 0, sizeof *qx);
 #if HAVE_INT8_512
-    /* consts4 takes 8 M groups of the 10 M groups' room: 64-byte aligned where 15 floats are to spare */
-    float *consts4 = 2 * M * groups >= 15 ? (float *)(((uintptr_t)consts + 63) & ~(uintptr_t)63) : consts;
+    /* tile16's scale, sum and bias8 first (3 M groups), then consts4 in 8 M groups of the 9 left: 64-byte
+     * aligned where 15 floats are to spare */
+    float *scale = consts, *sum = consts + M * groups, *after = consts + 3 * M * groups;
+    int32_t *bias8 = (int32_t *)(consts + 2 * M * groups);
+    float *consts4 = M * groups >= 15 ? (float *)(((uintptr_t)after + 63) & ~(uintptr_t)63) : after;
     qx->rows = M, qx->quad4 = first, qx->quad8 = (const uint8_t *)second, qx->consts4 = consts4;
-    (void)third;
+    qx->scale = scale, qx->sum = sum, qx->bias8 = bias8, qx->paired = third, qx->natural = fourth;
 #else
+    (void)fourth;
     float *scale = consts, *sum = consts + M * groups, *scale4 = consts + 2 * M * groups;
     qx->scale = scale, qx->sum = sum, qx->natural = first, qx->paired = second, qx->pairs = third;
     qx->scale4 = scale4;
@@ -475,6 +481,13 @@ static void quantize_x(int64_t M, int64_t K, const float *x, int8_t *codes, floa
                 second[at + i] = (int8_t)(uint8_t)(q[i] + 128), second[at + 16 * t + i] = (int8_t)(uint8_t)(q[16 + i] + 128);
             }
             for (int i = 0; i < 4; i++) consts4[c + i] = d, consts4[c + 4 * t + i] = i == 0 ? d * (float)total : 0.0f;
+            for (int j = 0; j < 32; j++) {
+                fourth[m * K + g * 32 + j] = q[j];
+                third[m * K + g * 32 + (j & 1) * 16 + j / 2] = q[j];
+            }
+            scale[m * groups + g] = d;
+            sum[m * groups + g] = d * (float)total;
+            bias8[m * groups + g] = -128 * total;
 #else
             scale[m * groups + g] = d;
             sum[m * groups + g] = d * (float)total;
@@ -860,6 +873,152 @@ static inline __attribute__((always_inline)) void rows_dot_int8_512(const layout
                 for (int64_t m = 0; m < rows; m++) y[(m0 + m) * ldy + n] = out[m];                             \
             }                                                                                                  \
     }
+
+/* ---- The 16-row kernel (tile16): Q4_0, Q4_1 and Q8_0 (4- or 8-bit codes, a float16 constant a group) on
+ * AVX-512 VNNI. 16 weight rows at a time, one int32 lane a weight row: each row's 64 bytes of codes (four
+ * groups of nibbles, or two of 8-bit codes) are transposed in registers so that a vector holds the same four
+ * codes of all 16 rows, and x's four matching int8 values are broadcast against it. Eight dot-product
+ * instructions give one group's whole integer sum for the 16 rows; its float work (convert, s * dx, FMA, and
+ * the shift against the group's sum) is then one vector op each for 16 rows, where the one-row kernel pays it
+ * per row and four lanes a group. Each (weight row, x row) result is its groups' sum in order, whatever the
+ * row count and the row's place among the 16: a row's result does not depend on the rows it came with. */
+static inline int tile16_reads(const layout_t *w) {
+    return (w->bits == 4 || w->bits == 8) && w->s_sub == NULL && (w->m_half == NULL || w->m_sub == NULL);
+}
+
+/* r[j]'s lane i becomes r[i]'s lane j, for 16 vectors of 16 int32 lanes: pairs, quads, then 128-bit lanes. */
+static inline __attribute__((always_inline)) void transpose16(__m512i *r) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* 128-bit lane L of b[4i + e]: element 4L + e of rows 4i .. 4i + 3 */
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        const __m512i c0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x88), d0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xDD);
+        const __m512i c1 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x88), d1 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xDD);
+        r[e] = _mm512_shuffle_i32x4(c0, c1, 0x88);
+        r[4 + e] = _mm512_shuffle_i32x4(d0, d1, 0x88);
+        r[8 + e] = _mm512_shuffle_i32x4(c0, c1, 0xDD);
+        r[12 + e] = _mm512_shuffle_i32x4(d0, d1, 0xDD);
+    }
+}
+
+/* The scales (st) and shifts (ht: minimum - scale * offset) of groups [g0, g0 + count) of the 16 rows, one vector
+ * a group, lane r the row's. */
+static inline __attribute__((always_inline)) void tile16_constants(const layout_t *w, int64_t groups, const int64_t *row,
+                                                                   int64_t g0, int count, const int SHIFTED,
+                                                                   __m512 *st, __m512 *ht) {
+    const __mmask16 k = count >= 16 ? 0xFFFF : (__mmask16)((1u << count) - 1);
+    const __m512 off = _mm512_set1_ps((float)-w->offset);
+    __m512i s[16], h[16];
+    for (int r = 0; r < 16; r++) {
+        const __m512 sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, w->s_half + row[r] * groups + g0));
+        s[r] = _mm512_castps_si512(sv);
+        if (SHIFTED) {
+            __m512 hv = _mm512_mul_ps(sv, off);
+            if (w->m_half) hv = _mm512_add_ps(hv, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, w->m_half + row[r] * groups + g0)));
+            h[r] = _mm512_castps_si512(hv);
+        }
+    }
+    transpose16(s);
+    for (int j = 0; j < 16; j++) st[j] = _mm512_castsi512_ps(s[j]);
+    if (SHIFTED) {
+        transpose16(h);
+        for (int j = 0; j < 16; j++) ht[j] = _mm512_castsi512_ps(h[j]);
+    }
+}
+
+/* Rows [n0, n0 + rows) of W (rows <= 16) against rows [m0, m0 + M) of int8 x (M <= FAST_ROWS), into y. */
+static inline __attribute__((always_inline)) void tile16_int8(const layout_t *w, int64_t K, int64_t n0, int64_t rows,
+                                                              int64_t M, const qx_t *qx, int64_t m0, float *y,
+                                                              int64_t ldy, const int BITS, const int SHIFTED) {
+    const int64_t groups = K / 32, row_bytes = BITS == 8 ? K : K / 2, group_bytes = BITS == 8 ? 32 : 16;
+    const int per = BITS == 8 ? 2 : 4; /* groups in a row's 64 bytes */
+    int64_t row[16];                   /* past the last row: the last again (its lanes are not stored) */
+    for (int r = 0; r < 16; r++) row[r] = n0 + (r < rows ? r : rows - 1);
+    __m512 acc[FAST_ROWS], sh[FAST_ROWS];
+#pragma GCC unroll 8
+    for (int64_t m = 0; m < M; m++) acc[m] = sh[m] = _mm512_setzero_ps();
+    const int8_t *xq = (BITS == 8 ? qx->natural : qx->paired) + m0 * K;
+    const float *dx = qx->scale + m0 * groups, *xs = qx->sum + m0 * groups;
+    const int32_t *bias = qx->bias8 + m0 * groups;
+    const __m512i low4 = _mm512_set1_epi8(0xF), flip = _mm512_set1_epi8((char)0x80);
+    __m512 st[16], ht[16];
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+        const int count = groups - g0 < 16 ? (int)(groups - g0) : 16;
+        tile16_constants(w, groups, row, g0, count, SHIFTED, st, ht);
+        for (int gb = 0; gb < count; gb += per) {
+            const int t = count - gb < per ? count - gb : per;
+            const __mmask64 k = t == per ? ~0ULL : (1ULL << (t * group_bytes)) - 1;
+            __m512i T[16]; /* T[j] lane r: dword j of row r's 64 bytes */
+            for (int r = 0; r < 16; r++) {
+                const uint8_t *at = w->low + row[r] * row_bytes + (g0 + gb) * group_bytes;
+                T[r] = _mm512_maskz_loadu_epi8(k, at);
+                if (m0 == 0) _mm_prefetch((const char *)(at + 16 * row_bytes), _MM_HINT_T0); /* the next 16 rows */
+            }
+            transpose16(T);
+            for (int gi = 0; gi < t; gi++) {
+                const int64_t g = g0 + gb + gi;
+                __m512i B[8]; /* B[d] lane r: row r's codes against x's dword d of the group (paired or natural) */
+                if (BITS == 8) {
+                    for (int d = 0; d < 8; d++) B[d] = _mm512_xor_si512(T[8 * gi + d], flip);
+                } else {
+                    for (int d = 0; d < 4; d++) {
+                        B[d] = _mm512_and_si512(T[4 * gi + d], low4);
+                        B[4 + d] = _mm512_and_si512(_mm512_srli_epi16(T[4 * gi + d], 4), low4);
+                    }
+                }
+                const __m512 sv = st[gb + gi], hv = ht[gb + gi];
+#pragma GCC unroll 8
+                for (int64_t m = 0; m < M; m++) {
+                    const int8_t *xg = xq + m * K + g * 32;
+                    __m512i s = BITS == 8 ? _mm512_set1_epi32(bias[m * groups + g]) : _mm512_setzero_si512();
+                    for (int d = 0; d < 8; d++) {
+                        int32_t v;
+                        memcpy(&v, xg + 4 * d, 4);
+                        s = _mm512_dpbusd_epi32(s, B[d], _mm512_set1_epi32(v));
+                    }
+                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sv, _mm512_set1_ps(dx[m * groups + g])), acc[m]);
+                    if (SHIFTED) sh[m] = _mm512_fmadd_ps(hv, _mm512_set1_ps(xs[m * groups + g]), sh[m]);
+                }
+            }
+        }
+    }
+    const __mmask16 out = rows >= 16 ? 0xFFFF : (__mmask16)((1u << rows) - 1);
+#pragma GCC unroll 8
+    for (int64_t m = 0; m < M; m++)
+        _mm512_mask_storeu_ps(y + (m0 + m) * ldy + n0, out, SHIFTED ? _mm512_add_ps(acc[m], sh[m]) : acc[m]);
+}
+
+/* Rows [n0, n1) of y = x W^T from int8 x with tile16, 16 weight rows and up to FAST_ROWS rows of x at a time. */
+#define TILE16_MATMUL(NAME, BITS, SHIFTED)                                                                     \
+    static void NAME(const layout_t *w, int64_t M, int64_t K, const qx_t *qx, float *y, int64_t ldy,          \
+                     int64_t n0, int64_t n1) {                                                                 \
+        for (int64_t n = n0; n < n1; n += 16) {                                                                \
+            const int64_t rows = n1 - n < 16 ? n1 - n : 16;                                                    \
+            for (int64_t m0 = 0; m0 < M; m0 += FAST_ROWS) {                                                    \
+                switch (M - m0 < FAST_ROWS ? M - m0 : FAST_ROWS) {                                             \
+                case 1: tile16_int8(w, K, n, rows, 1, qx, m0, y, ldy, BITS, SHIFTED); break;                   \
+                case 2: tile16_int8(w, K, n, rows, 2, qx, m0, y, ldy, BITS, SHIFTED); break;                   \
+                case 3: tile16_int8(w, K, n, rows, 3, qx, m0, y, ldy, BITS, SHIFTED); break;                   \
+                case 4: tile16_int8(w, K, n, rows, 4, qx, m0, y, ldy, BITS, SHIFTED); break;                   \
+                case 5: tile16_int8(w, K, n, rows, 5, qx, m0, y, ldy, BITS, SHIFTED); break;                   \
+                case 6: tile16_int8(w, K, n, rows, 6, qx, m0, y, ldy, BITS, SHIFTED); break;                   \
+                case 7: tile16_int8(w, K, n, rows, 7, qx, m0, y, ldy, BITS, SHIFTED); break;                   \
+                default: tile16_int8(w, K, n, rows, 8, qx, m0, y, ldy, BITS, SHIFTED);                         \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+TILE16_MATMUL(tile16_matmul_q4, 4, 1)
+TILE16_MATMUL(tile16_matmul_q8, 8, 0)
+TILE16_MATMUL(tile16_matmul_q8_shifted, 8, 1)
 #endif
 
 /* Whether rows_matmul_int8 reads this layout. */
@@ -892,7 +1051,9 @@ ROWS_MATMUL_512(rows_matmul_512_q8_shifted, 8, 1)
 static void rows_matmul_int8(const layout_t *w, int64_t M, int64_t K, const qx_t *qx, float *y, int64_t ldy,
                              int64_t n0, int64_t n1) {
 #if HAVE_INT8_512
-    if (w->bits == 8)
+    if (tile16_reads(w))
+        (w->bits == 4 ? tile16_matmul_q4 : w->m_half != NULL || w->offset != 0 ? tile16_matmul_q8_shifted : tile16_matmul_q8)(w, M, K, qx, y, ldy, n0, n1);
+    else if (w->bits == 8)
         (w->m_half != NULL || w->offset != 0 ? rows_matmul_512_q8_shifted : rows_matmul_512_q8)(w, M, K, qx, y, ldy, n0, n1);
     else
         (w->bits == 5 ? rows_matmul_512_q5 : rows_matmul_512_q4)(w, M, K, qx, y, ldy, n0, n1);
@@ -1035,8 +1196,8 @@ int swarmkv_grouped_matmul_int8(int64_t M, int64_t N, int64_t K, const float *x,
     layout_t w;
     fill_layout(&w, bits, group, offset, low, high, s_half, s_sub, s_sub_signed, s_per, m_half, m_sub, m_per);
     if (!int8_dot_reads(&w) || K % 32) return 1;
-    int8_t *codes = aligned_alloc(64, (size_t)(3 * M * K + 63) / 64 * 64);
-    float *consts = aligned_alloc(64, (sizeof(float) * (size_t)(10 * M * (K / 32)) + 63) / 64 * 64);
+    int8_t *codes = aligned_alloc(64, (size_t)(4 * M * K + 63) / 64 * 64);
+    float *consts = aligned_alloc(64, (sizeof(float) * (size_t)(12 * M * (K / 32)) + 63) / 64 * 64);
     if (codes == NULL || consts == NULL) {
         free(codes);
         free(consts);
