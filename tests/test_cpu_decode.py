@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import platform
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -56,13 +57,13 @@ class Checked:
         self.runner, self.run = runner, runner.run
         self.steps, self.worst, self.rows, self.same_top1 = 0, 0.0, 0, 0
 
-    def __call__(self, plan: StepPlan) -> tuple[list, torch.Tensor]:  # type: ignore[type-arg]
+    def __call__(self, plan: StepPlan, *provisional: Any) -> tuple[list, torch.Tensor]:  # type: ignore[type-arg]
         fused = self.runner.cpu_decode
-        chunks, logits = self.run(plan)
+        chunks, logits = self.run(plan, *provisional)
         if fused is not None and all(c.kind == "decode" for c in plan.chunks):
             self.runner.cpu_decode = None
             try:
-                torch_chunks, reference = self.run(plan)
+                torch_chunks, reference = self.run(plan, *provisional)
             finally:
                 self.runner.cpu_decode = fused
             by_id = {c.request_id: i for i, c in enumerate(torch_chunks)}
@@ -185,11 +186,11 @@ def test_decodes_beside_a_chunked_prefill_run_in_c_and_match(files: dict[str, Pa
     step.step = counting  # type: ignore[method-assign]
     run = fused.engine.runner.run
 
-    def spy(plan: StepPlan) -> tuple[list, torch.Tensor]:  # type: ignore[type-arg]
+    def spy(plan: StepPlan, *provisional: Any) -> tuple[list, torch.Tensor]:  # type: ignore[type-arg]
         nonlocal mixed
         kinds = {c.kind for c in plan.chunks}
         mixed += kinds == {"prefill", "decode"}
-        return run(plan)
+        return run(plan, *provisional)
 
     fused.engine.runner.run = spy  # type: ignore[method-assign]
     got = [o.token_ids for o in fused.generate(prompts, GREEDY)]  # type: ignore[arg-type]

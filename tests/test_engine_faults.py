@@ -167,9 +167,9 @@ def test_cascade_groups_form_per_shared_head() -> None:
     cascaded: list[int] = []
     run = engine.runner.run
 
-    def spy(plan: StepPlan) -> Any:
+    def spy(plan: StepPlan, *provisional: Any) -> Any:
         before = engine.counters.cascade_decode_rows
-        out = run(plan)
+        out = run(plan, *provisional)
         cascaded.append(engine.counters.cascade_decode_rows - before)
         return out
 

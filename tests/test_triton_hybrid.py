@@ -224,8 +224,8 @@ def _workload(llm: LLM) -> Workload:
     engine = llm.engine
     run: Callable[..., Any] = engine.runner.run
 
-    def recording(plan: Any) -> Any:
-        chunks, logits = run(plan)
+    def recording(plan: Any, *provisional: Any) -> Any:
+        chunks, logits = run(plan, *provisional)
         step_logits.append(logits.cpu().clone())
         step_kinds.append(tuple(sorted(c.kind for c in plan.chunks)))
         return chunks, logits

@@ -13,6 +13,8 @@ JumpForwardMode = Literal["auto", "on", "off"]
 JUMP_FORWARD_MODES: tuple[JumpForwardMode, ...] = ("auto", "on", "off")
 SpeculationMode = Literal["auto", "on", "off"]
 SPECULATION_MODES: tuple[SpeculationMode, ...] = ("auto", "on", "off")
+AsyncSchedulingMode = Literal["auto", "on", "off"]
+ASYNC_SCHEDULING_MODES: tuple[AsyncSchedulingMode, ...] = ("auto", "on", "off")
 LoopGuardMode = Literal["constrained", "all", "off"]
 LOOP_GUARD_MODES: tuple[LoopGuardMode, ...] = ("constrained", "all", "off")
 

@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from swarmkv.choices import (
+    ASYNC_SCHEDULING_MODES,
     ATTENTION_BACKENDS,
     CASCADE_MODES,
     JUMP_FORWARD_MODES,
     KV_CACHE_DTYPES,
     LOOP_GUARD_MODES,
     SPECULATION_MODES,
+    AsyncSchedulingMode,
     AttentionBackendName,
     CascadeMode,
     JumpForwardMode,
@@ -115,6 +117,14 @@ class EngineConfig:
         "position, on either backend). auto: on, but never for a request under a grammar or the loop "
         "guard; on; off",
     )
+    async_scheduling: AsyncSchedulingMode = _opt(
+        "auto",
+        "one step of lookahead: the next step is scheduled and its inputs prepared while the device runs "
+        "this one, whose sampled ids come back with an asynchronous copy and feed the next step on the "
+        "device (vLLM's async scheduling). A step whose tokens the next step's schedule must see (drafts, "
+        "grammars, the loop guard) is waited for first. auto: on a GPU (not yet measured there); off on the "
+        "CPU, where the step is synchronous and nothing overlaps",
+    )
     num_speculative_tokens: int = _opt(8, "draft tokens a request may verify in one step at most")
     max_speculative_rows: int | Literal["auto"] = _opt(
         "auto",
@@ -172,6 +182,10 @@ class EngineConfig:
             )
         if self.loop_guard not in LOOP_GUARD_MODES:
             raise ValueError(f"loop_guard must be one of {LOOP_GUARD_MODES}, got {self.loop_guard!r}")
+        if self.async_scheduling not in ASYNC_SCHEDULING_MODES:
+            raise ValueError(
+                f"async_scheduling must be one of {ASYNC_SCHEDULING_MODES}, got {self.async_scheduling!r}"
+            )
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {self.speculation!r}")
         rows = self.max_speculative_rows
@@ -228,6 +242,12 @@ class EngineConfig:
         if self.max_num_partial_prefills == "auto":
             return 2 if device_type == "cpu" else None  # measured on the CPU only (see the help text)
         return self.max_num_partial_prefills or None
+
+    def lookahead(self, device_type: str) -> bool:
+        """Whether steps on a `device_type` device are scheduled one ahead (`async_scheduling`, auto resolved)."""
+        if self.async_scheduling == "auto":
+            return device_type != "cpu"
+        return self.async_scheduling == "on"
 
     def speculative_rows(self, device_type: str) -> int:
         """A step's decode rows plus draft tokens at most on a `device_type` device, auto resolved by it."""

@@ -300,6 +300,7 @@ class EngineCore:
             spec_accepted_tokens=c.spec_accepted_tokens,
             spec_accepted_sibling_tokens=c.spec_accepted_sibling_tokens,
             spec_accepted_session_tokens=c.spec_accepted_session_tokens,
+            lookahead_steps=c.lookahead_steps,
             state=self._state_stats(),
         )
 

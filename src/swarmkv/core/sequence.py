@@ -10,6 +10,11 @@ from swarmkv.core.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
+# The id held in place of a token sampled on the device and not yet read back (async scheduling). It never
+# reaches a model: the runner takes the device's sampled id in its place, and an id outside the vocabulary
+# fails loudly if one slips through.
+PROVISIONAL_TOKEN = -1
+
 
 class Status(enum.Enum):
     """Where a sequence is in its life."""
@@ -40,6 +45,7 @@ class Sequence:
     waited_for_prefix: bool = False  # it waited for another request's prefill of its head, not yet admitted
     branch_tokens: int = 0  # hybrids: tokens the cached pages matched at admission (a branch point)
     snapshot_tokens: int = 0  # hybrids: where the turn snapshot it resumed from (its previous turn) ends
+    num_provisional_tokens: int = 0  # trailing tokens still on the device (0 or 1): PROVISIONAL_TOKEN here
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
 
@@ -58,7 +64,8 @@ class Sequence:
         """The prefix index's keys of its full pages (their tokens), each built once: tokens only grow, and
         one engine has one page size. Read it, do not change it."""
         keys, tokens = self._page_keys, self._token_ids
-        while (len(keys) + 1) * page_size <= len(tokens):
+        # A provisional token is not the page's content yet: its page gets a key once it is settled.
+        while (len(keys) + 1) * page_size <= len(tokens) - self.num_provisional_tokens:
             start = len(keys) * page_size
             keys.append(tuple(tokens[start : start + page_size]))
         return keys
@@ -67,6 +74,19 @@ class Sequence:
         """Add a generated token."""
         self.output_token_ids.append(token)
         self._token_ids.append(token)
+
+    def append_provisional(self) -> None:
+        """Add a token sampled on the device whose id is not read back yet (the next step may compute it)."""
+        assert self.num_provisional_tokens == 0, "one step of lookahead at most"
+        self.append_token(PROVISIONAL_TOKEN)
+        self.num_provisional_tokens = 1
+
+    def drop_provisional(self) -> None:
+        """Take the provisional token back, before its real id is appended in its place."""
+        assert self.num_provisional_tokens == 1 and self._token_ids[-1] == PROVISIONAL_TOKEN
+        self.output_token_ids.pop()
+        self._token_ids.pop()
+        self.num_provisional_tokens = 0
 
     @property
     def num_tokens(self) -> int:

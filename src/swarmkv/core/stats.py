@@ -53,6 +53,7 @@ class EngineCounters:
     spec_accepted_tokens: int = 0
     spec_accepted_sibling_tokens: int = 0  # of those, drafted from replies under the same head
     spec_accepted_session_tokens: int = 0  # drafted from the session's earlier replies
+    lookahead_steps: int = 0  # async scheduling: steps launched before the previous step's ids were read
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_accepted_sibling_tokens: int = 0
     spec_accepted_session_tokens: int = 0
+    lookahead_steps: int = 0
     # Constrained decoding (the engine's, not the core's: zero in a model-free core): grammars compiled and
     # found compiled, tokens a grammar forced, rows whose verbatim loop's continuation was penalised, and
     # rows whose string, looped in, had its closing quote raised.

@@ -109,9 +109,16 @@ class DecodeGraphs:
         bucket = next((b for b in self.buckets if b >= num_decodes), None)
         return None if bucket in self._failed else bucket
 
-    def run(self, bucket: int, packed: torch.Tensor, num_rows: int) -> torch.Tensor | None:
+    def run(
+        self,
+        bucket: int,
+        packed: torch.Tensor,
+        num_rows: int,
+        fill: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor | None:
         """Replay `bucket`'s graph on host metadata `packed` (laid out as shape_for(bucket)); the logits
-        of the first `num_rows` rows, or None if the bucket's graph cannot be captured (run eagerly)."""
+        of the first `num_rows` rows, or None if the bucket's graph cannot be captured (run eagerly).
+        `fill` writes ids the host does not have yet into the graph's input ids, after the copy."""
         captured = self._captured.get(bucket)
         if captured is None:
             try:
@@ -122,6 +129,8 @@ class DecodeGraphs:
                 return None
         graph, meta, logits = captured
         meta.packed.copy_(packed, non_blocking=True)
+        if fill is not None:
+            fill(meta.input_ids)
         graph.replay()
         self.replays += 1
         return logits[:num_rows]

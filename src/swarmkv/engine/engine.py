@@ -21,17 +21,18 @@ from swarmkv.core.core import EngineCore
 from swarmkv.core.pins import PinInfo
 from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.core.scheduler import Chunk, PreemptionCost, StepPlan
-from swarmkv.core.sequence import FinishReason, Sequence
+from swarmkv.core.sequence import FinishReason, Sequence, Status
 from swarmkv.core.stats import EngineStats
 from swarmkv.engine import cpu_decode
 from swarmkv.engine.backend import resolve_attention_backend
 from swarmkv.engine.host_kv import HostKV
 from swarmkv.engine.kv_cache import KVCache, kv_storage_dtype
 from swarmkv.engine.kv_calibration import calibrate_kv_scales
+from swarmkv.engine.lookahead import InFlight
 from swarmkv.engine.output_processor import OutputProcessor, RequestDelta
 from swarmkv.engine.page_table import PageTable
 from swarmkv.engine.runner import ModelRunner
-from swarmkv.engine.sampler import sample
+from swarmkv.engine.sampler import sample, sample_on_device
 from swarmkv.engine.speculative import verify_greedy, verify_sampled
 from swarmkv.engine.state_cache import StateCache
 from swarmkv.errors import CapacityError, InvalidRequestError
@@ -106,8 +107,12 @@ class LLMEngine:
         )
         self.attention_backend = resolve_attention_backend(config.attention_backend, loaded.device)
         drafter = None
+        # Async scheduling: the next step is scheduled before this one's ids are read, which a request that
+        # drafts from them cannot wait for (`_looks_ahead`); one whose text matched nothing lately skips a
+        # few proposals, so such steps may run ahead.
+        self.lookahead = config.lookahead(loaded.device.type)
         if self._speculates(config):
-            drafter = Drafter(config.num_speculative_tokens)
+            drafter = Drafter(config.num_speculative_tokens, idle_wait_steps=4 if self.lookahead else 0)
         self.core = EngineCore(
             config,
             num_pages,
@@ -155,6 +160,8 @@ class LLMEngine:
         self._structured: StructuredDecoding | None = None  # built by the first constrained request
         self.loop_guard = LoopGuard() if config.loop_guard != "off" else None
         self.last_step_error: str | None = None  # set while the latest step failed
+        # Async scheduling: the step launched last whose ids are not read yet (see engine/lookahead.py).
+        self._in_flight: InFlight | None = None
 
     @staticmethod
     def _speculates(config: EngineConfig) -> bool:
@@ -295,17 +302,21 @@ class LLMEngine:
             )
 
     def has_unfinished(self) -> bool:
-        """Whether any request is waiting or running."""
-        return self.core.has_unfinished()
+        """Whether any request is waiting or running, or a step's ids are still to be read."""
+        return self.core.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[RequestDelta]:
-        """Run one batch; return what each request produced (finished requests are forgotten here)."""
+        """Run one batch; return what each request produced (finished requests are forgotten here). With
+        async scheduling a step's tokens come out of the next call, which launches the step after it first."""
         plan = self.core.schedule()
         # Every plan reaches the resident page table, one without chunks too: it may only free rows.
         self.runner.update_page_table(plan)
         deltas: list[RequestDelta] = []
+        in_flight, self._in_flight = self._in_flight, None
         if plan.chunks:
-            deltas += self._run(plan)
+            deltas += self._run(plan, in_flight)
+        elif in_flight is not None:
+            deltas += self._settle(in_flight, ran_ahead={})
         for seq in self.scheduler.gave_up:
             deltas.append(self.outputs.process(seq.request_id, seq.output_token_ids, [], "length"))
         self.scheduler.gave_up.clear()
@@ -324,14 +335,21 @@ class LLMEngine:
         else:
             self.pins.remove(delta.request_id)
 
-    def _run(self, plan: StepPlan) -> list[RequestDelta]:
+    def _run(self, plan: StepPlan, in_flight: InFlight | None) -> list[RequestDelta]:
+        """Compute and sample the plan's chunks; `in_flight`: the step before, launched with its ids on the
+        device, whose provisional tokens this plan's decodes compute. Its ids are read (and its deltas
+        made) once this step is launched."""
         start = time.perf_counter()
+        ran_ahead = {c.request_id: c for c in plan.chunks}
+        launched: InFlight | None = None
         try:
             if self.config.check_writes:
                 for chunk in plan.chunks:
                     self.kv.check_writable(chunk.request_id, chunk.start, chunk.start + chunk.num_tokens)
             masks = self._structured.prefetch(plan.chunks) if self._structured is not None else None
-            sampling, logits = self.runner.run(plan)  # the masks are computed meanwhile
+            provisional = in_flight.inputs() if in_flight is not None else None
+            # The masks are computed meanwhile.
+            sampling, logits = self.runner.run(plan, provisional)
             generators = [self._generators.get(c.request_id, self._generator) for c in sampling]
             verified = self._verify(sampling, logits, generators) if any(c.draft for c in sampling) else {}
             # The other chunks sample from their one row (a speculative chunk's rows were verified above).
@@ -345,24 +363,78 @@ class LLMEngine:
                 self.loop_guard.apply(plain_chunks, logits)
             if masks is not None:  # constrained requests are never drafted: all of them are plain
                 self.structured.apply(masks, plain_chunks, logits)
-            sampled = (
-                sample(logits, [c.seq.params for c in plain_chunks], [generators[i] for i in plain])
-                if plain
-                else []
-            )
+            params, plain_generators = [c.seq.params for c in plain_chunks], [generators[i] for i in plain]
+            sampled: list[int] = []
+            if self._looks_ahead(sampling, verified, masks):
+                launched = InFlight.start(sampling, sample_on_device(logits, params, plain_generators))
+            elif plain:
+                sampled = sample(logits, params, plain_generators)
         except Exception as exc:
-            return self._fail_step(plan, exc)
+            # This step computed nothing to keep: a request the step before stopped is freed without it.
+            deltas = self._settle(in_flight, {}) if in_flight is not None else []
+            return deltas + self._fail_step(plan, exc)
         self.last_step_error = None
+        self.counters.lookahead_steps += in_flight is not None
+        deltas = self._settle(in_flight, ran_ahead) if in_flight is not None else []
         self._time_prefill(plan, time.perf_counter() - start)
-        self.core.commit(plan.chunks)
+        # A request the step before finished computed this step for nothing: it has nothing to commit.
+        self.core.commit([c for c in plan.chunks if c.seq.status is Status.RUNNING])
+        if launched is not None:
+            live = [c for c in launched.sampling if c.seq.status is Status.RUNNING]
+            for chunk in live:
+                chunk.seq.append_provisional()
+            if live:
+                self._in_flight = launched
+            self.core.end_step()
+            return deltas
         tokens = dict(zip(plain, sampled, strict=True))
-        deltas = [
+        deltas += [
             self._append_verified(chunk, verified[i])
             if i in verified
             else self._append_token(chunk, tokens[i])
             for i, chunk in enumerate(sampling)
+            if chunk.seq.status is Status.RUNNING
         ]
         self.core.end_step()
+        return deltas
+
+    def _looks_ahead(
+        self, sampling: list[Chunk], verified: dict[int, list[int]], masks: object | None
+    ) -> bool:
+        """Whether the next step may be scheduled before this one's ids are read: async scheduling is on and
+        nothing the next schedule does needs them. Drafts are verified on the host; a grammar's mask and the
+        loop guard's penalty follow the last token; so does a draft, unless the request's drafts are
+        backing off (its next proposal is skipped unread)."""
+        if not self.lookahead or verified or masks is not None or not sampling:
+            return False
+        structured, guard, drafter = self._structured, self.loop_guard, self.drafter
+        for chunk in sampling:
+            rid = chunk.request_id
+            if (structured is not None and rid in structured) or (guard is not None and rid in guard):
+                return False
+            if drafter is not None and not drafter.backing_off(rid):
+                return False
+        return True
+
+    def _settle(self, in_flight: InFlight, ran_ahead: dict[str, Chunk]) -> list[RequestDelta]:
+        """Read a launched step's ids and append them in place of its provisional tokens (stop strings,
+        finishes, deltas as in a synchronous step). `ran_ahead`: the chunks of the step launched after it, by
+        request. If the ids cannot be read, the step's requests fail."""
+        try:
+            tokens = in_flight.tokens()
+        except Exception as exc:
+            return self._fail_chunks(in_flight.sampling, exc)
+        deltas = []
+        for chunk, token in zip(in_flight.sampling, tokens, strict=True):
+            seq = chunk.seq
+            if seq.num_provisional_tokens:
+                seq.drop_provisional()
+            if seq.status is Status.FINISHED:  # aborted, failed or given up meanwhile
+                seq.append_token(token)
+                if seq in self.scheduler.gave_up:  # its reply keeps the token; the step's loop ends it
+                    deltas.append(self.outputs.process(seq.request_id, seq.output_token_ids, [token], None))
+                continue
+            deltas.append(self.append_tokens(seq, [token], ran_ahead=ran_ahead.get(chunk.request_id)))
         return deltas
 
     def _verify(
@@ -405,12 +477,18 @@ class LLMEngine:
 
     def _fail_step(self, plan: StepPlan, exc: Exception) -> list[RequestDelta]:
         """Fail the step's requests and only those: their KV computed in earlier steps stays cached."""
-        log.exception("a step of %d chunk(s) failed; failing its requests", len(plan.chunks))
+        return self._fail_chunks(plan.chunks, exc)
+
+    def _fail_chunks(self, chunks: list[Chunk], exc: Exception) -> list[RequestDelta]:
+        log.exception("a step of %d chunk(s) failed; failing its requests", len(chunks))
         self.last_step_error = f"{type(exc).__name__}: {exc}"
         self.counters.failed_steps += 1
-        self.runner.page_table.drop([c.request_id for c in plan.chunks])  # their rows go with them
+        chunks = [c for c in chunks if c.seq.status is not Status.FINISHED]
+        self.runner.page_table.drop([c.request_id for c in chunks])  # their rows go with them
         deltas = []
-        for chunk in plan.chunks:
+        for chunk in chunks:
+            if chunk.seq.num_provisional_tokens:
+                chunk.seq.drop_provisional()
             self.core.finish(chunk.seq, "error")
             self.counters.requests_failed += 1
             deltas.append(
@@ -433,6 +511,7 @@ class LLMEngine:
         grammar_complete: bool = False,
         num_computed: int = 0,
         drafted: bool = False,
+        ran_ahead: Chunk | None = None,
     ) -> RequestDelta:
         """The multi-token append: add `tokens` to a running request's reply, up to the first that ends it
         (a stop id, max_tokens, the context). The next step computes those past the first as one chunk, as a
@@ -440,7 +519,9 @@ class LLMEngine:
         come through here, and a speculative step's yield: its first `num_computed` tokens are accepted
         draft tokens, whose KV that step computed, so they count as computed at once (`drafted`: a hybrid's
         recurrent state is rewound to them). `grammar_complete`: nothing may follow (the reply's grammar
-        ended), so the request stops."""
+        ended), so the request stops. `ran_ahead`: the chunk a step launched since computes for the request
+        (async scheduling, `tokens` its input): if the request stops here, that chunk is committed first, so
+        its KV and a hybrid's state, both past the last token, count as computed when it is freed."""
         params = seq.params
         reason: FinishReason | None = None
         appended: list[int] = []
@@ -470,6 +551,8 @@ class LLMEngine:
         delta = self.outputs.process(seq.request_id, seq.output_token_ids, appended, reason)
         if delta.finished:
             assert delta.finish_reason is not None
+            if ran_ahead is not None:
+                self.core.commit([ran_ahead])
             self.core.finish(seq, delta.finish_reason)
         return delta
 

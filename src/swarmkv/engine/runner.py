@@ -8,11 +8,13 @@ import torch
 
 from swarmkv.choices import CascadeMode
 from swarmkv.core.scheduler import Chunk, StepPlan, sampling_rows
+from swarmkv.core.sequence import PROVISIONAL_TOKEN
 from swarmkv.core.stats import EngineCounters
 from swarmkv.engine import cpu_decode
 from swarmkv.engine.backend import Backend
 from swarmkv.engine.cascade import AUTO_MIN_SAVED_TOKENS, plan_groups
 from swarmkv.engine.kv_cache import KVCache
+from swarmkv.engine.lookahead import ProvisionalInputs
 from swarmkv.engine.page_table import PageTable
 from swarmkv.engine.paged_attention import PagedAttention, build_layout
 from swarmkv.engine.recurrent_step import RecurrentStep, build_state_layout
@@ -80,9 +82,12 @@ class ModelRunner:
                 log.info("decode steps run through the torch modules: %s", reason)
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
+    def run(
+        self, plan: StepPlan, provisional: ProvisionalInputs | None = None
+    ) -> tuple[list[Chunk], torch.Tensor]:
         """Compute every chunk (after `update_page_table(plan)`); return the chunks that sample, in the
-        order of their rows of float32 logits [N, vocab]."""
+        order of their rows of float32 logits [N, vocab]. A decode chunk whose last token is provisional
+        (async scheduling) reads its input id from `provisional`, the previous step's ids on the device."""
         prefills = [c for c in plan.chunks if c.kind == "prefill"]
         decodes = [c for c in plan.chunks if c.kind == "decode"]
         if self.cpu_decode is None:
@@ -92,22 +97,29 @@ class ModelRunner:
         if self.cpu_decode is not None and decodes:
             # The decodes in C, any prefills through the modules: a second pass over the weights costs less than
             # decode rows in the modules, which gather every key of their context layer by layer.
-            sampling, logits = self._run_cpu_decode(self.cpu_decode, decodes)
+            sampling, logits = self._run_cpu_decode(self.cpu_decode, decodes, provisional)
             if not prefills:
                 return sampling, logits
-            prefill_sampling, prefill_logits = self._run_modules(plan, prefills, [], [])
+            prefill_sampling, prefill_logits = self._run_modules(plan, prefills, [], [], provisional)
             return prefill_sampling + sampling, torch.cat([prefill_logits, logits])
         groups, decodes = self._group_decodes(decodes, self.min_saved_tokens)
-        return self._run_modules(plan, prefills, decodes, groups)
+        return self._run_modules(plan, prefills, decodes, groups, provisional)
 
     def _run_modules(
-        self, plan: StepPlan, prefills: list[Chunk], decodes: list[Chunk], groups: list[tuple[int, int]]
+        self,
+        plan: StepPlan,
+        prefills: list[Chunk],
+        decodes: list[Chunk],
+        groups: list[tuple[int, int]],
+        provisional: ProvisionalInputs | None,
     ) -> tuple[list[Chunk], torch.Tensor]:
         """The chunks through the torch modules (or the triton runner), decodes grouped as `groups` says."""
         sampling = [c for c in prefills + decodes if c.samples]
         if self.triton is not None:
-            return sampling, self.triton.run(prefills, decodes, groups, plan.state_slots)
+            return sampling, self.triton.run(prefills, decodes, groups, plan.state_slots, provisional)
         layout, input_ids, positions = build_layout(self.page_table, prefills, decodes, groups, self.dtype)
+        if provisional is not None:
+            provisional.fill(input_ids, prefills + decodes)
         backend: AttentionBackend = PagedAttention(self.kv_cache, layout)
         if self.states is not None:
             state_layout = build_state_layout(prefills, decodes, plan.state_slots, self.device)
@@ -124,7 +136,9 @@ class ModelRunner:
             self.page_table.append(rid, pages)
         self.page_table.sync()
 
-    def _run_cpu_decode(self, step: DecodeModel, decodes: list[Chunk]) -> tuple[list[Chunk], torch.Tensor]:
+    def _run_cpu_decode(
+        self, step: DecodeModel, decodes: list[Chunk], provisional: ProvisionalInputs | None
+    ) -> tuple[list[Chunk], torch.Tensor]:
         """A step's decodes in one C call, a speculative chunk as a row for each of its positions: the step
         stores every row's KV before any row attends, so a draft token reads the ones before it. Its
         attention reads a group's shared pages once at no extra cost, so any saving is worth a group
@@ -139,8 +153,13 @@ class ModelRunner:
         sizes += [1] * (len(order) - sum(sizes))
         shared = [pages * self.page_size for _, pages in groups]
         shared += [0] * (len(sizes) - len(shared))
+        input_ids = torch.tensor([items[i][0].token_ids[items[i][1]] for i in order], dtype=torch.int64)
+        if provisional is not None:
+            rows = [r for r, i in enumerate(order) if items[i][0].token_ids[items[i][1]] == PROVISIONAL_TOKEN]
+            picks = [provisional.index[items[order[r]][0].request_id] for r in rows]
+            provisional.fill_rows(input_ids, rows, picks)
         logits = step.step(
-            torch.tensor([items[i][0].token_ids[items[i][1]] for i in order], dtype=torch.int64),
+            input_ids,
             torch.tensor([table_rows[i] for i in order], dtype=torch.int64),
             torch.tensor([positions[i] for i in order], dtype=torch.int64),
             sizes,

@@ -13,6 +13,13 @@ def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: Sequence[torch.Generator | None]
 ) -> list[int]:
     """Pick one token per row of float32 `logits` [N, vocab]; one host transfer for the whole batch."""
+    return sample_on_device(logits, params, generators).tolist()
+
+
+def sample_on_device(
+    logits: torch.Tensor, params: list[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
+    """`sample`'s picks as int64 ids on the logits' device, without waiting for the device."""
     chosen = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -20,7 +27,7 @@ def sample(
         index = _to_device(torch.tensor(rows), device)
         picked = _sample_rows(logits[index], [params[i] for i in rows], [generators[i] for i in rows])
         chosen[index] = picked
-    return chosen.tolist()
+    return chosen
 
 
 def _sample_rows(

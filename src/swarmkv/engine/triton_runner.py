@@ -12,6 +12,7 @@ import torch
 from swarmkv.core.scheduler import Chunk, sampling_rows
 from swarmkv.engine.cuda_graphs import DecodeGraphs, Graph
 from swarmkv.engine.kv_cache import KVCache
+from swarmkv.engine.lookahead import ProvisionalInputs
 from swarmkv.engine.page_table import PageTable
 from swarmkv.engine.state_cache import StateCache
 from swarmkv.engine.triton_attention import (
@@ -88,12 +89,14 @@ class TritonRunner:
         decodes: list[Chunk],
         groups: list[tuple[int, int]],
         state_slots: dict[str, int] | None = None,
+        provisional: ProvisionalInputs | None = None,
     ) -> torch.Tensor:
         """Float32 logits of the sampling chunks, in row order (prefills, then decodes as ordered);
-        `state_slots`: a hybrid's state slot of each chunk's request."""
+        `state_slots`: a hybrid's state slot of each chunk's request; `provisional`: where the decodes whose
+        last token is provisional read their input ids, on the device."""
         # Triton launches on the thread's current device, and the engine may run on its own thread.
         with torch.cuda.device(self.device) if self.is_cuda else contextlib.nullcontext():
-            return self._run(prefills, decodes, groups, state_slots or {})
+            return self._run(prefills, decodes, groups, state_slots or {}, provisional)
 
     def _run(
         self,
@@ -101,12 +104,18 @@ class TritonRunner:
         decodes: list[Chunk],
         groups: list[tuple[int, int]],
         state_slots: dict[str, int],
+        provisional: ProvisionalInputs | None,
     ) -> torch.Tensor:
         step = self._describe(prefills, decodes, groups, state_slots)
         bucket = self.graphs.bucket(len(decodes)) if self.graphs is not None and not prefills else None
+
+        def fill(input_ids: torch.Tensor) -> None:
+            if provisional is not None:
+                provisional.fill(input_ids, prefills + decodes)
+
         if self.graphs is not None and bucket is not None:
             packed = self._pack(step, self._graph_shape(bucket), list(range(bucket)))
-            logits = self.graphs.run(bucket, packed, len(decodes))
+            logits = self.graphs.run(bucket, packed, len(decodes), fill)
             if logits is not None:
                 return logits
         max_len = max((d.position + 1 for d in step.decodes), default=0)
@@ -121,6 +130,7 @@ class TritonRunner:
         )
         packed = self._pack(step, shape, step.logit_rows)
         meta = StepMetadata(packed.to(self.device, non_blocking=True), shape)
+        fill(meta.input_ids)
         # Speculative chunks follow the plain prefill chunks (ModelRunner.run orders them so).
         speculative = [c for c in prefills if c.draft]
         assert all(c.draft for c in prefills[len(prefills) - len(speculative) :])

@@ -11,7 +11,9 @@ sources are scoped by cache salt, which is the tenant's: a draft never comes fro
 acceptance and timing would show it.
 
 Draft length adapts per request: doubled after a fully accepted draft, cut to what was accepted plus one after
-a partial one, and a request whose drafts keep failing waits longer and longer between tries.
+a partial one, and a request whose drafts keep failing waits longer and longer between tries. Under async
+scheduling (`idle_wait_steps`), a request whose text matched nothing also waits a few steps before it looks
+again: a step may then be scheduled before its last token is known.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class _Request:
     matchers: dict[int, tuple[Matcher, DraftSource]] = field(default_factory=dict)
     draft_tokens: int = 4  # the next draft's length cap
     misses: int = 0  # drafts in a row with nothing accepted
+    idle: int = 0  # proposals in a row that matched nothing
     wait_steps: int = 0  # proposals skipped before the next try
     pending: Draft | None = None
 
@@ -73,8 +76,17 @@ class _Pool:
 class Drafter:
     """Proposes drafts for the requests added to it; the scheduler asks, the engine reports acceptance."""
 
-    def __init__(self, max_draft_tokens: int = 8, min_match_tokens: int = 2, max_replies: int = 16) -> None:
+    def __init__(
+        self,
+        max_draft_tokens: int = 8,
+        min_match_tokens: int = 2,
+        max_replies: int = 16,
+        idle_wait_steps: int = 0,
+    ) -> None:
+        """`idle_wait_steps`: after k proposals in a row that matched nothing, a request skips the next
+        min(k, idle_wait_steps) (0: it looks every step)."""
         self.max_draft_tokens = max_draft_tokens
+        self.idle_wait_steps = idle_wait_steps
         self.min_match_tokens = min_match_tokens
         self.max_replies = max_replies
         self._requests: dict[str, _Request] = {}
@@ -155,7 +167,16 @@ class Drafter:
                 if tokens:
                     best = Draft(tuple(tokens), source, length)
         req.pending = best
+        req.idle = 0 if best is not None else req.idle + 1
+        if best is None:
+            req.wait_steps = min(req.idle, self.idle_wait_steps)
         return best
+
+    def backing_off(self, request_id: str) -> bool:
+        """Whether the request's next proposal is skipped without reading its tokens (it is waiting out
+        failed drafts), so a step may be scheduled before its last token is known."""
+        req = self._requests.get(request_id)
+        return req is None or req.wait_steps > 0
 
     def record(self, request_id: str, num_drafted: int, num_accepted: int) -> DraftSource | None:
         """How many of the `num_drafted` tokens of the request's latest draft (the scheduler may have cut

@@ -126,6 +126,10 @@ class LoopGuard:
             elif looped or reply.looped_in_string >= 0:
                 reply.looped_in_string = max(reply.looped_in_string, 0) + 1
 
+    def __contains__(self, request_id: str) -> bool:
+        """Whether the request's reply is guarded (its next penalty follows its last token)."""
+        return request_id in self._replies
+
     def drop(self, request_id: str) -> None:
         """Forget a request (finished, aborted or failed)."""
         self._replies.pop(request_id, None)

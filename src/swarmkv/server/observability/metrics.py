@@ -111,6 +111,11 @@ _COUNTERS: tuple[tuple[str, str, Read], ...] = (
     ),
     ("generation_tokens", "Tokens generated.", lambda s: s.generated_tokens),
     (
+        "lookahead_steps",
+        "Steps launched before the previous step's sampled ids were read (async scheduling).",
+        lambda s: s.lookahead_steps,
+    ),
+    (
         "spec_verify_steps",
         "Speculative chunks verified: a request's draft checked in one step.",
         lambda s: s.spec_verify_steps,

@@ -1,0 +1,89 @@
+"""Async scheduling's one step of lookahead: a step's sampled ids stay on the device, where they become the next
+step's input ids, and reach the host through a copy that the launch of that next step does not wait for.
+
+`LLMEngine.step` then runs: schedule step n+1 (each request of step n holding a provisional last token) ->
+launch it, its provisional inputs taken from step n's ids on the device -> read step n's ids (its copy is done
+by then) and append them -> commit step n+1's chunks. So the host's scheduling and metadata for step n+1 run
+while the device computes step n, as in vLLM's async scheduling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from swarmkv.core.scheduler import Chunk
+from swarmkv.core.sequence import PROVISIONAL_TOKEN
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host ids on `device` without waiting for the work queued there (through pinned memory on a GPU)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class ProvisionalInputs:
+    """The previous step's sampled ids on the device, and each of its sampling requests' index among them: a
+    decode chunk whose last token is provisional takes its input id from there."""
+
+    sampled: torch.Tensor  # [N] int64, on the device
+    index: dict[str, int]
+
+    def rows(self, chunks: Iterable[Chunk]) -> tuple[list[int], list[int]]:
+        """The rows of a flat batch of `chunks` (in order) whose input is provisional, and their ids' indices."""
+        rows: list[int] = []
+        picks: list[int] = []
+        end = 0
+        for chunk in chunks:
+            end += chunk.num_tokens
+            if chunk.token_ids[-1] == PROVISIONAL_TOKEN:
+                rows.append(end - 1)
+                picks.append(self.index[chunk.request_id])
+        return rows, picks
+
+    def fill(self, input_ids: torch.Tensor, chunks: Iterable[Chunk]) -> None:
+        """Write the provisional rows' ids into `input_ids`, a flat batch of `chunks` on the device, in place."""
+        self.fill_rows(input_ids, *self.rows(chunks))
+
+    def fill_rows(self, input_ids: torch.Tensor, rows: list[int], picks: list[int]) -> None:
+        """input_ids[rows] = the ids at `picks`, in place on the device, without waiting for it."""
+        if rows:
+            device = input_ids.device
+            input_ids[_to_device(rows, device)] = self.sampled[_to_device(picks, device)].to(input_ids.dtype)
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A step computed and sampled on the device whose ids the host has not read yet."""
+
+    sampling: list[Chunk]  # the chunks that sampled, in the order of `sampled`
+    sampled: torch.Tensor  # [N] int64, on the device
+    host: torch.Tensor  # the copy on the host (pinned on a GPU), complete once `ready` is
+    ready: torch.cuda.Event | None  # None off a GPU, where the copy completed at once
+
+    @classmethod
+    def start(cls, sampling: list[Chunk], sampled: torch.Tensor) -> InFlight:
+        """Start copying `sampled` (one id per chunk of `sampling`) to the host without waiting for it."""
+        if sampled.device.type != "cuda":
+            return cls(sampling, sampled, sampled, None)
+        host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+        host.copy_(sampled, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(sampling, sampled, host, ready)
+
+    def inputs(self) -> ProvisionalInputs:
+        """What the next step reads its provisional input ids from."""
+        return ProvisionalInputs(self.sampled, {c.request_id: i for i, c in enumerate(self.sampling)})
+
+    def tokens(self) -> list[int]:
+        """The sampled ids, once the copy is done (the host waits here, and only here)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        ids: list[int] = self.host.tolist()
+        return ids
