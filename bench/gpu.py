@@ -807,7 +807,38 @@ def measure_launches(loaded: LoadedModel, options: dict[str, Any], sizes: Sizes)
             result[kind] = profiled_kernels(device, graphed.step, 8)
             del graphed
             free_memory(device)
+        result["mixed_step_ms"] = {
+            kind: mixed_step_seconds(loaded, options, batch, on) * 1e3
+            for kind, on in (("eager", False), ("graphed", True))
+        }
     return result
+
+
+def mixed_step_seconds(loaded: LoadedModel, options: dict[str, Any], batch: int, graphed: bool) -> float:
+    """Median seconds of a step holding `batch` decodes and a 64-token chunk of a newcomer's prefill, with
+    or without mixed-step graphs (`mixed_step_graphs`, off by default until this says it pays)."""
+    engine = decoding_engine(
+        loaded,
+        options,
+        batch,
+        speculation="off",
+        async_scheduling="off",  # each step timed whole
+        mixed_step_graphs=graphed,
+        max_num_batched_tokens=batch + 64,
+        max_num_partial_prefills=1,
+    )
+    high = min(loaded.config.vocab_size, loaded.tokenizer.vocab_size)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    times = []
+    for i in range(3):  # the first newcomer's steps capture the graphs
+        engine.add_request(f"newcomer-{i}", random_ids(512, high, seed=300 + i), params)
+        while engine.get_sequence(f"newcomer-{i}") is not None:
+            seconds, _, prefilled = timed_step(engine, loaded.device)
+            if i and prefilled == 64:
+                times.append(seconds)
+    del engine
+    free_memory(loaded.device)
+    return statistics.median(times)
 
 
 def measure_prefill(loaded: LoadedModel, options: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
@@ -1169,6 +1200,12 @@ def print_report(record: dict[str, Any]) -> None:
                 + ", ".join(r["layer_ops"][:24])
                 + (" ..." if len(r["layer_ops"]) > 24 else "")
             )
+            if "mixed_step_ms" in r:
+                m = r["mixed_step_ms"]
+                print(
+                    f"  a step of {r['batch']} decodes and a 64-token prefill chunk: eager {m['eager']:.2f} ms,"
+                    f" mixed-step graph {m['graphed']:.2f} ms ({m['eager'] / m['graphed']:.2f}x)"
+                )
             for kind in ("profiled_eager", "profiled_graphed", "profiled_graphed_sync"):
                 if kind in r:
                     p = r[kind]

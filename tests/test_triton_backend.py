@@ -4,6 +4,7 @@ backend, graph replays equal to eager steps, and clear errors where triton canno
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from swarmkv.engine.backend import resolve_attention_backend  # noqa: E402
 from swarmkv.engine.cuda_graphs import DecodeGraphs, EagerGraph, batch_buckets  # noqa: E402
 from swarmkv.engine.llm import LLM  # noqa: E402
 from swarmkv.engine.triton_attention import TritonShape  # noqa: E402
+from swarmkv.engine.triton_runner import MIXED_TOKEN_BUCKETS  # noqa: E402
 from swarmkv.errors import ConfigError  # noqa: E402
 from swarmkv.options import add_engine_arguments, engine_kwargs  # noqa: E402
 from tiny_models import make_tiny_checkpoint  # noqa: E402
@@ -129,6 +131,41 @@ def test_a_prefill_beside_a_decode_group_generates_the_torch_backends_tokens(tin
     expected, _ = _prefill_beside_a_decode_group(_llm(tiny, "torch"))
     tokens, mixed = _prefill_beside_a_decode_group(_llm(tiny, "triton", enforce_eager=True))
     assert mixed and tokens == expected
+
+
+def _stand_in_graphs(llm: LLM) -> tuple[DecodeGraphs, dict[int, DecodeGraphs]]:
+    """Decode and mixed-step graphs of up to 4 decodes on the stand-in that recomputes on replay."""
+    runner = llm.engine.runner.triton
+    assert runner is not None
+    runner.graphs = DecodeGraphs(
+        batch_buckets(4), runner._graph_shape, runner.forward, runner.device, EagerGraph
+    )
+    runner.mixed_graphs = {
+        tokens: DecodeGraphs(
+            batch_buckets(4),
+            functools.partial(runner._mixed_shape, tokens),
+            runner.forward,
+            runner.device,
+            EagerGraph,
+        )
+        for tokens in MIXED_TOKEN_BUCKETS
+    }
+    return runner.graphs, runner.mixed_graphs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_mixed_step_graphs_replay_prefills_beside_a_decode_group(tiny: Path, async_scheduling: str) -> None:
+    """A prefill chunk beside a cascade group's decodes, replayed from a mixed graph (padded between the
+    prefill rows and the decodes to its bucket's layout): the torch backend's tokens, with and without async
+    scheduling (whose provisional inputs land after the gap)."""
+    expected, _ = _prefill_beside_a_decode_group(_llm(tiny, "torch"))
+    llm = _llm(tiny, "triton", mixed_step_graphs=True, async_scheduling=async_scheduling)
+    decode_graphs, mixed_graphs = _stand_in_graphs(llm)
+    tokens, mixed = _prefill_beside_a_decode_group(llm)
+    assert mixed and tokens == expected
+    assert sum(g.replays for g in mixed_graphs.values()) > 0 and decode_graphs.replays > 0
+    assert (llm.engine.counters.lookahead_steps > 0) == (async_scheduling == "on")
 
 
 def test_triton_off_the_gpu_needs_the_interpreter(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:

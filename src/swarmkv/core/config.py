@@ -87,6 +87,11 @@ class EngineConfig:
         "auto", "attention kernels: auto (triton on CUDA/ROCm, torch elsewhere), torch or triton"
     )
     enforce_eager: bool = _opt(False, "never replay decode steps from CUDA graphs")
+    mixed_step_graphs: bool = _opt(
+        False,
+        "also replay steps with prefill chunks from graphs (dense models; at most 256 prefill tokens in 4 "
+        "chunks), one per bucket of decodes and of prefill tokens; off until a GPU measurement shows they pay",
+    )
     fused_cpu_decode: bool = _opt(
         True,
         "on the CPU, run each decode-only step of a dense model held at its GGUF bits as one C call "

@@ -4,8 +4,10 @@ A graph is captured per batch-size bucket on the bucket's first decode step: its
 packed metadata buffer (token ids, positions, KV slots, tiles and, for a hybrid, each row's state slot) and
 the resident page table, its output the static logits of every row; a hybrid's state slots are read and
 written in place by the replayed kernels. A step of n decodes is padded to the smallest bucket that holds
-it: padding rows store no KV, have no state slot (-1), attend to nothing and their logits are ignored. Steps with prefill chunks, or more decodes than
-the largest bucket, run eagerly; so do a bucket's steps after its capture failed (out of memory, say).
+it: padding rows store no KV, have no state slot (-1), attend to nothing and their logits are ignored. Steps with
+prefill chunks run eagerly unless mixed-step graphs are on (`TritonRunner`: one `DecodeGraphs` per prefill-token
+bucket, dense models); so do steps with more decodes than the largest bucket, and a bucket's steps after its
+capture failed (out of memory, say).
 """
 
 from __future__ import annotations

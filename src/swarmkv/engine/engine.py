@@ -148,6 +148,7 @@ class LLMEngine:
             cascade_min_saved_tokens=config.cascade_min_saved_tokens,
             backend=self.attention_backend,
             cuda_graphs=loaded.device.type == "cuda" and not config.enforce_eager,
+            mixed_step_graphs=config.mixed_step_graphs,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             states=self.states,

@@ -42,13 +42,15 @@ class ModelRunner:
         cascade_min_saved_tokens: int | None = None,
         backend: Backend = "torch",
         cuda_graphs: bool = False,
+        mixed_step_graphs: bool = False,
         max_num_seqs: int = 1,
         max_model_len: int | None = None,
         states: StateCache | None = None,
         fused_cpu_decode: bool = False,
         cpu_int8_activations: bool = True,
     ) -> None:
-        """With the triton backend, `cuda_graphs` replays decode steps of up to `max_num_seqs` rows. A hybrid
+        """With the triton backend, `cuda_graphs` replays decode steps of up to `max_num_seqs` rows, and with
+        `mixed_step_graphs` steps with a few prefill chunks beside them (dense models). A hybrid
         model's linear-attention layers run over `states`, on either backend. `cascade_min_saved_tokens`:
         the reads a shared-prefix group must spare under `cascade="auto"` (None: the backend's default).
         `fused_cpu_decode`: run each step's decodes as one C call where the model allows (engine/cpu_decode.py),
@@ -72,7 +74,9 @@ class ModelRunner:
 
             max_keys = max_model_len or page_table.host.shape[1] * self.page_size
             buckets = batch_buckets(max_num_seqs) if cuda_graphs else None
-            self.triton = TritonRunner(model, kv_cache, page_table, buckets, max_keys, states=states)
+            self.triton = TritonRunner(
+                model, kv_cache, page_table, buckets, max_keys, states=states, mixed_graphs=mixed_step_graphs
+            )
         self.cpu_decode: DecodeModel | None = None
         if fused_cpu_decode and backend == "torch" and states is None:
             reason = cpu_decode.why_not(model, kv_cache, self.device)

@@ -4,7 +4,10 @@ TritonAttention (and, for a hybrid, its state slots), and decode-only steps repl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +41,10 @@ from swarmkv.models.layers import triton_ops
 
 # Programs a decode launch aims for per compute unit: key splits make up what the batch lacks.
 PROGRAMS_PER_UNIT = 4
+# Mixed-step graphs: the prefill tokens a graph holds (buckets), and its prefill chunks at most. A step with
+# more runs eagerly: its prefill's work dwarfs the launches a graph would save.
+MIXED_TOKEN_BUCKETS = (16, 32, 64, 128, 256)
+MIXED_MAX_CHUNKS = 4
 
 
 class TritonRunner:
@@ -52,9 +59,11 @@ class TritonRunner:
         max_keys: int,
         make_graph: type[Graph] | None = None,
         states: StateCache | None = None,
+        mixed_graphs: bool = False,
     ) -> None:
         """A hybrid model's linear-attention layers run over `states`: each step's metadata names the slot of
-        every sequence, so graph replays read and write whichever slots the step's decodes hold."""
+        every sequence, so graph replays read and write whichever slots the step's decodes hold. With
+        `mixed_graphs` (and graph buckets, and no states), steps with prefill chunks are graphed too."""
         self.model = model
         self.states = states
         self.kv_cache = kv_cache
@@ -73,10 +82,23 @@ class TritonRunner:
         units = compute_units(self.device)  # 1 off a GPU
         self.target_programs = PROGRAMS_PER_UNIT * units
         self.graphs: DecodeGraphs | None = None
+        # Mixed steps' graphs by prefill-token bucket, each over the decode buckets.
+        self.mixed_graphs: dict[int, DecodeGraphs] = {}
         if graph_buckets:
             self.graphs = DecodeGraphs(
                 graph_buckets, self._graph_shape, self.forward, self.device, make_graph
             )
+            if mixed_graphs and states is None:
+                self.mixed_graphs = {
+                    tokens: DecodeGraphs(
+                        graph_buckets,
+                        functools.partial(self._mixed_shape, tokens),
+                        self.forward,
+                        self.device,
+                        make_graph,
+                    )
+                    for tokens in MIXED_TOKEN_BUCKETS
+                }
 
     @property
     def is_cuda(self) -> bool:
@@ -107,15 +129,16 @@ class TritonRunner:
         provisional: ProvisionalInputs | None,
     ) -> torch.Tensor:
         step = self._describe(prefills, decodes, groups, state_slots)
-        bucket = self.graphs.bucket(len(decodes)) if self.graphs is not None and not prefills else None
 
-        def fill(input_ids: torch.Tensor) -> None:
+        def fill(input_ids: torch.Tensor, gap: int = 0) -> None:
+            """The provisional inputs, in a layout with `gap` padding rows after the prefill tokens."""
             if provisional is not None:
-                provisional.fill(input_ids, prefills + decodes)
+                num_prefill = len(step.token_ids) - len(decodes)
+                rows, picks = provisional.rows(prefills + decodes)
+                provisional.fill_rows(input_ids, [r + gap if r >= num_prefill else r for r in rows], picks)
 
-        if self.graphs is not None and bucket is not None:
-            packed = self._pack(step, self._graph_shape(bucket), list(range(bucket)))
-            logits = self.graphs.run(bucket, packed, len(decodes), fill)
+        if not any(c.draft for c in prefills):
+            logits = self._replay(step, len(prefills), len(decodes), fill)
             if logits is not None:
                 return logits
         max_len = max((d.position + 1 for d in step.decodes), default=0)
@@ -138,6 +161,43 @@ class TritonRunner:
             tuple(state_slots[c.request_id] for c in speculative) if self.states is not None else ()
         )
         return self.forward(meta, tuple(c.num_tokens for c in prefills), speculative_slots)
+
+    def _replay(
+        self,
+        step: _HostStep,
+        num_prefills: int,
+        num_decodes: int,
+        fill: Callable[[torch.Tensor, int], None],
+    ) -> torch.Tensor | None:
+        """The step's logits replayed from its bucket's graph, or None where no graph holds it (run it
+        eagerly). A mixed step is padded to its prefill-token bucket between its prefill rows and its decodes,
+        so its decodes start where the graph's do."""
+        num_prefill = len(step.token_ids) - num_decodes
+        if not num_prefills:
+            graphs, gap = self.graphs, 0
+        else:
+            tokens = next((t for t in sorted(self.mixed_graphs) if t >= num_prefill), None)
+            if tokens is None or num_prefills > MIXED_MAX_CHUNKS:
+                return None
+            graphs, gap = self.mixed_graphs[tokens], tokens - num_prefill
+        bucket = graphs.bucket(num_decodes) if graphs is not None else None
+        if graphs is None or bucket is None:
+            return None
+        padded = _with_gap(step, num_prefill, gap) if num_prefills else step
+        logit_rows = padded.logit_rows if num_prefills else list(range(bucket))
+        packed = self._pack(padded, graphs.shape_for(bucket), logit_rows)
+        return graphs.run(bucket, packed, len(step.logit_rows), lambda ids: fill(ids, gap))
+
+    def _mixed_shape(self, prefill_tokens: int, bucket: int) -> TritonShape:
+        """A mixed step's graph shape: `prefill_tokens` rows of at most MIXED_MAX_CHUNKS chunks, then a
+        decode bucket's."""
+        decode = self._graph_shape(bucket)
+        return dataclasses.replace(
+            decode,
+            num_tokens=prefill_tokens + bucket,
+            num_extend_tiles=-(-prefill_tokens // self.extend_tokens) + MIXED_MAX_CHUNKS,
+            num_logits=bucket + MIXED_MAX_CHUNKS,
+        )
 
     def forward(
         self,
@@ -246,3 +306,19 @@ class _HostStep:
     logit_rows: list[int]
     chunk_tokens: list[int]  # rows per chunk, prefills then decodes
     state_slots: list[int]  # a hybrid's state slot per chunk; empty for a dense model
+
+
+def _with_gap(step: _HostStep, num_prefill: int, gap: int) -> _HostStep:
+    """`step` with `gap` padding rows (no KV stored, no logits read) between its prefill tokens and its
+    decodes: the layout of a mixed graph, whose decodes start at its prefill-token bucket."""
+    before, after = slice(None, num_prefill), slice(num_prefill, None)
+    return dataclasses.replace(
+        step,
+        token_ids=step.token_ids[before] + [0] * gap + step.token_ids[after],
+        positions=torch.cat(
+            [step.positions[before], torch.zeros(gap, dtype=torch.int64), step.positions[after]]
+        ),
+        slots=torch.cat([step.slots[before], torch.full((gap,), -1, dtype=torch.int64), step.slots[after]]),
+        prefix_tiles=[(t[0] + gap, *t[1:]) for t in step.prefix_tiles],
+        logit_rows=[r + gap if r >= num_prefill else r for r in step.logit_rows],
+    )
