@@ -401,8 +401,9 @@ typedef struct {
 } qx_t;
 
 /* Quantise M rows of x [M, K] (K a multiple of 32) into codes [4, M, K] and consts [12, M, K / 32]: the forms
- * this build's kernels read, which qx then points at. */
-static void quantize_x(int64_t M, int64_t K, const float *x, int8_t *codes, float *consts, qx_t *qx) {
+ * this build's kernels read, which qx then points at (the 512-bit build's quad forms only if `quads`: for the
+ * layouts tile16 does not read). */
+static void quantize_x(int64_t M, int64_t K, const float *x, int8_t *codes, float *consts, qx_t *qx, int quads) {
     const int64_t groups = K / 32;
     int8_t *first = codes, *second = codes + M * K, *third = codes + 2 * M * K, *fourth = codes + 3 * M * K;
     memset(qx, 0, sizeof *qx);
@@ -461,6 +462,43 @@ static void quantize_x(int64_t M, int64_t K, const float *x, int8_t *codes, floa
         }
     return;
 #endif
+#if HAVE_INT8_512
+    /* the loop below, 16 lanes at a time (the same |x| maximum, amax / 127, 1 / d, x * inv rounded to nearest
+     * even as nearbyintf does: the same codes and constants), into the forms tile16 reads */
+    const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *v = x + m * K + g * 32;
+            const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+            /* max(|v|, top) keeps top where |v| is NaN, as the scalar comparison does */
+            const __m512 top = _mm512_max_ps(_mm512_and_ps(v1, magnitude), _mm512_max_ps(_mm512_and_ps(v0, magnitude), _mm512_setzero_ps()));
+            const float amax = _mm512_reduce_max_ps(top);
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
+            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+            const int total = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            int8_t *natural = fourth + m * K + g * 32, *paired = third + m * K + g * 32;
+            _mm_storeu_si128((__m128i *)natural, _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(natural + 16), _mm512_cvtepi32_epi8(q1));
+            _mm_storeu_si128((__m128i *)paired, _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(q0, evens, q1)));
+            _mm_storeu_si128((__m128i *)(paired + 16), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(q0, odds, q1)));
+            scale[m * groups + g] = d;
+            sum[m * groups + g] = d * (float)total;
+            bias8[m * groups + g] = -128 * total;
+            if (!quads) continue;
+            const int8_t *q = natural;
+            const int64_t b = g / 4, t = groups - 4 * b < 4 ? groups - 4 * b : 4, j = g - 4 * b;
+            const int64_t at = b * M * 128 + m * 32 * t + 16 * j, c = b * M * 32 + m * 8 * t + 4 * j;
+            for (int i = 0; i < 16; i++) {
+                first[at + i] = q[2 * i], first[at + 16 * t + i] = q[2 * i + 1];
+                second[at + i] = (int8_t)(uint8_t)(q[i] + 128), second[at + 16 * t + i] = (int8_t)(uint8_t)(q[16 + i] + 128);
+            }
+            for (int i = 0; i < 4; i++) consts4[c + i] = d, consts4[c + 4 * t + i] = i == 0 ? d * (float)total : 0.0f;
+        }
+#else
+    (void)quads;
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < groups; g++) {
             const float *v = x + m * K + g * 32;
@@ -473,22 +511,6 @@ static void quantize_x(int64_t M, int64_t K, const float *x, int8_t *codes, floa
                 q[j] = (int8_t)(int)nearbyintf(v[j] * inv);
                 total += q[j];
             }
-#if HAVE_INT8_512
-            const int64_t b = g / 4, t = groups - 4 * b < 4 ? groups - 4 * b : 4, j = g - 4 * b;
-            const int64_t at = b * M * 128 + m * 32 * t + 16 * j, c = b * M * 32 + m * 8 * t + 4 * j;
-            for (int i = 0; i < 16; i++) {
-                first[at + i] = q[2 * i], first[at + 16 * t + i] = q[2 * i + 1];
-                second[at + i] = (int8_t)(uint8_t)(q[i] + 128), second[at + 16 * t + i] = (int8_t)(uint8_t)(q[16 + i] + 128);
-            }
-            for (int i = 0; i < 4; i++) consts4[c + i] = d, consts4[c + 4 * t + i] = i == 0 ? d * (float)total : 0.0f;
-            for (int j = 0; j < 32; j++) {
-                fourth[m * K + g * 32 + j] = q[j];
-                third[m * K + g * 32 + (j & 1) * 16 + j / 2] = q[j];
-            }
-            scale[m * groups + g] = d;
-            sum[m * groups + g] = d * (float)total;
-            bias8[m * groups + g] = -128 * total;
-#else
             scale[m * groups + g] = d;
             sum[m * groups + g] = d * (float)total;
             const int lone = g + 1 == groups && groups % 2;
@@ -498,8 +520,8 @@ static void quantize_x(int64_t M, int64_t K, const float *x, int8_t *codes, floa
                 third[m * K + g / 2 * 64 + (j & 1) * (lone ? 16 : 32) + (lone ? 0 : g % 2 * 16) + j / 2] = q[j];
             }
             for (int i = 0; i < 4; i++) scale4[(m * groups + g) * 4 + i] = d;
-#endif
         }
+#endif
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -1026,6 +1048,16 @@ static inline int int8_dot_reads(const layout_t *w) {
     return w->group == 32 && (w->bits == 4 || w->bits == 5 || w->bits == 8);
 }
 
+/* Whether rows_matmul_int8 reads this layout with x's quad forms (quantize_x's `quads`). */
+static inline int int8_reads_quads(const layout_t *w) {
+#if HAVE_INT8_512
+    return !tile16_reads(w);
+#else
+    (void)w;
+    return 0;
+#endif
+}
+
 /* KERNEL(w, K, n, rows, qx, m0, out, ...) with a constant row count (1 to FAST_ROWS): the accumulators stay in
  * registers. */
 #define BY_ROW_COUNT(KERNEL, ROWS, ...)                                                                       \
@@ -1098,6 +1130,10 @@ static void rows_matmul_int8(const layout_t *w, int64_t M, int64_t K, const qx_t
 #else
 #define HAVE_INT8_DOT 0
 static inline int int8_dot_reads(const layout_t *w) {
+    (void)w;
+    return 0;
+}
+static inline int int8_reads_quads(const layout_t *w) {
     (void)w;
     return 0;
 }
@@ -1204,7 +1240,7 @@ int swarmkv_grouped_matmul_int8(int64_t M, int64_t N, int64_t K, const float *x,
         return 2;
     }
     qx_t qx;
-    quantize_x(M, K, x, codes, consts, &qx);
+    quantize_x(M, K, x, codes, consts, &qx, int8_reads_quads(&w));
 #pragma omp parallel num_threads(threads)
     matmul_share_int8(&w, M, N, K, &qx, y, ldy);
     free(codes);
