@@ -1,9 +1,10 @@
 """How the CPU quantized GEMV and the whole C decode step scale with rows (M), one thread, on the embedded
 SmolLM2-135M Q4_1 GGUF: the time at M rows over the time at M = 1.
 
-1. The grouped matmul (kernels/cpu_grouped.py) on three of the model's weights: layer 0's gate_up (Q4_1
-   3072 x 576), its down (Q4_1 576 x 1536) and the LM head (the tied Q8_0 embedding, 49152 x 576), with int8
-   activations (`matmul_int8`, the decode step's default) and float32 ones (`matmul`).
+1. The grouped matmul (kernels/cpu_grouped.py) on each kind of the model's weights: layer 0's qkv (Q4_1
+   960 x 576), o (Q4_1 576 x 576), gate_up (Q4_1 3072 x 576), down (Q4_1 576 x 1536) and the LM head (the tied
+   Q8_0 embedding, 49152 x 576), with int8 activations (`matmul_int8`, the decode step's default) and float32
+   ones (`matmul`).
 2. The whole C decode step (engine/cpu_decode.py) at M rows of distinct prompts: bench/decode.py's bare
    forward loop, seconds a step.
 
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(resolve_model_path(None), dtype="float32", weights="gguf")
     model = loaded.model
     weights = {
+        "qkv": blocks(model.layers[0].self_attn.qkv_proj),
+        "o": blocks(model.layers[0].self_attn.o_proj),
         "gate_up": blocks(model.layers[0].mlp.gate_up_proj),
         "down": blocks(model.layers[0].mlp.down_proj),
         "lm_head": blocks(model.lm_head),
