@@ -371,8 +371,9 @@ static void rows_matmul(const layout_t *w, int64_t M, int64_t K, const float *xd
 /* ---- int8 activations (decode): x quantised per group of 32 to int8 with one float scale, as llama.cpp's
  * Q8 activations; each group's dot product runs in integers on the CPU's u8 x s8 dot-product instructions
  * (AVX-512 VNNI or AVX-VNNI; AVX2's maddubs otherwise) and is scaled once. 4- and 5-bit codes are unsigned and
- * meet x directly; 8-bit codes are signed: the 256-bit kernel moves their sign onto x, the 512-bit one meets
- * them with x + 128 (unsigned) and takes 128 times the codes' sum back off. */
+ * meet x directly; 8-bit codes are signed: the 256-bit kernel moves their sign onto x, the 512-bit one-row
+ * kernel meets them with x + 128 (unsigned) and takes 128 times the codes' sum back off, and the 512-bit 16-row
+ * kernel (tile16) flips them to codes + 128 against x and takes 128 times x's sum back off (bias8). */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__BMI2__)
 #define HAVE_INT8_512 1
 #else
