@@ -73,8 +73,9 @@ class InFlight:
             return cls(sampling, sampled, sampled, None)
         host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
         host.copy_(sampled, non_blocking=True)
+        # On the stream of the ids' own device: the engine's thread may have another device current.
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(sampled.device))
         return cls(sampling, sampled, host, ready)
 
     def inputs(self) -> ProvisionalInputs:
