@@ -311,3 +311,32 @@ def test_the_server_streams_a_looking_ahead_engines_replies() -> None:
     assert streams == texts
     assert "swarmkv_lookahead_steps_total" in metrics and "swarmkv_lookahead_steps_total 0.0" not in metrics
     app.state.ctx.engine.engine.check_integrity()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_hybrids_graph_replays_run_ahead_on_triton(hybrid: LoadedModel) -> None:
+    """Qwen3.5 on the triton backend, its decodes replayed from (stand-in) graphs that read their state slots
+    and, under async scheduling, their provisional inputs from the device: the torch backend's tokens,
+    synchronous, with replies ended by a stop token and by length."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    from swarmkv.engine.cuda_graphs import DecodeGraphs, EagerGraph, batch_buckets
+
+    head = [(7 * i + 3) % 300 for i in range(24)]
+    prompts = [head + [300 + i, 301] for i in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    options: dict[str, Any] = {"kv_cache_memory": "8MiB", "block_size": 16, "speculation": "off"}
+    (probe,) = LLM(loaded=hybrid, **options).generate(prompts[:1], greedy)
+    params = SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[probe.token_ids[3]])
+    expected = [o.token_ids for o in LLM(loaded=hybrid, **options).generate(prompts, params)]
+    llm = LLM(loaded=hybrid, attention_backend="triton", async_scheduling="on", **options)
+    runner = llm.engine.runner.triton
+    assert runner is not None
+    runner.graphs = DecodeGraphs(
+        batch_buckets(4), runner._graph_shape, runner.forward, runner.device, EagerGraph
+    )
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert runner.graphs.replays > 0 and llm.engine.counters.lookahead_steps > 0
+    llm.engine.check_integrity()
