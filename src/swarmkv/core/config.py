@@ -97,6 +97,13 @@ class EngineConfig:
         "on the CPU, run each decode-only step of a dense model held at its GGUF bits as one C call "
         "(kernels/cpu/decode.c) instead of through the torch modules",
     )
+    cpu_prefill_bf16: bool = _opt(
+        False,
+        "on the CPU, run steps of prefill chunks through the torch modules in bfloat16 (torch.autocast: the "
+        "matmuls and attention; the LM head stays float32), dense models only: on AMX or AVX-512 BF16 several "
+        "times faster. Top-1 agreement of prefill logits with float32 over 1,024 README tokens: 98.7 percent on the "
+        "embedded model. Off until a quality gate across models says otherwise",
+    )
     cpu_int8_activations: bool = _opt(
         True,
         "in that C decode step, quantise each projection's input to int8 per group of 32 (as llama.cpp does) "

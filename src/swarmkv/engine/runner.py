@@ -48,13 +48,15 @@ class ModelRunner:
         states: StateCache | None = None,
         fused_cpu_decode: bool = False,
         cpu_int8_activations: bool = True,
+        cpu_prefill_bf16: bool = False,
     ) -> None:
         """With the triton backend, `cuda_graphs` replays decode steps of up to `max_num_seqs` rows, and with
         `mixed_step_graphs` steps with a few prefill chunks beside them (dense models). A hybrid
         model's linear-attention layers run over `states`, on either backend. `cascade_min_saved_tokens`:
         the reads a shared-prefix group must spare under `cascade="auto"` (None: the backend's default).
         `fused_cpu_decode`: run each step's decodes as one C call where the model allows (engine/cpu_decode.py),
-        its projections on int8 activations if `cpu_int8_activations`."""
+        its projections on int8 activations if `cpu_int8_activations`. `cpu_prefill_bf16`: a CPU step's
+        prefill chunks (no decode rows beside them in the modules) run under bfloat16 autocast, dense models."""
         self.model = model
         self.states = states
         self.kv_cache = kv_cache
@@ -77,6 +79,7 @@ class ModelRunner:
             self.triton = TritonRunner(
                 model, kv_cache, page_table, buckets, max_keys, states=states, mixed_graphs=mixed_step_graphs
             )
+        self.prefill_bf16 = cpu_prefill_bf16 and self.device.type == "cpu" and states is None
         self.cpu_decode: DecodeModel | None = None
         if fused_cpu_decode and backend == "torch" and states is None:
             reason = cpu_decode.why_not(model, kv_cache, self.device)
@@ -128,9 +131,11 @@ class ModelRunner:
         if self.states is not None:
             state_layout = build_state_layout(prefills, decodes, plan.state_slots, self.device)
             backend = RecurrentStep(backend, self.states, state_layout)
-        hidden = self.model(input_ids, positions, backend)
+        # Prefill chunks alone are compute-bound: bfloat16 matmuls and attention where asked (AMX, AVX-512 BF16).
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.prefill_bf16 and not decodes):
+            hidden = self.model(input_ids, positions, backend)
         rows = torch.tensor(sampling_rows(prefills + decodes), dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self.model.compute_logits(hidden[rows].to(self.dtype))
         return sampling, logits
 
     def update_page_table(self, plan: StepPlan) -> None:
