@@ -139,6 +139,9 @@ def test_an_abort_while_its_step_is_in_flight_loses_nothing() -> None:
     while engine._in_flight is None or "r0" not in {c.request_id for c in engine._in_flight.sampling}:
         for delta in engine.step():
             tokens[delta.request_id] += delta.new_token_ids
+    aborted = engine.get_sequence("r0")
+    assert aborted is not None and aborted.num_provisional_tokens == 1
+    assert aborted.settled_output_token_ids == tokens["r0"]
     assert engine.abort("r0")
     engine.check_integrity()
     while engine.has_unfinished():
@@ -148,6 +151,7 @@ def test_an_abort_while_its_step_is_in_flight_loses_nothing() -> None:
         engine.check_integrity()
     assert engine.kv.num_in_use == 0
     assert {rid: tokens[rid] for rid in ("r1", "r2")} == {rid: expected[rid][0] for rid in ("r1", "r2")}
+    assert aborted.output_token_ids == tokens["r0"], "the in-flight token, never shown, is not kept"
 
 
 def test_a_failed_step_still_delivers_the_step_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:

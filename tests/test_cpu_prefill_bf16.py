@@ -46,3 +46,18 @@ def test_bfloat16_prefill_moves_the_logits_by_rounding_only(tiny: Path) -> None:
     scale = float(exact.abs().max())
     assert float((rounded - exact).abs().max()) < 0.05 * scale
     assert torch.equal(rounded.argmax(-1), exact.argmax(-1))
+
+
+def test_drafts_are_verified_in_float32(tiny: Path) -> None:
+    """A speculative chunk runs through the modules like a prefill, but its rows verify drafts: they stay in
+    float32, so greedy output with speculation equals it without."""
+    prompt = [(37 * i + 11) % 500 for i in range(20)] * 4
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    replies = {}
+    for mode in ("off", "on"):
+        llm = LLM(str(tiny), dtype="float32", speculation=mode, cpu_prefill_bf16=True)
+        (out,) = llm.generate([prompt], params)
+        replies[mode] = out.token_ids
+        if mode == "on":
+            assert llm.stats()["spec_verify_steps"] > 0
+    assert replies["on"] == replies["off"]

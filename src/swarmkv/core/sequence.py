@@ -89,6 +89,11 @@ class Sequence:
         self.num_provisional_tokens = 0
 
     @property
+    def settled_output_token_ids(self) -> list[int]:
+        """The reply's tokens whose ids are known: all but a provisional last one (a copy)."""
+        return self.output_token_ids[: len(self.output_token_ids) - self.num_provisional_tokens]
+
+    @property
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)

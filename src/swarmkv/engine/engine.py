@@ -432,10 +432,10 @@ class LLMEngine:
             if seq.num_provisional_tokens:
                 seq.drop_provisional()
             if seq.status is Status.FINISHED:  # aborted, failed or given up meanwhile
-                seq.append_token(token)
                 if seq in self.scheduler.gave_up:  # its reply keeps the token; the step's loop ends it
+                    seq.append_token(token)
                     deltas.append(self.outputs.process(seq.request_id, seq.output_token_ids, [token], None))
-                continue
+                continue  # aborted or failed: the token was never shown, so the reply ends without it
             deltas.append(self.append_tokens(seq, [token], ran_ahead=ran_ahead.get(chunk.request_id)))
         return deltas
 

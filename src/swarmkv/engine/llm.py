@@ -116,7 +116,7 @@ class LLM:
                     results[delta.request_id] = RequestOutput(
                         delta.request_id,
                         seq.prompt_token_ids,
-                        list(seq.output_token_ids),
+                        seq.settled_output_token_ids,
                         "".join(texts[delta.request_id]),
                         delta.finish_reason,
                         seq.num_cached_tokens,
@@ -129,7 +129,7 @@ class LLM:
                 results[rid] = RequestOutput(
                     rid,
                     seq.prompt_token_ids,
-                    list(seq.output_token_ids),
+                    seq.settled_output_token_ids,
                     "".join(texts[rid]),
                     "abort",
                     seq.num_cached_tokens,

@@ -132,7 +132,9 @@ class ModelRunner:
             state_layout = build_state_layout(prefills, decodes, plan.state_slots, self.device)
             backend = RecurrentStep(backend, self.states, state_layout)
         # Prefill chunks alone are compute-bound: bfloat16 matmuls and attention where asked (AMX, AVX-512 BF16).
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.prefill_bf16 and not decodes):
+        # Never for a draft's rows: verification must see the logits a decode would.
+        bf16 = self.prefill_bf16 and not decodes and not any(c.draft for c in prefills)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             hidden = self.model(input_ids, positions, backend)
         rows = torch.tensor(sampling_rows(prefills + decodes), dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[rows].to(self.dtype))
