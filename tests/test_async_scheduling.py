@@ -344,3 +344,41 @@ def test_a_hybrids_graph_replays_run_ahead_on_triton(hybrid: LoadedModel) -> Non
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert runner.graphs.replays > 0 and llm.engine.counters.lookahead_steps > 0
     llm.engine.check_integrity()
+
+
+def test_ids_that_cannot_be_read_back_fail_their_requests_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device copy of a step's ids fails (on a GPU: an error surfacing at the event): that step's requests
+    end in an error, the step launched after it commits nothing of theirs, and every page comes back."""
+    from swarmkv.engine.lookahead import InFlight
+
+    engine = tiny_llm(async_scheduling="on", speculation="off", block_size=4).engine
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    engine.add_request("a", list(range(10, 30)), params)
+    while engine._in_flight is None:
+        engine.step()
+
+    def unreadable(self: InFlight) -> list[int]:
+        raise RuntimeError("injected copy fault")
+
+    monkeypatch.setattr(InFlight, "tokens", unreadable)
+    (failed,) = engine.step()
+    assert failed.finished and failed.finish_reason == "error" and failed.error
+    assert not engine.healthy
+    monkeypatch.undo()
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
+    assert engine.kv.num_in_use == 0
+    (again,) = engine_outputs(engine, list(range(10, 30)), params)
+    assert len(again) == 20 and engine.healthy
+
+
+def engine_outputs(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[list[int]]:
+    """One more request through `engine`, stepped to its end: its tokens."""
+    engine.add_request("after", prompt, params)
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            tokens += delta.new_token_ids
+        engine.check_integrity()
+    return [tokens]

@@ -169,7 +169,9 @@ class Scheduler:
             if (
                 seq.status is Status.RUNNING
                 and _is_decoding(seq)
-                and not self._reply_complete(seq)
+                # Only a provisional last token (async scheduling) leaves such a reply running; it
+                # finishes once that token is read back.
+                and not seq.reached_length(self.limits.max_model_len)
                 and self._reserve(seq, 1, plan, scheduled)
             ):
                 scheduled.add(id(seq))
@@ -231,14 +233,6 @@ class Scheduler:
         plan.freed, self._freed = self._freed, []
         plan.state_slots = self.kv.state_slots([c.request_id for c in plan.chunks])
         return plan
-
-    def _reply_complete(self, seq: Sequence) -> bool:
-        """Whether the reply already reached max_tokens or the context: only a provisional last token (async
-        scheduling) leaves such a request running, and it finishes once that token is read back."""
-        max_len = self.limits.max_model_len
-        return len(seq.output_token_ids) >= seq.params.max_tokens or (
-            max_len is not None and seq.num_tokens >= max_len
-        )
 
     def _add_drafts(self, plan: StepPlan, drafter: Drafter, budget: int) -> int:
         """Turn decodes into speculative chunks, oldest first, while the step has rows to spare (a step of

@@ -88,6 +88,12 @@ class Sequence:
         self._token_ids.pop()
         self.num_provisional_tokens = 0
 
+    def reached_length(self, max_model_len: int | None) -> bool:
+        """Whether the reply is as long as it may get: max_tokens, or the context's `max_model_len` positions."""
+        return len(self.output_token_ids) >= self.params.max_tokens or (
+            max_model_len is not None and self.num_tokens >= max_model_len
+        )
+
     @property
     def settled_output_token_ids(self) -> list[int]:
         """The reply's tokens whose ids are known: all but a provisional last one (a copy)."""

@@ -374,7 +374,7 @@ class LLMEngine:
         except Exception as exc:
             # This step computed nothing to keep: a request the step before stopped is freed without it.
             deltas = self._settle(in_flight, {}) if in_flight is not None else []
-            return deltas + self._fail_step(plan, exc)
+            return deltas + self._fail_chunks(plan.chunks, exc)
         self.last_step_error = None
         self.counters.lookahead_steps += in_flight is not None
         deltas = self._settle(in_flight, ran_ahead) if in_flight is not None else []
@@ -477,11 +477,8 @@ class LLMEngine:
             cost = self.preemption_cost
             cost.prefill_s_per_token = 0.8 * cost.prefill_s_per_token + 0.2 * elapsed_s / num_tokens
 
-    def _fail_step(self, plan: StepPlan, exc: Exception) -> list[RequestDelta]:
-        """Fail the step's requests and only those: their KV computed in earlier steps stays cached."""
-        return self._fail_chunks(plan.chunks, exc)
-
     def _fail_chunks(self, chunks: list[Chunk], exc: Exception) -> list[RequestDelta]:
+        """Fail a step's requests and only those: their KV computed in earlier steps stays cached."""
         log.exception("a step of %d chunk(s) failed; failing its requests", len(chunks))
         self.last_step_error = f"{type(exc).__name__}: {exc}"
         self.counters.failed_steps += 1
@@ -534,7 +531,7 @@ class LLMEngine:
                 not params.ignore_eos and token in self.tokenizer.eos_token_ids
             ):
                 reason = "stop"
-            elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif seq.reached_length(self.max_model_len):
                 reason = "length"
             if reason is not None:
                 break

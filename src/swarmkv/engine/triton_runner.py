@@ -173,19 +173,18 @@ class TritonRunner:
         eagerly). A mixed step is padded to its prefill-token bucket between its prefill rows and its decodes,
         so its decodes start where the graph's do."""
         num_prefill = len(step.token_ids) - num_decodes
-        if not num_prefills:
-            graphs, gap = self.graphs, 0
-        else:
+        graphs, gap = self.graphs, 0
+        if num_prefills:
             tokens = next((t for t in sorted(self.mixed_graphs) if t >= num_prefill), None)
             if tokens is None or num_prefills > MIXED_MAX_CHUNKS:
                 return None
             graphs, gap = self.mixed_graphs[tokens], tokens - num_prefill
+            step = _with_gap(step, num_prefill, gap)
         bucket = graphs.bucket(num_decodes) if graphs is not None else None
         if graphs is None or bucket is None:
             return None
-        padded = _with_gap(step, num_prefill, gap) if num_prefills else step
-        logit_rows = padded.logit_rows if num_prefills else list(range(bucket))
-        packed = self._pack(padded, graphs.shape_for(bucket), logit_rows)
+        logit_rows = step.logit_rows if num_prefills else list(range(bucket))
+        packed = self._pack(step, graphs.shape_for(bucket), logit_rows)
         return graphs.run(bucket, packed, len(step.logit_rows), lambda ids: fill(ids, gap))
 
     def _mixed_shape(self, prefill_tokens: int, bucket: int) -> TritonShape:

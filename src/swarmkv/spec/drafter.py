@@ -167,9 +167,11 @@ class Drafter:
                 if tokens:
                     best = Draft(tuple(tokens), source, length)
         req.pending = best
-        req.idle = 0 if best is not None else req.idle + 1
         if best is None:
+            req.idle += 1
             req.wait_steps = min(req.idle, self.idle_wait_steps)
+        else:
+            req.idle = 0
         return best
 
     def backing_off(self, request_id: str) -> bool:
