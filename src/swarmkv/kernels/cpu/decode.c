@@ -98,8 +98,8 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
 /* e^x for x <= 0 (softmax weights), to a few float32 ulps, in plain arithmetic the compiler vectorises (libm's
  * expf is a call per element): 2^n e^f with n = round(x / ln 2), |f| <= ln 2 / 2, e^f by a degree-6 polynomial. */
 static inline float exp_nonpositive(float x) {
-    x = fmaxf(x, -87.0f); /* e^-87 is at the bottom of float32's normal range: 0 to a sum beside 1 (and NaN's value:
-                           * a select keeping NaN would stop the loops vectorising) */
+    x = x > -87.0f ? x : -87.0f; /* e^-87 is at the bottom of float32's normal range: 0 to a sum beside 1; NaN
+                                  * takes that value too (as MAXPS and fmaxf give it, without fmaxf's call) */
     const float n = floorf(x * 1.44269504088896341f + 0.5f);
     const float f = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
     float p = 1.0f / 720.0f;
@@ -115,6 +115,21 @@ static inline float exp_nonpositive(float x) {
     } scale = {.i = ((int32_t)n + 127) << 23};
     return p * scale.f;
 }
+
+#if defined(__AVX2__)
+/* exp_nonpositive on 8 lanes, the same operations in the same order (so the same values). */
+static inline __m256 exp_nonpositive8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+    const __m256 f = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
+                                   _mm256_mul_ps(n, _mm256_set1_ps(1.42860682030941723e-6f)));
+    const float c[6] = {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    for (int i = 0; i < 6; i++) p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(c[i]));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
 
 /* y[M, N] = x W^T (+ bias) for this thread's rows of every block; x's forms are prepared first by one thread.
  * Ends at a barrier. */
@@ -251,13 +266,35 @@ static inline void tile_rows(const model_t *m, const layer_t *L, const int64_t *
 /* A tile's scores p[n] into softmax weights against the state's running maximum, folded into its sum and
  * maximum; returns the factor its accumulator takes first. */
 static inline float fold_weights(softmax_t *sm, float *p, int64_t n) {
-    float tile_max = -INFINITY;
-    for (int64_t k = 0; k < n; k++) tile_max = p[k] > tile_max ? p[k] : tile_max;
+    float tile_max = -INFINITY, total = 0.0f;
+    int64_t k = 0;
+#if defined(__AVX2__)
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    for (; k + 8 <= n; k += 8) top = _mm256_max_ps(_mm256_loadu_ps(p + k), top); /* a NaN score never enters */
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top);
+    for (int i = 0; i < 8; i++) tile_max = lanes[i] > tile_max ? lanes[i] : tile_max;
+#endif
+    for (; k < n; k++) tile_max = p[k] > tile_max ? p[k] : tile_max;
     const float new_max = tile_max > sm->max ? tile_max : sm->max;
     const float alpha = sm->max == -INFINITY ? 0.0f : exp_nonpositive(sm->max - new_max);
-    for (int64_t k = 0; k < n; k++) p[k] = exp_nonpositive(p[k] - new_max);
-    float total = 0.0f;
-    for (int64_t k = 0; k < n; k++) total += p[k];
+    k = 0;
+#if defined(__AVX2__)
+    /* eight lanes at a time: a scalar exp a key was most of the attention's time at long contexts */
+    const __m256 shift = _mm256_set1_ps(new_max);
+    __m256 sums = _mm256_setzero_ps();
+    for (; k + 8 <= n; k += 8) {
+        const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(p + k), shift));
+        _mm256_storeu_ps(p + k, e);
+        sums = _mm256_add_ps(sums, e);
+    }
+    _mm256_storeu_ps(lanes, sums);
+    for (int i = 0; i < 8; i++) total += lanes[i];
+#endif
+    for (; k < n; k++) {
+        p[k] = exp_nonpositive(p[k] - new_max);
+        total += p[k];
+    }
     sm->sum = sm->sum * alpha + total;
     sm->max = new_max;
     return alpha;
@@ -558,20 +595,6 @@ static void merge_chunks(const float *part, int64_t heads, int64_t chunks, int64
     for (int64_t d = 0; d < D; d++) out[d] = acc[d] / sum;
 }
 
-#if defined(__AVX2__)
-/* exp_nonpositive on 8 lanes, the same operations in the same order (so the same values). */
-static inline __m256 exp_nonpositive8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
-    const __m256 f = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
-                                   _mm256_mul_ps(n, _mm256_set1_ps(1.42860682030941723e-6f)));
-    const float c[6] = {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    for (int i = 0; i < 6; i++) p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(c[i]));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-#endif
 
 /* out = silu(g) * u = g / (1 + e^-g) * u, with e^-|g| from exp_nonpositive (libm's expf is a call an element):
  * for g < 0 the numerator is g e^g, the same value. Eight lanes at a time where the CPU has AVX2 (GCC does not
