@@ -318,38 +318,71 @@ static inline __m512 sum16(const __m512 *v) {
                          _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* exp_nonpositive on 16 lanes (the same polynomial; fused multiply-adds here, as the attention may round). */
+static inline __m512 exp_nonpositive16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f),
+                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x));
+    const float c[6] = {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    for (int i = 0; i < 6; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Up to 16 keys' scores q . K[j] (keys [j, j + count)), in lane order; lanes past count are -inf. */
+#define TILE_SCORES(DIM, qv, keys, j, count, out)                                                                 \
+    do {                                                                                                         \
+        __m512 acc_[16];                                                                                         \
+        for (int k_ = 0; k_ < 16; k_++) {                                                                        \
+            if (k_ >= (count)) {                                                                                 \
+                acc_[k_] = _mm512_setzero_ps();                                                                  \
+                continue;                                                                                        \
+            }                                                                                                    \
+            acc_[k_] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys[(j) + k_]));                                    \
+            for (int v_ = 1; v_ < (DIM) / 16; v_++)                                                              \
+                acc_[k_] = _mm512_fmadd_ps(qv[v_], _mm512_loadu_ps(keys[(j) + k_] + 16 * v_), acc_[k_]);         \
+        }                                                                                                        \
+        const __mmask16 valid_ = (count) >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count)) - 1u);          \
+        out = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid_, _mm512_mul_ps(sum16(acc_), scale));          \
+    } while (0)
+
 /* attend_tile for a head size known when compiled (64, 128): a query's and an accumulator's vectors stay in
- * registers, the scores of a tile are one pass of fused multiply-adds. */
+ * registers; a tile's (at most 32) scores, their maximum, weights and sum stay in two vectors, so the online
+ * softmax costs a few vector operations a tile. */
 #define ATTEND_TILE_FIXED(NAME, DIM)                                                                             \
     static void NAME(const model_t *m, const layer_t *L, const int64_t *slots, int64_t n, int64_t kvh,          \
                      const float *const *q, softmax_t *const *st, int count) {                                  \
         enum { V = DIM / 16 };                                                                                  \
+        _Static_assert(TILE == 32, "a tile's scores are two vectors");                                          \
         const float *keys[TILE], *values[TILE];                                                                 \
         tile_rows(m, L, slots, n, kvh, keys, values);                                                           \
+        const __m512 scale = _mm512_set1_ps(m->scale);                                                          \
+        const int low = n < 16 ? (int)n : 16, high = n > 16 ? (int)n - 16 : 0;                                  \
         for (int c = 0; c < count; c++) {                                                                       \
             softmax_t *sm = st[c];                                                                              \
             __m512 qv[V];                                                                                       \
             for (int v = 0; v < V; v++) qv[v] = _mm512_loadu_ps(q[c] + 16 * v);                                 \
+            __m512 s0, s1 = _mm512_set1_ps(-INFINITY);                                                          \
+            TILE_SCORES(DIM, qv, keys, 0, low, s0);                                                             \
+            if (high > 0) TILE_SCORES(DIM, qv, keys, 16, high, s1);                                             \
+            /* a NaN score never enters the maximum (MAXPS keeps its second operand) */                       \
+            const float tile_max = _mm512_reduce_max_ps(_mm512_max_ps(s1, s0));                                 \
+            const float new_max = tile_max > sm->max ? tile_max : sm->max;                                      \
+            const float alpha = sm->max == -INFINITY ? 0.0f : exp_nonpositive(sm->max - new_max);              \
+            const __m512 shift = _mm512_set1_ps(new_max);                                                       \
+            const __mmask16 m0 = (__mmask16)((1u << low) - 1u), m1 = (__mmask16)((1u << high) - 1u);            \
+            const __m512 e0 = _mm512_maskz_mov_ps(m0, exp_nonpositive16(_mm512_sub_ps(s0, shift)));              \
+            const __m512 e1 = _mm512_maskz_mov_ps(m1, exp_nonpositive16(_mm512_sub_ps(s1, shift)));              \
+            sm->sum = sm->sum * alpha + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));                            \
+            sm->max = new_max;                                                                                  \
             float p[TILE];                                                                                      \
-            int64_t j = 0;                                                                                      \
-            for (; j + 16 <= n; j += 16) { /* sixteen keys, their sums reduced together */                      \
-                __m512 acc[16];                                                                                 \
-                for (int k = 0; k < 16; k++) {                                                                  \
-                    acc[k] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys[j + k]));                                \
-                    for (int v = 1; v < V; v++)                                                                 \
-                        acc[k] = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(keys[j + k] + 16 * v), acc[k]);         \
-                }                                                                                               \
-                _mm512_storeu_ps(p + j, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(m->scale)));                   \
-            }                                                                                                   \
-            for (; j < n; j++) {                                                                                \
-                __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys[j]));                                    \
-                for (int v = 1; v < V; v++) acc = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(keys[j] + 16 * v), acc); \
-                p[j] = _mm512_reduce_add_ps(acc) * m->scale;                                                    \
-            }                                                                                                   \
-            const float alpha = fold_weights(sm, p, n);                                                             \
+            _mm512_storeu_ps(p, e0);                                                                            \
+            _mm512_storeu_ps(p + 16, e1);                                                                       \
             __m512 a[V];                                                                                        \
-            const __m512 scale = _mm512_set1_ps(alpha);                                                         \
-            for (int v = 0; v < V; v++) a[v] = _mm512_mul_ps(_mm512_loadu_ps(sm->acc + 16 * v), scale);        \
+            const __m512 keep = _mm512_set1_ps(alpha);                                                          \
+            for (int v = 0; v < V; v++) a[v] = _mm512_mul_ps(_mm512_loadu_ps(sm->acc + 16 * v), keep);         \
             for (int64_t j = 0; j < n; j++) {                                                                   \
                 const __m512 w = _mm512_set1_ps(p[j]);                                                          \
                 for (int v = 0; v < V; v++) a[v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(values[j] + 16 * v), a[v]); \
