@@ -1,5 +1,6 @@
 """`cpu_prefill_bf16`: a CPU step's prefill chunks through the modules under bfloat16 autocast. The logits move
-by bfloat16 rounding only, and the float32 path is untouched when it is off."""
+by bfloat16 rounding only, the float32 path is untouched when it is off, and auto turns it on only where decodes
+already round activations to int8 and the CPU has AMX tiles."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 from swarmkv import LLM, SamplingParams
+from swarmkv.engine.runner import amx_tiles
+from tiny_gguf import write_tiny_gguf
 from tiny_models import make_tiny_checkpoint
 
 PROMPT = [(37 * i + 11) % 500 for i in range(96)]
@@ -39,8 +42,8 @@ def _first_logits(path: Path, **options: Any) -> torch.Tensor:
 
 def test_bfloat16_prefill_moves_the_logits_by_rounding_only(tiny: Path) -> None:
     exact = _first_logits(tiny)
-    assert torch.equal(exact, _first_logits(tiny, cpu_prefill_bf16=False))
-    rounded = _first_logits(tiny, cpu_prefill_bf16=True)
+    assert torch.equal(exact, _first_logits(tiny, cpu_prefill_bf16="off"))
+    rounded = _first_logits(tiny, cpu_prefill_bf16="on")
     assert rounded.dtype == torch.float32
     assert not torch.equal(rounded, exact), "the prefill ran in bfloat16"
     scale = float(exact.abs().max())
@@ -55,9 +58,24 @@ def test_drafts_are_verified_in_float32(tiny: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     replies = {}
     for mode in ("off", "on"):
-        llm = LLM(str(tiny), dtype="float32", speculation=mode, cpu_prefill_bf16=True)
+        llm = LLM(str(tiny), dtype="float32", speculation=mode, cpu_prefill_bf16="on")
         (out,) = llm.generate([prompt], params)
         replies[mode] = out.token_ids
         if mode == "on":
             assert llm.stats()["spec_verify_steps"] > 0
     assert replies["on"] == replies["off"]
+
+
+def test_auto_follows_the_decode_steps_rounding_and_the_cpu(tiny: Path, tmp_path: Path) -> None:
+    """auto: a float checkpoint prefills in float32 everywhere; a GGUF-held model whose decodes run the C step on
+    int8 activations prefills in bfloat16 where the CPU has AMX tiles, and in float32 with float32 decodes."""
+    assert not LLM(str(tiny), dtype="float32").engine.runner.prefill_bf16
+    gguf = write_tiny_gguf(tmp_path / "llama.gguf", arch="llama")
+    held = LLM(str(gguf), dtype="float32", kv_cache_memory="16MiB").engine.runner
+    assert held.cpu_decode is not None
+    assert held.prefill_bf16 == amx_tiles()
+    exact = LLM(str(gguf), dtype="float32", kv_cache_memory="16MiB", cpu_int8_activations=False)
+    assert not exact.engine.runner.prefill_bf16
+    assert LLM(
+        str(gguf), dtype="float32", kv_cache_memory="16MiB", cpu_prefill_bf16="on"
+    ).engine.runner.prefill_bf16

@@ -15,6 +15,8 @@ SpeculationMode = Literal["auto", "on", "off"]
 SPECULATION_MODES: tuple[SpeculationMode, ...] = ("auto", "on", "off")
 AsyncSchedulingMode = Literal["auto", "on", "off"]
 ASYNC_SCHEDULING_MODES: tuple[AsyncSchedulingMode, ...] = ("auto", "on", "off")
+PrefillBf16Mode = Literal["auto", "on", "off"]
+PREFILL_BF16_MODES: tuple[PrefillBf16Mode, ...] = ("auto", "on", "off")
 LoopGuardMode = Literal["constrained", "all", "off"]
 LOOP_GUARD_MODES: tuple[LoopGuardMode, ...] = ("constrained", "all", "off")
 
