@@ -243,6 +243,12 @@ def main() -> None:
                     agreement = float((picks == reference).float().mean())
                     kind = "int8" if int8 else "float32"
                     print(f"  gguf, the C decode step, {kind} activations: {agreement:.1%}")
+                # what cpu_prefill_bf16 computes for a prefill chunk (the runner's autocast; head in float32)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    hidden = gguf.model(torch.tensor(ids), torch.arange(len(ids)), CausalSelfAttention())
+                picks = gguf.model.compute_logits(hidden.float()).argmax(-1)
+                agreement = float((picks == reference).float().mean())
+                print(f"  gguf, a prefill under bfloat16 autocast (cpu_prefill_bf16): {agreement:.1%}")
 
 
 if __name__ == "__main__":
