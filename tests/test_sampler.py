@@ -7,7 +7,7 @@ from collections import Counter
 import torch
 
 from swarmkv import SamplingParams
-from swarmkv.engine.sampler import sample
+from swarmkv.engine.sampler import greedy_ids, sample
 
 PROBS = torch.tensor([0.5, 0.3, 0.2])
 
@@ -34,3 +34,15 @@ def test_greedy_rows_and_sampled_rows_mix_in_one_batch() -> None:
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]])
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1)]
     assert sample(logits, params, [None, torch.Generator().manual_seed(1)]) == [1, 0]
+
+
+def test_greedy_ids_pick_what_torch_argmax_picks() -> None:
+    """The CPU's numpy argmax: the first maximum, a NaN before any number, on views too."""
+    logits = torch.randn(6, 4000, generator=torch.Generator().manual_seed(3))
+    logits[1, [7, 9]] = float("nan")
+    logits[2] = 1.0
+    logits[3, [10, 20]] = 50.0
+    logits[4, 5] = float("inf")
+    for view in (logits, logits[:, 1::3], logits.t().contiguous().t()):
+        assert torch.equal(greedy_ids(view), view.argmax(-1))
+        assert greedy_ids(view).dtype == torch.int64

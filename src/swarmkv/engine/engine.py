@@ -32,7 +32,7 @@ from swarmkv.engine.lookahead import InFlight
 from swarmkv.engine.output_processor import OutputProcessor, RequestDelta
 from swarmkv.engine.page_table import PageTable
 from swarmkv.engine.runner import ModelRunner
-from swarmkv.engine.sampler import sample, sample_on_device
+from swarmkv.engine.sampler import greedy_ids, sample, sample_on_device
 from swarmkv.engine.speculative import verify_greedy, verify_sampled
 from swarmkv.engine.state_cache import StateCache
 from swarmkv.errors import CapacityError, InvalidRequestError
@@ -444,7 +444,9 @@ class LLMEngine:
     ) -> dict[int, list[int]]:
         """The tokens each speculative chunk yields (by its index in `sampling`), from its rows of logits."""
         out: dict[int, list[int]] = {}
-        choices = logits.argmax(-1).tolist() if any(c.draft and c.seq.params.greedy for c in sampling) else []
+        choices = (
+            greedy_ids(logits).tolist() if any(c.draft and c.seq.params.greedy for c in sampling) else []
+        )
         first = 0
         for i, chunk in enumerate(sampling):
             rows = slice(first, first + chunk.num_logits)

@@ -20,7 +20,7 @@ def sample_on_device(
     logits: torch.Tensor, params: list[SamplingParams], generators: Sequence[torch.Generator | None]
 ) -> torch.Tensor:
     """`sample`'s picks as int64 ids on the logits' device, without waiting for the device."""
-    chosen = logits.argmax(dim=-1)
+    chosen = greedy_ids(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         device = logits.device
@@ -28,6 +28,19 @@ def sample_on_device(
         picked = _sample_rows(logits[index], [params[i] for i in rows], [generators[i] for i in rows])
         chosen[index] = picked
     return chosen
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first maximum, a NaN before any number, as torch.argmax) as int64 on the logits'
+    device. On the CPU through numpy: torch's argmax over [8, 49152] float32 took about 250 us on this 2-core
+    machine against numpy's 24, a few percent of a batch-8 decode step."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        import numpy
+
+        return torch.from_numpy(
+            numpy.argmax(logits.detach().numpy(), axis=-1).astype(numpy.int64, copy=False)
+        )
+    return logits.argmax(dim=-1)
 
 
 def _sample_rows(
