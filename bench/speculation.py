@@ -5,8 +5,11 @@ Workloads, chat prompts from the committed bench/speculation_prompts.json, greed
 - file_edit: a ~50-line Python file in the prompt, "rewrite it with `foo` renamed to `bar`" (batch 1);
 - tool_call: a tool schema in the system prompt, five paths in the user message to read_file (batch 1);
 - swarm: 8 agents with the same system prompt and tools (one head: same salt, same opening tokens) and
-  different short tasks leading to similar calls, as one batch: the share of accepted tokens drafted from
-  siblings' replies is its figure;
+  different short tasks leading to similar calls, as one batch. In lockstep no agent is ever ahead of another,
+  so a sibling can only lend text it wrote at an earlier position of its reply;
+- swarm_staggered: the same 8 agents arriving one every --stagger-steps engine steps (8 by default), as a
+  swarm's agents reach the server apart: an agent that arrives later can draft from the replies of those ahead
+  of it. The share of accepted tokens drafted from siblings' replies is its figure (the target's row);
 - prose: "a short story about a lighthouse keeper", the control (little to draft from).
 The model's own greedy output is what gets drafted; no draft model.
 
@@ -44,11 +47,12 @@ from swarmkv import LLM, SamplingParams  # noqa: E402
 from swarmkv.models.loader import LoadedModel, load_model, resolve_model_path  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parent / "speculation_prompts.json"
-WORKLOADS = ("file_edit", "tool_call", "swarm", "prose")
+WORKLOADS = ("file_edit", "tool_call", "swarm", "swarm_staggered", "prose")
+STAGGERED = "swarm_staggered"  # the swarm's prompts, arriving apart
 MODES = ("off", "on")
 TARGET_TOKENS_PER_STEP = 2.5  # file_edit
 TARGET_SPEEDUP = 1.8  # file_edit, batch 1
-TARGET_SIBLING_SHARE = 0.30  # swarm: accepted tokens drafted from siblings
+TARGET_SIBLING_SHARE = 0.30  # swarm_staggered: accepted tokens drafted from siblings
 TARGET_CONTROL = 0.97  # prose against off
 
 _salts = itertools.count()
@@ -59,7 +63,7 @@ def load_prompts(path: Path = PROMPTS) -> dict[str, list[list[dict[str, str]]]]:
     data = json.loads(path.read_text())
     out: dict[str, list[list[dict[str, str]]]] = {}
     for name in WORKLOADS:
-        entry = data[name]
+        entry = data["swarm" if name == STAGGERED else name]
         if "tasks" in entry:
             system = {"role": "system", "content": entry["system"]}
             out[name] = [[system, {"role": "user", "content": task}] for task in entry["tasks"]]
@@ -92,18 +96,42 @@ SPEC_KEYS = (
 )
 
 
-def run_once(llm: LLM, prompts: list[list[dict[str, str]]], max_tokens: int) -> Run:
-    """One greedy `generate` of every prompt under a fresh shared salt (so no earlier run drafts for it)."""
+def run_once(llm: LLM, prompts: list[list[dict[str, str]]], max_tokens: int, stagger_steps: int = 0) -> Run:
+    """One greedy run of every prompt under a fresh shared salt (so no earlier run drafts for it): one
+    `generate`, or with `stagger_steps` prompt i added to the engine after i x stagger_steps of its steps."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     salt = f"spec-bench-{next(_salts)}"
     before = llm.engine.stats()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, cache_salt=salt)
+    if stagger_steps:
+        token_ids = staggered(llm, prompts, params, salt, stagger_steps)
+    else:
+        outputs = llm.generate(prompts, params, cache_salt=salt)
+        assert all(o.error is None for o in outputs), [o.error for o in outputs]
+        token_ids = [list(o.token_ids) for o in outputs]
     seconds = time.perf_counter() - start
     after = llm.engine.stats()
-    assert all(o.error is None for o in outputs), [o.error for o in outputs]
     counters = {k: int(after[k]) - int(before[k]) for k in SPEC_KEYS}
-    return Run(seconds, [list(o.token_ids) for o in outputs], counters)
+    return Run(seconds, token_ids, counters)
+
+
+def staggered(
+    llm: LLM, prompts: list[list[dict[str, str]]], params: SamplingParams, salt: str, stagger_steps: int
+) -> list[list[int]]:
+    """Each prompt's reply tokens, prompt i added to the engine once it has run i x stagger_steps steps."""
+    engine, ids = llm.engine, [llm.encode_prompt(p) for p in prompts]  # type: ignore[arg-type]
+    rids = [f"{salt}-{i}" for i in range(len(ids))]
+    replies: dict[str, list[int]] = {rid: [] for rid in rids}
+    steps = added = 0
+    while added < len(ids) or engine.has_unfinished():
+        while added < len(ids) and steps >= added * stagger_steps:
+            engine.add_request(rids[added], ids[added], params, cache_salt=salt)
+            added += 1
+        for delta in engine.step():
+            assert delta.error is None, delta.error
+            replies[delta.request_id] += delta.new_token_ids
+        steps += 1
+    return [replies[rid] for rid in rids]
 
 
 def decode_tok_s(long: Run, short_s: float) -> float | None:
@@ -127,6 +155,7 @@ def measure(
     workloads: list[str],
     max_tokens: int,
     repeats: int,
+    stagger_steps: int = 8,
 ) -> dict[str, Any]:
     """Every workload's runs, interleaved, on and off; per workload the best samples, the counters of the
     runs with speculation on summed, and whether every run's tokens on matched off's."""
@@ -137,11 +166,12 @@ def measure(
     runs: dict[tuple[str, str], list[Run]] = defaultdict(list)
     for rep in range(repeats):
         for name in workloads:
+            stagger = stagger_steps if name == STAGGERED else 0
             for mode in MODES if rep % 2 == 0 else MODES[::-1]:
-                run = run_once(llms[mode], prompts[name], max_tokens)
+                run = run_once(llms[mode], prompts[name], max_tokens, stagger)
                 runs[name, mode].append(run)
                 long_s[name, mode].append(run.seconds)
-                short_s[name, mode].append(run_once(llms[mode], prompts[name], 1).seconds)
+                short_s[name, mode].append(run_once(llms[mode], prompts[name], 1, stagger).seconds)
     out: dict[str, Any] = {}
     for name in workloads:
         on_runs, off_runs = runs[name, "on"], runs[name, "off"]
@@ -176,11 +206,13 @@ def identity_check(
     prompts: dict[str, list[list[dict[str, str]]]],
     workloads: list[str],
     max_tokens: int,
+    stagger_steps: int = 8,
 ) -> dict[str, bool]:
     """Per workload, whether one greedy run's tokens with speculation on equal off's."""
+    stagger = {name: stagger_steps if name == STAGGERED else 0 for name in workloads}
     return {
-        name: run_once(llms["on"], prompts[name], max_tokens).token_ids
-        == run_once(llms["off"], prompts[name], max_tokens).token_ids
+        name: run_once(llms["on"], prompts[name], max_tokens, stagger[name]).token_ids
+        == run_once(llms["off"], prompts[name], max_tokens, stagger[name]).token_ids
         for name in workloads
     }
 
@@ -219,12 +251,12 @@ def at_least(value: float | None, target: float) -> bool | None:
 def report(results: dict[str, Any], float_identity: dict[str, bool] | None) -> list[str]:
     """The table and the PASS/FAIL lines."""
     lines = [
-        f"{'workload':<10} {'rows':>4} {'tokens':>6} {'identical':>9} {'tok/step':>8} {'accept':>7} "
+        f"{'workload':<15} {'rows':>4} {'tokens':>6} {'identical':>9} {'tok/step':>8} {'accept':>7} "
         f"{'sibling':>7} {'off tok/s':>9} {'on tok/s':>9} {'on/off':>7}"
     ]
     for name, r in results.items():
         lines.append(
-            f"{name:<10} {r['rows']:>4} {r['generated']:>6} {str(r['identical']):>9} "
+            f"{name:<15} {r['rows']:>4} {r['generated']:>6} {str(r['identical']):>9} "
             f"{fmt(r['tokens_per_step']):>8} {fmt(r['acceptance'], '.0%'):>7} {fmt(r['sibling_share'], '.0%'):>7} "
             f"{fmt(r['decode_tok_s']['off'], '.1f'):>9} {fmt(r['decode_tok_s']['on'], '.1f'):>9} "
             f"{fmt(r['speedup'], '.2f', 'x'):>7}"
@@ -242,7 +274,12 @@ def report(results: dict[str, Any], float_identity: dict[str, bool] | None) -> l
     checks = [
         ("file_edit", "tokens_per_step", TARGET_TOKENS_PER_STEP, "tokens per verification step, file_edit"),
         ("file_edit", "speedup", TARGET_SPEEDUP, "decode wall speedup on/off, file_edit, batch 1"),
-        ("swarm", "sibling_share", TARGET_SIBLING_SHARE, "swarm of 8: accepted tokens drafted from siblings"),
+        (
+            STAGGERED,
+            "sibling_share",
+            TARGET_SIBLING_SHARE,
+            "swarm of 8 arriving apart: accepted tokens from siblings",
+        ),
         ("prose", "speedup", TARGET_CONTROL, "prose (control) decode on/off"),
     ]
     for name, key, target, label in checks:
@@ -263,6 +300,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--no-float-check", action="store_true", help="skip the float32-activation identity check"
     )
+    parser.add_argument(
+        "--stagger-steps", type=int, default=8, help="swarm_staggered: engine steps between arrivals"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write every figure and sample here")
     parser.add_argument("--quick", action="store_true", help="96 tokens, 1 repeat")
     args = parser.parse_args(argv)
@@ -279,11 +319,13 @@ def main(argv: list[str] | None = None) -> None:
     prompts = load_prompts()
     llms = make_llms(loaded, args.max_tokens)
     started = time.perf_counter()
-    results = measure(llms, prompts, args.workloads, args.max_tokens, args.repeats)
+    results = measure(llms, prompts, args.workloads, args.max_tokens, args.repeats, args.stagger_steps)
     float_identity = None
     if not args.no_float_check:
         float_llms = make_llms(loaded, args.max_tokens, cpu_int8_activations=False)
-        float_identity = identity_check(float_llms, prompts, args.workloads, args.max_tokens)
+        float_identity = identity_check(
+            float_llms, prompts, args.workloads, args.max_tokens, args.stagger_steps
+        )
     print(
         f"speculation bench: {args.max_tokens} tokens, {args.repeats} repeats, {args.threads} threads, "
         f"{time.perf_counter() - started:.0f} s"

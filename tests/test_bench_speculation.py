@@ -32,7 +32,9 @@ def test_prompt_set_has_every_workload() -> None:
     bench = load_bench()
     prompts = bench.load_prompts()
     assert set(prompts) == set(bench.WORKLOADS)
-    assert len(prompts["swarm"]) == 8 and all(len(p) == 1 for k, p in prompts.items() if k != "swarm")
+    swarms = ("swarm", bench.STAGGERED)
+    assert len(prompts["swarm"]) == 8 and all(len(p) == 1 for k, p in prompts.items() if k not in swarms)
+    assert prompts[bench.STAGGERED] == prompts["swarm"]  # the same agents, arriving apart
     heads = {p[0]["content"] for p in prompts["swarm"]}
     assert len(heads) == 1  # one system prompt: one head
     assert "`foo`" in prompts["file_edit"][0][-1]["content"]
@@ -50,6 +52,7 @@ def test_quick_measure_on_a_tiny_float_model(tmp_path: Path) -> None:
         "file_edit": [base],
         "tool_call": [base[:20]],
         "swarm": [base + [20 + i] for i in range(8)],
+        bench.STAGGERED: [base + [20 + i] for i in range(8)],
         "prose": [[30, 31, 32]],
     }
     results = bench.measure(llms, prompts, list(bench.WORKLOADS), 16, 2)
@@ -61,5 +64,29 @@ def test_quick_measure_on_a_tiny_float_model(tmp_path: Path) -> None:
         assert len(r["samples"]["on"]["long_s"]) == 2
     assert results["file_edit"]["counters"]["spec_accepted_tokens"] > 0  # identity was checked with drafts
     assert bench.identity_check(llms, prompts, ["swarm"], 16) == {"swarm": True}
+    assert bench.identity_check(llms, prompts, [bench.STAGGERED], 16, 3) == {bench.STAGGERED: True}
+
     lines = bench.report(results, {"swarm": True})
     assert any(line.startswith(("PASS", "FAIL", "-")) and "file_edit" in line for line in lines)
+
+
+def test_staggered_arrivals_add_each_agent_after_its_steps(tmp_path: Path) -> None:
+    """Agent i joins after i x stagger_steps engine steps: the first runs alone for its first steps, then the
+    others join it one by one."""
+    bench = load_bench()
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", projections=Q.F32)
+    loaded = load_model(path, dtype="float32", weights="float")
+    llm = bench.make_llms(loaded, 12, kv_cache_memory="16MiB")["off"]
+    seen: list[int] = []
+    step = llm.engine.step
+
+    def counting_step() -> list:  # type: ignore[type-arg]
+        scheduler = llm.engine.scheduler
+        seen.append(len(scheduler.waiting) + len(scheduler.running))
+        return step()
+
+    llm.engine.step = counting_step  # type: ignore[method-assign]
+    prompts = [[5, 6, 7, 8 + i] for i in range(3)]
+    run = bench.run_once(llm, prompts, 12, stagger_steps=4)  # type: ignore[arg-type]
+    assert [len(t) for t in run.token_ids] == [12, 12, 12]
+    assert seen[:4] == [1, 1, 1, 1] and seen[4] == 2 and max(seen) == 3
