@@ -9,9 +9,11 @@ from typing import Any
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from swarmkv import LLM, SamplingParams
-from swarmkv.engine.runner import amx_tiles
+from swarmkv.engine import runner
+from swarmkv.kernels import cpu_grouped
 from tiny_gguf import write_tiny_gguf
 from tiny_models import make_tiny_checkpoint
 
@@ -66,16 +68,25 @@ def test_drafts_are_verified_in_float32(tiny: Path) -> None:
     assert replies["on"] == replies["off"]
 
 
-def test_auto_follows_the_decode_steps_rounding_and_the_cpu(tiny: Path, tmp_path: Path) -> None:
-    """auto: a float checkpoint prefills in float32 everywhere; a GGUF-held model whose decodes run the C step on
-    int8 activations prefills in bfloat16 where the CPU has AMX tiles, and in float32 with float32 decodes."""
+@pytest.mark.skipif(not cpu_grouped.available(), reason="no C compiler for the CPU kernels")
+@pytest.mark.parametrize("amx", [True, False])
+def test_auto_follows_the_decode_steps_rounding_and_the_cpu(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, amx: bool
+) -> None:
+    """auto: bfloat16 prefills only where the CPU has AMX tiles and decodes run the C step on int8 activations
+    (a GGUF-held model with int8-readable layouts); float checkpoints, layouts the int8 kernel does not read
+    (Q6_K's groups of 16) and float32 decode activations keep float32 prefills. `on` forces it."""
+    monkeypatch.setattr(runner, "amx_tiles", lambda: amx)
     assert not LLM(str(tiny), dtype="float32").engine.runner.prefill_bf16
-    gguf = write_tiny_gguf(tmp_path / "llama.gguf", arch="llama")
-    held = LLM(str(gguf), dtype="float32", kv_cache_memory="16MiB").engine.runner
-    assert held.cpu_decode is not None
-    assert held.prefill_bf16 == amx_tiles()
-    exact = LLM(str(gguf), dtype="float32", kv_cache_memory="16MiB", cpu_int8_activations=False)
+    quantised = write_tiny_gguf(tmp_path / "q4.gguf", projections=Q.Q4_1)
+    sixes = write_tiny_gguf(tmp_path / "q6_k.gguf", projections=Q.Q6_K, embedding=Q.Q6_K)
+    held = LLM(str(quantised), dtype="float32", kv_cache_memory="16MiB").engine.runner
+    assert held.cpu_decode is not None and held.cpu_decode.reads_int8
+    assert held.prefill_bf16 == amx
+    float_reads = LLM(str(sixes), dtype="float32", kv_cache_memory="16MiB").engine.runner
+    assert float_reads.cpu_decode is not None and not float_reads.cpu_decode.reads_int8  # groups of 16
+    assert not float_reads.prefill_bf16
+    exact = LLM(str(quantised), dtype="float32", kv_cache_memory="16MiB", cpu_int8_activations=False)
     assert not exact.engine.runner.prefill_bf16
-    assert LLM(
-        str(gguf), dtype="float32", kv_cache_memory="16MiB", cpu_prefill_bf16="on"
-    ).engine.runner.prefill_bf16
+    forced = LLM(str(quantised), dtype="float32", kv_cache_memory="16MiB", cpu_prefill_bf16="on")
+    assert forced.engine.runner.prefill_bf16

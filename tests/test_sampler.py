@@ -43,6 +43,6 @@ def test_greedy_ids_pick_what_torch_argmax_picks() -> None:
     logits[2] = 1.0
     logits[3, [10, 20]] = 50.0
     logits[4, 5] = float("inf")
-    for view in (logits, logits[:, 1::3], logits.t().contiguous().t()):
+    for view in (logits, logits[:, 1::3], logits.t().contiguous().t(), logits[2], logits[1]):
         assert torch.equal(greedy_ids(view), view.argmax(-1))
         assert greedy_ids(view).dtype == torch.int64

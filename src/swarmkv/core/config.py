@@ -105,7 +105,7 @@ class EngineConfig:
         "matmuls and attention; the LM head stays float32), dense models only. A 300-token prefill over a "
         "cached 2,000-token head took 0.55-0.61 s in float32 and 0.28-0.33 s in bfloat16 on AMX; top-1 agreement of "
         "prefill logits with float32 over 1,024 README tokens 98.7 percent on the embedded model, above the "
-        "int8-activation decode step's 97.0. auto: on where decodes already run that C step on int8 "
+        "int8-activation decode step's 97.4. auto: on where decodes already run that C step on int8 "
         "activations (a model held at its GGUF bits) and the CPU has AMX tiles; off for float checkpoints",
     )
     cpu_int8_activations: bool = _opt(

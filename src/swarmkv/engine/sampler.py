@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy
 import torch
 
 from swarmkv.core.sampling_params import SamplingParams
@@ -35,11 +36,8 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     device. On the CPU through numpy: torch's argmax over [8, 49152] float32 took about 250 us on this 2-core
     machine against numpy's 24, a few percent of a batch-8 decode step."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
-        import numpy
-
-        return torch.from_numpy(
-            numpy.argmax(logits.detach().numpy(), axis=-1).astype(numpy.int64, copy=False)
-        )
+        picks = numpy.asarray(numpy.argmax(logits.detach().numpy(), axis=-1), dtype=numpy.int64)
+        return torch.from_numpy(picks)
     return logits.argmax(dim=-1)
 
 

@@ -169,6 +169,15 @@ class DecodeModel:
         self._library = library
         self._keep: list[object] = [k_slabs, v_slabs, page_table, cos_sin, final_norm]
         self.vocab = shape.vocab
+        # Whether a layer projection reads int8 activations (float32 row blocks, and layouts the int8 kernel does
+        # not read, take float32 ones): what rounds a decode step beyond float32.
+        self.reads_int8 = int8_activations and any(
+            cpu_grouped.reads_int8(block, library)
+            for layer in layers
+            for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+            for _, block in linear.blocks
+            if not isinstance(block, torch.Tensor)
+        )
         self._threads: ThreadChoice | None = None
         c_layers = (_Layer * len(layers))()
         for i, layer in enumerate(layers):

@@ -331,8 +331,9 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* Up to 16 keys' scores q . K[j] (keys [j, j + count)), in lane order; lanes past count are -inf. */
-#define TILE_SCORES(DIM, qv, keys, j, count, out)                                                                 \
+/* Up to 16 keys' scores q . K[j] times `scale` (keys [j, j + count)), in lane order; lanes past count, and NaN
+ * scores (a corrupt key), are -inf, so they never enter a maximum and weigh nothing. */
+#define TILE_SCORES(DIM, qv, keys, j, count, scale, out)                                                         \
     do {                                                                                                         \
         __m512 acc_[16];                                                                                         \
         for (int k_ = 0; k_ < 16; k_++) {                                                                        \
@@ -344,8 +345,10 @@ static inline __m512 exp_nonpositive16(__m512 x) {
             for (int v_ = 1; v_ < (DIM) / 16; v_++)                                                              \
                 acc_[k_] = _mm512_fmadd_ps(qv[v_], _mm512_loadu_ps(keys[(j) + k_] + 16 * v_), acc_[k_]);         \
         }                                                                                                        \
-        const __mmask16 valid_ = (count) >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count)) - 1u);          \
-        out = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid_, _mm512_mul_ps(sum16(acc_), scale));          \
+        const __m512 scores_ = _mm512_mul_ps(sum16(acc_), (scale));                                              \
+        const __mmask16 valid_ = ((count) >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count)) - 1u)) &          \
+                                 _mm512_cmp_ps_mask(scores_, scores_, _CMP_ORD_Q);                               \
+        out = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid_, scores_);                                    \
     } while (0)
 
 /* attend_tile for a head size known when compiled (64, 128): a query's and an accumulator's vectors stay in
@@ -365,14 +368,15 @@ static inline __m512 exp_nonpositive16(__m512 x) {
             __m512 qv[V];                                                                                       \
             for (int v = 0; v < V; v++) qv[v] = _mm512_loadu_ps(q[c] + 16 * v);                                 \
             __m512 s0, s1 = _mm512_set1_ps(-INFINITY);                                                          \
-            TILE_SCORES(DIM, qv, keys, 0, low, s0);                                                             \
-            if (high > 0) TILE_SCORES(DIM, qv, keys, 16, high, s1);                                             \
-            /* a NaN score never enters the maximum (MAXPS keeps its second operand) */                       \
+            TILE_SCORES(DIM, qv, keys, 0, low, scale, s0);                                                      \
+            if (high > 0) TILE_SCORES(DIM, qv, keys, 16, high, scale, s1);                                      \
             const float tile_max = _mm512_reduce_max_ps(_mm512_max_ps(s1, s0));                                 \
             const float new_max = tile_max > sm->max ? tile_max : sm->max;                                      \
             const float alpha = sm->max == -INFINITY ? 0.0f : exp_nonpositive(sm->max - new_max);              \
             const __m512 shift = _mm512_set1_ps(new_max);                                                       \
-            const __mmask16 m0 = (__mmask16)((1u << low) - 1u), m1 = (__mmask16)((1u << high) - 1u);            \
+            const __m512 none = _mm512_set1_ps(-INFINITY); /* lanes past the tile, and NaN scores: weight 0 */   \
+            const __mmask16 m0 = _mm512_cmp_ps_mask(s0, none, _CMP_NEQ_OQ);                                    \
+            const __mmask16 m1 = _mm512_cmp_ps_mask(s1, none, _CMP_NEQ_OQ);                                    \
             const __m512 e0 = _mm512_maskz_mov_ps(m0, exp_nonpositive16(_mm512_sub_ps(s0, shift)));              \
             const __m512 e1 = _mm512_maskz_mov_ps(m1, exp_nonpositive16(_mm512_sub_ps(s1, shift)));              \
             sm->sum = sm->sum * alpha + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));                            \
@@ -392,6 +396,7 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     }
 ATTEND_TILE_FIXED(attend_tile_64, 64)
 ATTEND_TILE_FIXED(attend_tile_128, 128)
+#undef TILE_SCORES
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
