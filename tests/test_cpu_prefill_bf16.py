@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from swarmkv import LLM, SamplingParams
+from swarmkv.core.config import EngineConfig
 from swarmkv.engine import runner
 from swarmkv.kernels import cpu_grouped
 from tiny_gguf import write_tiny_gguf
@@ -90,3 +91,8 @@ def test_auto_follows_the_decode_steps_rounding_and_the_cpu(
     assert not exact.engine.runner.prefill_bf16
     forced = LLM(str(quantised), dtype="float32", kv_cache_memory="16MiB", cpu_prefill_bf16="on")
     assert forced.engine.runner.prefill_bf16
+
+
+def test_a_bad_value_is_refused() -> None:
+    with pytest.raises(ValueError, match="cpu_prefill_bf16"):
+        EngineConfig(cpu_prefill_bf16="sometimes")  # type: ignore[arg-type]

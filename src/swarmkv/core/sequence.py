@@ -95,9 +95,14 @@ class Sequence:
         )
 
     @property
+    def num_settled_output_tokens(self) -> int:
+        """The reply's tokens whose ids are known: all but a provisional last one."""
+        return len(self.output_token_ids) - self.num_provisional_tokens
+
+    @property
     def settled_output_token_ids(self) -> list[int]:
-        """The reply's tokens whose ids are known: all but a provisional last one (a copy)."""
-        return self.output_token_ids[: len(self.output_token_ids) - self.num_provisional_tokens]
+        """Those tokens (a copy)."""
+        return self.output_token_ids[: self.num_settled_output_tokens]
 
     @property
     def num_tokens(self) -> int:

@@ -46,12 +46,12 @@ def plan_groups(
     if mode == "off" or len(rows) < 2 or max(shareable_pages) == 0:
         return []
     width = max(shareable_pages)
+    table = host_table[rows, :width]  # one gather; entries past a row's own limit are never compared
     # No two rows share a first page (most batches of distinct prompts): no tree to walk. The walk's small
     # tensor operations were ~2% of a batch-8 step.
-    first_pages = host_table[rows, 0].tolist()
+    first_pages = table[:, 0].tolist()
     if len(set(first_pages)) == len(first_pages):
         return []
-    table = host_table[rows, :width]  # one gather; entries past a row's own limit are never compared
     limits = torch.tensor(shareable_pages)
     min_saved = 1 if mode == "on" else min_saved_tokens
 

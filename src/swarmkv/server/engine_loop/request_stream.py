@@ -31,7 +31,7 @@ def step_output(delta: RequestDelta, seq: Sequence, now_s: float) -> StepOutput:
         finish_reason=delta.finish_reason,
         num_prompt_tokens=len(seq.prompt_token_ids),
         num_cached_tokens=seq.num_cached_tokens,
-        num_output_tokens=len(seq.settled_output_token_ids),
+        num_output_tokens=seq.num_settled_output_tokens,
         emitted_at_s=now_s,
         stop_string=delta.stop_string,
     )
