@@ -42,6 +42,21 @@ def test_int8_and_int4_round_trip_within_half_a_step() -> None:
     assert q4.shape == (48, 128) and q4.qweight.shape == (48, 64)
 
 
+def test_int8_scales_survive_the_cpu_kernels_bfloat16() -> None:
+    """The CPU kernel reads scales in bfloat16: codes are chosen against that value, so finalizing loses nothing."""
+    weight = torch.randn(64, 96) * torch.logspace(-3, 1, 64)[:, None]
+    q8 = quantize_int8(weight, torch.float32)
+    assert torch.equal(q8.scales.to(torch.bfloat16).float(), q8.scales)
+    assert q8.qweight.abs().max() <= 127 and (q8.qweight.abs().amax(dim=1) >= 126).all()
+    linear = QuantizedLinear(96, 64, "int8", bias=False)
+    linear.load_rows(0, q8)
+    linear.finalize()
+    assert torch.equal(linear.scales.float(), q8.scales)
+    x = torch.randn(3, 96)
+    expected = x.to(torch.bfloat16).float() @ q8.dequantize().t()
+    torch.testing.assert_close(linear(x), expected, rtol=2e-2, atol=2e-2)
+
+
 def test_int4_packing_puts_even_elements_in_the_low_nibble() -> None:
     q = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
     assert pack_int4(q).tolist() == [[0x21, 0x0F]]

@@ -63,9 +63,20 @@ class QuantizedWeight:
 
 
 def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype) -> QuantizedWeight:
-    """Symmetric int8 per output channel (absmax / 127)."""
+    """Symmetric int8 per output channel: absmax / 127, rounded up to a bfloat16 value.
+
+    PyTorch's CPU kernel reads the scales in bfloat16 (`finalize`). Codes chosen against a float32 scale and
+    then multiplied by its bfloat16 rounding would carry that rounding (up to 2^-9 of the scale) into every
+    weight of the channel alike, an error that adds up over K instead of averaging out: over 1,024 tokens of
+    the README on the embedded model, top-1 agreement with float was 94.9% so, 96.2% with codes chosen
+    against the bfloat16 scale. Rounding up keeps every code within +-127; a bfloat16 value is also exact in
+    float32 and, at weights' magnitudes, in float16 (the GPU kernel's scale dtypes).
+    """
     wide = weight.float()
-    scales = (wide.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    exact = (wide.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    rounded = exact.to(torch.bfloat16)
+    above = torch.nextafter(rounded, torch.full_like(rounded, torch.inf))
+    scales = torch.where(rounded.float() < exact, above, rounded).float()
     q = torch.round(wide / scales[:, None]).clamp(-127, 127).to(torch.int8)
     return QuantizedWeight("int8", q, scales.to(scale_dtype))
 
