@@ -93,6 +93,13 @@ def test_auto_follows_the_decode_steps_rounding_and_the_cpu(
     assert forced.engine.runner.prefill_bf16
 
 
+def test_amx_tiles_is_false_where_torch_cannot_tell(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    assert runner.amx_tiles() is False
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert runner.amx_tiles() is True
+
+
 def test_a_bad_value_is_refused() -> None:
     with pytest.raises(ValueError, match="cpu_prefill_bf16"):
         EngineConfig(cpu_prefill_bf16="sometimes")  # type: ignore[arg-type]

@@ -633,7 +633,6 @@ static void merge_chunks(const float *part, int64_t heads, int64_t chunks, int64
     for (int64_t d = 0; d < D; d++) out[d] = acc[d] / sum;
 }
 
-
 /* out = silu(g) * u = g / (1 + e^-g) * u, with e^-|g| from exp_nonpositive (libm's expf is a call an element):
  * for g < 0 the numerator is g e^g, the same value. Eight lanes at a time where the CPU has AVX2 (GCC does not
  * vectorise this loop itself), the same arithmetic in the rest. */
