@@ -317,6 +317,44 @@ def test_int8_activations_give_the_likely_tokens_the_float32_heads_logits(tmp_pa
     assert float((logits[True] - logits[False]).abs().max()) > 1e-4 * scale
 
 
+def test_the_residual_pass_brings_int8_decode_closer_to_float32_activations(files: dict[str, Path]) -> None:
+    """The layers' second int8 pass over each row's groups of largest scale (EngineConfig's
+    cpu_int8_residual_groups), against the same step on float32 activations over the same tokens."""
+    llm = LLM(str(files["llama-q4_1"]), dtype="float32", kv_cache_memory="64MiB")
+    runner = llm.engine.runner
+    assert runner.cpu_decode is not None
+    assert runner.cpu_decode._model.residual_groups == 3  # the engine's default reaches the step
+    model, cache = llm.loaded.model, runner.kv_cache
+    blocks = [b.weight for b in model.layers[0].mlp.gate_up_proj.blocks]
+    if not all(cpu_grouped.reads_residual(b) for b in blocks):
+        pytest.skip("this build's int8 kernel has no residual pass (it needs AVX-512 VNNI)")
+    table = PageTable(1, 4, 16, torch.device("cpu"))
+    table.append("row", [0, 1, 2, 3])
+    ids, one = (
+        torch.randint(5, 500, (48,), generator=torch.Generator().manual_seed(1)),
+        torch.zeros(1, dtype=torch.int64),
+    )
+    logits = {}
+    for int8, groups in ((False, 0), (True, 0), (True, 3)):
+        step = cpu_decode.describe(model, cache, table, int8_activations=int8, residual_groups=groups)
+        logits[int8, groups] = torch.cat(
+            [step.step(ids[t : t + 1], one, torch.tensor([t]), [1], [0]) for t in range(48)]
+        )
+    # at float32's top token, which the int8 head rescores from float32 x: the layers' rounding alone
+    top = logits[False, 0].argmax(-1, keepdim=True)
+    plain, second = (
+        float((logits[True, groups].gather(1, top) - logits[False, 0].gather(1, top)).abs().mean())
+        for groups in (0, 3)
+    )
+    # random weights have no outlier channels: the pass takes off about its share of the groups (3 of 8 and 16)
+    assert 0 < second < 0.8 * plain, (second, plain)
+
+
+def test_cpu_int8_residual_groups_is_checked() -> None:
+    with pytest.raises(ValueError, match="cpu_int8_residual_groups"):
+        LLM(kv_cache_memory="16MiB", cpu_int8_residual_groups=5)
+
+
 @pytest.mark.parametrize("name", ["llama-q4_1", "llama-q5_0-f16", "qwen3-q8_0"])
 def test_a_step_of_m_rows_equals_m_steps_of_one(files: dict[str, Path], name: str) -> None:
     """The C step at M = 1 to 9 rows (speculative verification's k + 1, batched decode) against each row
@@ -327,7 +365,7 @@ def test_a_step_of_m_rows_equals_m_steps_of_one(files: dict[str, Path], name: st
     table = PageTable(9, 1, page_size, torch.device("cpu"))
     for b in range(9):
         table.append(f"row{b}", [b])
-    step = cpu_decode.describe(model, cache, table, int8_activations=True)
+    step = cpu_decode.describe(model, cache, table, int8_activations=True, residual_groups=3)
     for rows in (1, 2, 3, 4, 5, 8, 9):
         ids = torch.randint(5, 500, (steps, rows), generator=torch.Generator().manual_seed(rows))
         index = torch.arange(rows)

@@ -183,11 +183,22 @@ def test_the_cpu_kernel_matches_the_dequantised_matmul(
     assert torch.equal(cpu_grouped.dequantize_rows(weight, index, library), weight.dequantize()[index])
 
 
-def int8_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the int8 path sees it: each group of 32 rounded to a multiple of max |x| / 127."""
-    groups = x.view(x.shape[0], -1, 32)
+def int8_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group of 32 rounded to a multiple of its max |x| / 127, and that step [rows, groups, 1]."""
     step = groups.abs().amax(-1, keepdim=True) / 127
-    return (torch.where(step > 0, torch.round(groups / step), 0) * step).view_as(x)
+    return torch.where(step > 0, torch.round(groups / step), 0) * step, step
+
+
+def int8_activations(x: torch.Tensor, residual_groups: int = 0) -> torch.Tensor:
+    """x as the int8 path sees it: each group of 32 rounded to a multiple of max |x| / 127; the
+    `residual_groups` groups of a row with the largest step (the earlier first among equals, none of step 0)
+    also add what that rounding left, rounded the same way."""
+    groups = x.view(x.shape[0], -1, 32)
+    first, step = int8_groups(groups)
+    order = torch.sort(step[..., 0], dim=1, descending=True, stable=True).indices[:, :residual_groups]
+    chosen = torch.zeros_like(step[..., 0], dtype=torch.bool).scatter_(1, order, True) & (step[..., 0] > 0)
+    second, _ = int8_groups(groups - first)
+    return (first + second * chosen[..., None]).view_as(x)
 
 
 INT8_KINDS = [k for k in KINDS if SPECS[k].group_size == 32 and SPECS[k].bits in (4, 5, 8)]
@@ -222,6 +233,32 @@ def test_the_int8_activation_kernel_is_exact_on_the_rounded_input(
     expected = int8_activations(x) @ weight.dequantize().t()
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-4)
     assert (got - x @ weight.dequantize().t()).abs().max() < 0.02 * expected.abs().max()
+
+
+@pytest.mark.parametrize("kind", INT8_KINDS, ids=lambda k: k.name)
+@pytest.mark.parametrize("rows", [1, 8, 9])
+@pytest.mark.parametrize("cols", [512, 96])
+def test_the_residual_pass_adds_a_second_int8_pass_over_each_rows_largest_groups(
+    kind: GGMLQuantizationType, rows: int, cols: int
+) -> None:
+    if not cpu_grouped.available() or not cpu_grouped.has_int8_dot():
+        pytest.skip("no int8 kernel on this machine")
+    if SPECS[kind].super_group and cols % SPECS[kind].super_group:
+        pytest.skip("K-quant rows come in super-groups of 256")
+    torch.manual_seed(rows * cols)
+    weight = parse_blocks(quantize(torch.randn(40, cols) * 0.05, kind), kind, (40, cols))
+    x = torch.randn(rows, cols)
+    x[:, 37] *= 40.0  # an outlier channel: its group's step is coarse for the other 31
+    x[0, 64:96] = 0.0  # a group of step 0 is never chosen
+    exact = x @ weight.dequantize().t()
+    plain = cpu_grouped.matmul_int8(x, weight)
+    got = cpu_grouped.matmul_int8(x, weight, residual_groups=3)
+    if not cpu_grouped.reads_residual(weight):
+        assert torch.equal(got, plain)  # kernels without the pass ignore it
+        return
+    expected = int8_activations(x, residual_groups=3) @ weight.dequantize().t()
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-4)
+    assert (got - exact).abs().max() < 0.5 * (plain - exact).abs().max()
 
 
 def test_without_the_c_kernel_the_torch_path_gives_the_same(

@@ -58,7 +58,11 @@ def _model_why_not(model: DecoderForCausalLM, device: torch.device) -> str | Non
 
 
 def describe(
-    model: DecoderForCausalLM, kv_cache: KVCache, page_table: PageTable, int8_activations: bool
+    model: DecoderForCausalLM,
+    kv_cache: KVCache,
+    page_table: PageTable,
+    int8_activations: bool,
+    residual_groups: int = 0,
 ) -> cpu_decode.DecodeModel:
     """The model, its KV slabs and page table as the C decode step reads them (after `why_not` said None)."""
     config = model.config
@@ -105,6 +109,7 @@ def describe(
         page_table.host,
         page_table.page_size,
         int8_activations,
+        residual_groups,
     )
 
 

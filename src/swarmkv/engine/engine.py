@@ -154,6 +154,7 @@ class LLMEngine:
             states=self.states,
             fused_cpu_decode=config.fused_cpu_decode,
             cpu_int8_activations=config.cpu_int8_activations,
+            cpu_int8_residual_groups=config.cpu_int8_residual_groups,
             cpu_prefill_bf16=config.cpu_prefill_bf16,
         )
         self.outputs = OutputProcessor(self.tokenizer)

@@ -48,6 +48,7 @@ class ModelRunner:
         states: StateCache | None = None,
         fused_cpu_decode: bool = False,
         cpu_int8_activations: bool = True,
+        cpu_int8_residual_groups: int = 0,
         cpu_prefill_bf16: PrefillBf16Mode = "off",
     ) -> None:
         """With the triton backend, `cuda_graphs` replays decode steps of up to `max_num_seqs` rows, and with
@@ -55,7 +56,8 @@ class ModelRunner:
         model's linear-attention layers run over `states`, on either backend. `cascade_min_saved_tokens`:
         the reads a shared-prefix group must spare under `cascade="auto"` (None: the backend's default).
         `fused_cpu_decode`: run each step's decodes as one C call where the model allows (engine/cpu_decode.py),
-        its projections on int8 activations if `cpu_int8_activations`. `cpu_prefill_bf16`: a CPU step's
+        its projections on int8 activations if `cpu_int8_activations` (with the residual pass over
+        `cpu_int8_residual_groups` groups a row). `cpu_prefill_bf16`: a CPU step's
         prefill chunks (no decode rows beside them in the modules) run under bfloat16 autocast, dense models;
         auto: where the C step decodes on int8 activations and the CPU has AMX tiles."""
         self.model = model
@@ -84,7 +86,9 @@ class ModelRunner:
         if fused_cpu_decode and backend == "torch" and states is None:
             reason = cpu_decode.why_not(model, kv_cache, self.device)
             if reason is None:
-                self.cpu_decode = cpu_decode.describe(model, kv_cache, page_table, cpu_int8_activations)
+                self.cpu_decode = cpu_decode.describe(
+                    model, kv_cache, page_table, cpu_int8_activations, cpu_int8_residual_groups
+                )
             else:
                 log.info("decode steps run through the torch modules: %s", reason)
         # Where decodes already read int8 activations, bfloat16 prefills round less than they do and, on AMX, take

@@ -83,6 +83,7 @@ class _Model(ctypes.Structure):
         ("table_stride", _I64),
         ("page_size", _I64),
         ("int8_activations", ctypes.c_int),
+        ("residual_groups", ctypes.c_int),
         ("kv_half", ctypes.c_int),
     ]
 
@@ -156,11 +157,14 @@ class DecodeModel:
         page_table: torch.Tensor,
         page_size: int,
         int8_activations: bool = True,
+        residual_groups: int = 0,
     ) -> None:
         """`k_slabs`, `v_slabs`: float32 or float16 [layers, slots, kv_heads, head_dim] (float16 where
         `reads_half_kv()`); `page_table`: int64 [rows, pages].
         `int8_activations`: projections over 4-, 5- and 8-bit groups of 32 read their input quantised to int8
-        per group (llama.cpp's Q8 activations, on the CPU's integer dot products); otherwise float32."""
+        per group (llama.cpp's Q8 activations, on the CPU's integer dot products); otherwise float32.
+        `residual_groups`: the layers' int8 input also carries a second int8 pass over that many groups a row,
+        those of largest scale, where the kernel reads it (`cpu_grouped.reads_residual`)."""
         library = cpu_grouped.library()
         assert library is not None, "the CPU kernels are not built"
         assert k_slabs.dtype == v_slabs.dtype and k_slabs.dtype in (torch.float32, torch.float16)
@@ -208,6 +212,7 @@ class DecodeModel:
             table_stride=page_table.shape[1],
             page_size=page_size,
             int8_activations=int(int8_activations),
+            residual_groups=residual_groups,
             kv_half=int(k_slabs.dtype == torch.float16),
         )
 

@@ -122,8 +122,11 @@ def build(arch: tuple[str, ...]) -> ctypes.CDLL | None:
     library = ctypes.CDLL(str(target))
     common: list[Any] = [_INT, _INT, _INT, _PTR, _PTR, _PTR, _PTR, _INT, _INT, _PTR, _PTR, _INT, _INT]
     library.swarmkv_grouped_matmul.argtypes = [_I64, _I64, _I64, _PTR, _PTR, _I64, *common]
-    library.swarmkv_grouped_matmul_int8.argtypes = [_I64, _I64, _I64, _PTR, _PTR, _I64, *common]
+    int8_common = [*common[:-1], _INT, _INT]  # the residual pass's groups a row before the threads
+    library.swarmkv_grouped_matmul_int8.argtypes = [_I64, _I64, _I64, _PTR, _PTR, _I64, *int8_common]
     library.swarmkv_grouped_matmul_int8.restype = library.swarmkv_has_int8_dot.restype = _INT
+    library.swarmkv_int8_reads_residual.argtypes = [_INT, _INT, _PTR, _PTR, _PTR]
+    library.swarmkv_int8_reads_residual.restype = _INT
     library.swarmkv_has_kv_half.restype = library.swarmkv_decode_step.restype = _INT
     # kernels/cpu_decode.py's step: the model (a ctypes structure), rows, ids, page-table rows, positions,
     # groups, their sizes and shared positions, the logits, threads
@@ -210,15 +213,35 @@ def reads_int8(w: GroupedQuant, library: ctypes.CDLL | None = None) -> bool:
     return w.group_size == 32 and w.bits in (4, 5, 8) and has_int8_dot(library)
 
 
-def matmul_int8(x: torch.Tensor, w: GroupedQuant, library: ctypes.CDLL | None = None) -> torch.Tensor:
+def reads_residual(w: GroupedQuant, library: ctypes.CDLL | None = None) -> bool:
+    """Whether the int8 kernel of this build reads the residual pass for this layout (`matmul_int8`)."""
+    library = library or _library()
+    if library is None or not reads_int8(w, library):
+        return False
+    args = layout_args(w)
+    return bool(library.swarmkv_int8_reads_residual(args[0], args[1], args[6], args[9], args[10]))
+
+
+def matmul_int8(
+    x: torch.Tensor, w: GroupedQuant, library: ctypes.CDLL | None = None, residual_groups: int = 0
+) -> torch.Tensor:
     """x [M, K] float32 quantised to int8 per group of 32 (scale max |x| / 127), times W^T -> [M, N] float32,
-    the dot products in integers; for layouts `reads_int8` accepts."""
+    the dot products in integers; for layouts `reads_int8` accepts. Where `reads_residual`, each row's
+    `residual_groups` groups of largest scale also add what the first pass left of them, rounded the same way."""
     library = library or _library()
     assert library is not None and x.dtype == torch.float32 and x.is_contiguous() and reads_int8(w, library)
     rows, cols = w.shape
     out = torch.empty(x.shape[0], rows, dtype=torch.float32)
     status = library.swarmkv_grouped_matmul_int8(
-        x.shape[0], rows, cols, x.data_ptr(), out.data_ptr(), rows, *layout_args(w), torch.get_num_threads()
+        x.shape[0],
+        rows,
+        cols,
+        x.data_ptr(),
+        out.data_ptr(),
+        rows,
+        *layout_args(w),
+        residual_groups,
+        torch.get_num_threads(),
     )
     assert status == 0, "the int8 grouped matmul refused its layout"
     return out

@@ -56,6 +56,7 @@ typedef struct {
     const int64_t *page_table; /* [rows, table_stride] page ids */
     int64_t table_stride, page_size;
     int int8_activations; /* projections read x quantised to int8 per group of 32 where the layout allows */
+    int residual_groups;  /* the layers' int8 x carries quantize_x's residual pass over this many groups a row */
     int kv_half;          /* K and V pages hold float16 (needs F16C): converted a tile at a time to read */
 } model_t;
 
@@ -69,8 +70,8 @@ typedef struct {
 typedef struct {
     float *resid, *x, *qkv, *attn, *gu, *act, *out;
     float *xd, *xsum16, *xsum32;
-    int8_t *codes;    /* [4, M, widest]: int8 x in the orders this build's kernel reads (quantize_x) */
-    float *qconsts;   /* [12, M, widest / 32]: their scales, scaled sums and the kernel's spread forms */
+    int8_t *codes;    /* QX_CODE_BYTES(M, widest): int8 x in the orders this build's kernel reads (quantize_x) */
+    float *qconsts;   /* QX_CONST_FLOATS(M, widest): their scales, scaled sums and the kernel's spread forms */
     qx_t qx;
     item_t *items; /* attention work items */
     float *part;   /* [M, heads, chunks, 2 + head_dim]: each chunk's partial softmax state */
@@ -132,8 +133,9 @@ static inline __m256 exp_nonpositive8(__m256 x) {
 #endif
 
 /* y[M, N] = x W^T (+ bias) for this thread's rows of every block; x's forms are prepared first by one thread.
- * Ends at a barrier. */
-static void linear(const linear_t *l, int64_t M, const float *x, float *y, scratch_t *s, int int8) {
+ * `residual`: groups a row of int8 x carries quantize_x's residual pass for (the layers'; the LM head's likely
+ * tokens are rescored in float32 instead). Ends at a barrier. */
+static void linear(const linear_t *l, int64_t M, const float *x, float *y, scratch_t *s, int int8, int residual) {
     const int64_t K = l->K;
 #pragma omp single
     {
@@ -152,7 +154,7 @@ static void linear(const linear_t *l, int64_t M, const float *x, float *y, scrat
         }
         if (need16) prepare_x(M, K, 16, x, need_d ? s->xd : NULL, s->xsum16);
         if (need32) prepare_x(M, K, 32, x, need16 || !need_d ? NULL : s->xd, s->xsum32);
-        if (need_q) quantize_x(M, K, x, s->codes, s->qconsts, &s->qx, need_quads);
+        if (need_q) quantize_x(M, K, x, s->codes, s->qconsts, &s->qx, need_quads, residual);
     }
     for (int64_t b = 0; b < l->num_blocks; b++) {
         const block_t *blk = &l->blocks[b];
@@ -679,8 +681,8 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
     widest = widest > m->heads * D ? widest : m->heads * D;
     scratch_t s;
     float *arena = malloc(sizeof(float) * (size_t)(M * (3 * H + qkv_width + m->heads * D + 3 * I + widest) +
-                                                   M * widest / 16 * 2 + M * widest / 32 * 12));
-    int8_t *codes = aligned_alloc(64, (size_t)(4 * M * widest + 63) / 64 * 64); /* whole 512-bit loads */
+                                                   M * widest / 16 * 2 + QX_CONST_FLOATS(M, widest)));
+    int8_t *codes = aligned_alloc(64, (size_t)(QX_CODE_BYTES(M, widest) + 63) / 64 * 64); /* whole 512-bit loads */
     if (arena == NULL || codes == NULL) {
         free(arena);
         free(codes);
@@ -736,7 +738,7 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
                     for (int64_t k = 0; k < H; k++) s.resid[r * H + k] += s.out[r * H + k];
                 rms_norm_row(s.resid + r * H, L->input_norm, m->eps, H, s.x + r * H);
             }
-            linear(&L->qkv, M, s.x, s.qkv, &s, m->int8_activations);
+            linear(&L->qkv, M, s.x, s.qkv, &s, m->int8_activations, m->residual_groups);
             /* q/k norm, rotary, and the new K and V into their slots */
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < M; r++) {
@@ -766,23 +768,23 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
                 const int64_t r = rh / m->heads, h = rh % m->heads;
                 merge_chunks(s.part, m->heads, chunks, D, r, h, positions[r] / CHUNK + 1, s.attn + rh * D);
             }
-            linear(&L->o, M, s.attn, s.out, &s, m->int8_activations);
+            linear(&L->o, M, s.attn, s.out, &s, m->int8_activations, m->residual_groups);
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < M; r++) {
                 for (int64_t k = 0; k < H; k++) s.resid[r * H + k] += s.out[r * H + k];
                 rms_norm_row(s.resid + r * H, L->post_norm, m->eps, H, s.x + r * H);
             }
-            linear(&L->gate_up, M, s.x, s.gu, &s, m->int8_activations);
+            linear(&L->gate_up, M, s.x, s.gu, &s, m->int8_activations, m->residual_groups);
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < M; r++) silu_mul(s.gu + r * 2 * I, s.gu + r * 2 * I + I, I, s.act + r * I);
-            linear(&L->down, M, s.act, s.out, &s, m->int8_activations);
+            linear(&L->down, M, s.act, s.out, &s, m->int8_activations, m->residual_groups);
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++) {
             for (int64_t k = 0; k < H; k++) s.resid[r * H + k] += s.out[r * H + k];
             rms_norm_row(s.resid + r * H, m->final_norm, m->eps, H, s.x + r * H);
         }
-        linear(&m->lm_head, M, s.x, logits, &s, m->int8_activations);
+        linear(&m->lm_head, M, s.x, logits, &s, m->int8_activations, 0);
         if (m->int8_activations) rescore_top(&m->lm_head, M, s.x, logits);
     }
     free(s.items);
