@@ -49,6 +49,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from swarmkv import LLM, SamplingParams  # noqa: E402
+from swarmkv.core.config import EngineConfig  # noqa: E402
 from swarmkv.engine import cpu_decode  # noqa: E402
 from swarmkv.engine.kv_cache import KVCache  # noqa: E402
 from swarmkv.engine.page_table import PageTable  # noqa: E402
@@ -159,7 +160,8 @@ def bare_decode(
         table = PageTable(len(prompts), pages_per_row, page_size, device)
         for b in range(len(prompts)):
             table.append(f"row{b}", list(range(b * pages_per_row, (b + 1) * pages_per_row)))
-        c_step = cpu_decode.describe(model, cache, table, int8_activations=True)
+        groups = EngineConfig().cpu_int8_residual_groups  # the engine's default, as generate's step
+        c_step = cpu_decode.describe(model, cache, table, int8_activations=True, residual_groups=groups)
         rows, ones, nothing = torch.arange(len(prompts)), [1] * len(prompts), [0] * len(prompts)
         start = time.perf_counter()
         for step in range(num_tokens):

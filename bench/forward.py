@@ -31,6 +31,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from swarmkv import LLM, SamplingParams  # noqa: E402
+from swarmkv.core.config import EngineConfig  # noqa: E402
 from swarmkv.engine import cpu_decode  # noqa: E402
 from swarmkv.engine.kv_cache import KVCache  # noqa: E402
 from swarmkv.engine.page_table import PageTable  # noqa: E402
@@ -145,7 +146,9 @@ def top1_agreement(loaded: LoadedModel, reference: LoadedModel, ids: list[int]) 
     return float((picks[0] == picks[1]).float().mean())
 
 
-def decode_step_logits(loaded: LoadedModel, ids: list[int], int8_activations: bool) -> torch.Tensor:
+def decode_step_logits(
+    loaded: LoadedModel, ids: list[int], int8_activations: bool, residual_groups: int = 0
+) -> torch.Tensor:
     """Logits at every position of one sequence [T, vocab], fed token by token through the C decode step
     (engine/cpu_decode.py) over its own KV pages: what decoding computes, teacher-forced."""
     page_size = 16
@@ -153,7 +156,7 @@ def decode_step_logits(loaded: LoadedModel, ids: list[int], int8_activations: bo
     kv = KVCache(loaded.config, num_pages, page_size, torch.float32, torch.device("cpu"))
     table = PageTable(1, num_pages, page_size, torch.device("cpu"))
     table.append("text", list(range(num_pages)))
-    step = cpu_decode.describe(loaded.model, kv, table, int8_activations)
+    step = cpu_decode.describe(loaded.model, kv, table, int8_activations, residual_groups)
     one = torch.zeros(1, dtype=torch.int64)
     rows = [step.step(torch.tensor([t]), one, torch.tensor([i]), [1], [0]) for i, t in enumerate(ids)]
     return torch.cat(rows)
@@ -238,11 +241,12 @@ def main() -> None:
         ):
             with torch.inference_mode():
                 reference = swarmkv_all_logits(models["float"], ids).argmax(-1)
-                for int8 in (True, False):
-                    picks = decode_step_logits(gguf, ids, int8).argmax(-1)
+                default = EngineConfig().cpu_int8_residual_groups
+                for int8, groups in ((True, default), (True, 0), (False, 0)):
+                    picks = decode_step_logits(gguf, ids, int8, groups).argmax(-1)
                     agreement = float((picks == reference).float().mean())
-                    kind = "int8" if int8 else "float32"
-                    print(f"  gguf, the C decode step, {kind} activations: {agreement:.1%}")
+                    kind = f"int8 activations, residual pass over {groups} groups" if int8 else "float32"
+                    print(f"  gguf, the C decode step, {kind}: {agreement:.1%}")
                 # what cpu_prefill_bf16 computes for a prefill chunk (the runner's autocast; head in float32)
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     hidden = gguf.model(torch.tensor(ids), torch.arange(len(ids)), CausalSelfAttention())
