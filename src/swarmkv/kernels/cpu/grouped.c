@@ -408,6 +408,8 @@ typedef struct {
     const int32_t *res_bias8;    /* [M, R]: -128 times its codes' sum */
     const int8_t *res_natural;   /* [M, R, 32]: its codes in element order */
     const int8_t *res_paired;    /* [M, R, 32]: even elements, then odd */
+    const int32_t *res_pairs;    /* per FAST_ROWS rows (PAIR_INTS): their slots' groups in order, then K / 32; the
+                                  * slots (m * R + j) in that order; their rows m within the block */
 } qx_t;
 
 /* An int8 group of 32 rounds each value to a multiple of its largest / 127, so one large value (the residual
@@ -419,8 +421,10 @@ typedef struct {
 #define MAX_RESIDUAL_GROUPS 4
 
 /* Bytes of codes and floats of constants quantize_x writes for M rows of K. */
+#define PAIR_INTS (3 * FAST_ROWS * MAX_RESIDUAL_GROUPS + 1)
 #define QX_CODE_BYTES(M, K) (4 * (M) * (K) + 64 * (M) * MAX_RESIDUAL_GROUPS)
-#define QX_CONST_FLOATS(M, K) (12 * (M) * ((K) / 32) + 4 * (M) * MAX_RESIDUAL_GROUPS)
+#define QX_CONST_FLOATS(M, K) \
+    (12 * (M) * ((K) / 32) + 4 * (M) * MAX_RESIDUAL_GROUPS + ((M) / FAST_ROWS + 1) * PAIR_INTS)
 
 /* The residual pass of M rows over R groups each into codes [M, R, 2, 32] and consts [4, M, R], after quantize_x's
  * first pass set qx->scale: each row's groups of largest dx (the lower index first among equals; none whose dx
@@ -464,6 +468,20 @@ static void quantize_residuals(int64_t M, int64_t K, int R, const float *x, int8
             scale[at] = d2, sum[at] = d2 * (float)total, bias8[at] = -128 * total;
         }
     }
+    int32_t *pairs = (int32_t *)consts + 4 * M * R; /* each block's (group, slot) pairs in group order */
+    for (int64_t m0 = 0; m0 < M; m0 += FAST_ROWS) {
+        int32_t *order = pairs + m0 / FAST_ROWS * PAIR_INTS, *slot = order + FAST_ROWS * MAX_RESIDUAL_GROUPS + 1;
+        int32_t *row = slot + FAST_ROWS * MAX_RESIDUAL_GROUPS;
+        int count = 0;
+        for (int64_t at = m0 * R; at < (m0 + FAST_ROWS < M ? m0 + FAST_ROWS : M) * R; at++) {
+            if (group[at] == groups) continue;
+            int i = count++;
+            for (; i > 0 && order[i - 1] > group[at]; i--) order[i] = order[i - 1], slot[i] = slot[i - 1], row[i] = row[i - 1];
+            order[i] = group[at], slot[i] = (int32_t)at, row[i] = (int32_t)(at / R - m0);
+        }
+        order[count] = (int32_t)groups;
+    }
+    qx->res_pairs = pairs;
 }
 
 /* Quantise M rows of x [M, K] (K a multiple of 32) into codes [4, M, K] and consts [12, M, K / 32]: the forms
@@ -1045,22 +1063,17 @@ static inline __attribute__((always_inline)) void tile16_int8(const layout_t *w,
     const int8_t *xq = (BITS == 8 ? qx->natural : qx->paired) + m0 * K;
     const float *dx = qx->scale + m0 * groups, *xs = qx->sum + m0 * groups;
     const int32_t *bias = qx->bias8 + m0 * groups;
-    /* the residual pass: its (group, row) pairs in group order, then one past the last group; their sums apart
-     * from acc and sh (indexed by a row known only at run time, they stay in memory) */
+    /* the residual pass: this block's (group, slot) pairs in group order (quantize_residuals; no group without
+     * it); each row's sum of them apart from acc (indexed by a row known only at run time, it stays in memory) */
     const int R = qx->residual;
-    const int32_t *res_group = R ? qx->res_group + m0 * R : NULL;
-    int64_t pair_group[FAST_ROWS * MAX_RESIDUAL_GROUPS + 1], pair_at[FAST_ROWS * MAX_RESIDUAL_GROUPS];
-    int pairs = 0;
-    for (int64_t at = 0; at < M * R; at++) {
-        if (res_group[at] >= groups) continue;
-        int i = pairs++;
-        for (; i > 0 && pair_group[i - 1] > res_group[at]; i--) pair_group[i] = pair_group[i - 1], pair_at[i] = pair_at[i - 1];
-        pair_group[i] = res_group[at], pair_at[i] = m0 * R + at;
-    }
-    pair_group[pairs] = groups;
+    const int32_t no_pairs = (int32_t)groups;
+    const int32_t *pair_group = R ? qx->res_pairs + m0 / FAST_ROWS * PAIR_INTS : &no_pairs;
+    const int32_t *pair_at = R ? pair_group + FAST_ROWS * MAX_RESIDUAL_GROUPS + 1 : NULL;
+    const int32_t *pair_row = R ? pair_at + FAST_ROWS * MAX_RESIDUAL_GROUPS : NULL;
+    const int8_t *res_codes = BITS == 8 ? qx->res_natural : qx->res_paired;
     int next = 0;
-    __m512 res_acc[FAST_ROWS], res_sh[FAST_ROWS];
-    for (int64_t m = 0; m < M; m++) res_acc[m] = res_sh[m] = _mm512_setzero_ps();
+    __m512 res_acc[FAST_ROWS];
+    for (int64_t m = 0; m < M; m++) res_acc[m] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0xF), flip = _mm512_set1_epi8((char)0x80);
     __m512 st[16], ht[16];
     for (int64_t g0 = 0; g0 < groups; g0 += 16) {
@@ -1101,16 +1114,17 @@ static inline __attribute__((always_inline)) void tile16_int8(const layout_t *w,
                     if (SHIFTED) sh[m] = _mm512_fmadd_ps(hv, _mm512_set1_ps(xs[m * groups + g]), sh[m]);
                 }
                 for (; pair_group[next] == g; next++) { /* the residual pass, while the group's codes are in registers */
-                    const int64_t at = pair_at[next], m = at / R - m0;
-                    const int8_t *rq = (BITS == 8 ? qx->res_natural : qx->res_paired) + at * 32;
+                    const int64_t at = pair_at[next];
+                    const int8_t *rq = res_codes + at * 32;
                     __m512i u = BITS == 8 ? _mm512_set1_epi32(qx->res_bias8[at]) : _mm512_setzero_si512();
                     for (int d = 0; d < 8; d++) {
                         int32_t v;
                         memcpy(&v, rq + 4 * d, 4);
                         u = _mm512_dpbusd_epi32(u, B[d], _mm512_set1_epi32(v));
                     }
-                    res_acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), _mm512_mul_ps(sv, _mm512_set1_ps(qx->res_scale[at])), res_acc[m]);
-                    if (SHIFTED) res_sh[m] = _mm512_fmadd_ps(hv, _mm512_set1_ps(qx->res_sum[at]), res_sh[m]);
+                    __m512 r = _mm512_mul_ps(_mm512_cvtepi32_ps(u), _mm512_mul_ps(sv, _mm512_set1_ps(qx->res_scale[at])));
+                    if (SHIFTED) r = _mm512_fmadd_ps(hv, _mm512_set1_ps(qx->res_sum[at]), r);
+                    res_acc[pair_row[next]] = _mm512_add_ps(res_acc[pair_row[next]], r);
                 }
             }
         }
@@ -1119,8 +1133,7 @@ static inline __attribute__((always_inline)) void tile16_int8(const layout_t *w,
 #pragma GCC unroll 8
     for (int64_t m = 0; m < M; m++)
         _mm512_mask_storeu_ps(y + (m0 + m) * ldy + n0, out,
-                              SHIFTED ? _mm512_add_ps(_mm512_add_ps(acc[m], res_acc[m]), _mm512_add_ps(sh[m], res_sh[m]))
-                                      : _mm512_add_ps(acc[m], res_acc[m]));
+                              SHIFTED ? _mm512_add_ps(_mm512_add_ps(acc[m], sh[m]), res_acc[m]) : _mm512_add_ps(acc[m], res_acc[m]));
 }
 
 /* Rows [n0, n1) of y = x W^T from int8 x with tile16, 16 weight rows and up to FAST_ROWS rows of x at a time. */
