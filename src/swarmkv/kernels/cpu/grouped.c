@@ -414,10 +414,9 @@ typedef struct {
 
 /* An int8 group of 32 rounds each value to a multiple of its largest / 127, so one large value (the residual
  * stream's few outlier channels) makes the step coarse for the other 31, and that group carries most of a
- * row's rounding error. Over 1,024 tokens of the README on the embedded model, top-1 agreement with float32
- * activations (float32 head) was 97.3% with one int8 pass, 98.4% with a second pass over each row's largest
- * group and 98.6% over its two largest (KL divergence 2.4e-3, 1.0e-3, 0.6e-3); a second pass everywhere, 99.3%.
- * Two groups cost 2 / 18 more dot products at K = 576. */
+ * row's rounding error. So the layers' input takes a second int8 pass over what the first left in each row's
+ * few groups of largest step (EngineConfig.cpu_int8_residual_groups, whose help has the agreement it buys):
+ * tile16 reads it while those groups' codes are in registers, 8 more dot products per (group, row) pair. */
 #define MAX_RESIDUAL_GROUPS 4
 
 /* Bytes of codes and floats of constants quantize_x writes for M rows of K. */
