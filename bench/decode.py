@@ -8,7 +8,8 @@ bare forward loop, against transformers and llama.cpp in the same run.
    model held at its GGUF bits), over a page table of contiguous pages; else the model forward and LM head
    through the torch backend (`PagedAttention`) with the decode layout the runner builds (one `DecodeGroup` a
    step, over contiguous slots). No scheduler, sampler or detokenizer: generate/bare is the share of a step
-   that is the model.
+   that is the model. Beside it, the C step with a single int8 pass (`cpu_int8_residual_groups=0`, as
+   llama.cpp rounds): what the default's second pass over each row's largest groups costs.
 3. Aggregate decode tokens/s at batch 1 to 16: B distinct prompts of equal length through one `generate` call,
    B x N tokens over the same difference, each against batch 1 (issue 26's target: batch 8 >= 4x batch 1).
 4. transformers `generate` over the same GGUF (dequantised to float32, SDPA), greedy, at batch 1 and 8, the
@@ -132,11 +133,13 @@ def bare_decode(
     num_tokens: int,
     fused: bool = False,
     page_size: int = 16,
+    residual_groups: int | None = None,
 ) -> tuple[float, list[list[int]]]:
     """Seconds of `num_tokens` greedy decode steps of every prompt at once (after their untimed prefill):
     the model forward over `cache` through `PagedAttention`, the LM head for one row each, and argmax; or, if
-    `fused`, the C decode step over a page table of contiguous pages; and each prompt's tokens (the
-    prefill's, then the decodes')."""
+    `fused`, the C decode step over a page table of contiguous pages (its int8 residual pass over
+    `residual_groups` groups a row; None: the engine's default); and each prompt's tokens (the prefill's, then
+    the decodes')."""
     model, device, dtype = loaded.model, loaded.device, loaded.dtype
     lengths = torch.tensor([len(p) for p in prompts])
     pages_per_row = -(-(int(lengths.max()) + num_tokens + 1) // page_size)
@@ -160,7 +163,7 @@ def bare_decode(
         table = PageTable(len(prompts), pages_per_row, page_size, device)
         for b in range(len(prompts)):
             table.append(f"row{b}", list(range(b * pages_per_row, (b + 1) * pages_per_row)))
-        groups = EngineConfig().cpu_int8_residual_groups  # the engine's default, as generate's step
+        groups = EngineConfig().cpu_int8_residual_groups if residual_groups is None else residual_groups
         c_step = cpu_decode.describe(model, cache, table, int8_activations=True, residual_groups=groups)
         rows, ones, nothing = torch.arange(len(prompts)), [1] * len(prompts), [0] * len(prompts)
         start = time.perf_counter()
@@ -347,6 +350,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 timings.add(f"{fmt} b{b} long", generate_seconds(llm, prompts[b], n + 1))
                 fused = llm.engine.runner.cpu_decode is not None
                 timings.add(f"{fmt} b{b} bare", bare_decode(models[fmt], cache, prompts[b], n, fused)[0])
+                if fused:  # the C step with llama.cpp's single int8 pass: what the residual pass costs
+                    one = bare_decode(models[fmt], cache, prompts[b], n, fused, residual_groups=0)[0]
+                    timings.add(f"{fmt} b{b} bare one pass", one)
             timings.add(f"{fmt} prefill", generate_seconds(llm, prefill_prompt, 1))
         if hf is not None:
             for b in args.transformers_batches:
@@ -361,6 +367,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for fmt in models:
         ours = {b: engine_rate(fmt, b) for b in args.batches}
         bare = {b: b * n / timings.best(f"{fmt} b{b} bare") for b in args.batches}
+        single = {
+            b: b * n / timings.best(f"{fmt} b{b} bare one pass")
+            for b in args.batches
+            if f"{fmt} b{b} bare one pass" in timings.samples
+        }
         formats[fmt] = {
             "prefill_tok_s": args.prefill_tokens / timings.best(f"{fmt} prefill"),
             "batches": {
@@ -370,6 +381,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "generate_over_bare": ratio(ours[b], bare[b]),
                     "vs_batch1": ratio(ours[b], ours[1]),
                     "bare_vs_batch1": ratio(bare[b], bare[1]),
+                    "one_pass_tok_s": single.get(b),
+                    "one_pass_vs_batch1": ratio(single.get(b), single.get(1)),
                     "transformers_tok_s": theirs.get(b),
                     "over_transformers": ratio(ours[b], theirs.get(b)),
                 }
@@ -451,7 +464,8 @@ def print_report(record: dict[str, Any]) -> None:
         f"{config['decode_tokens']} greedy decode tokens a row; best of {config['repeats']} interleaved runs"
     )
     print(
-        "decode tok/s: generate = LLM.generate, (N + 1)-token run less 1-token run; bare = forward + LM head loop"
+        "decode tok/s: generate = LLM.generate, (N + 1)-token run less 1-token run; bare = forward + LM head loop; "
+        "1 pass = bare, the C step without its int8 residual pass"
     )
     for fmt, f in record["formats"].items():
         print()
@@ -459,12 +473,14 @@ def print_report(record: dict[str, Any]) -> None:
             f"swarmkv {fmt}, aggregate decode tok/s; prefill {config['prefill_tokens']} tokens: {f['prefill_tok_s']:.0f} tok/s"
         )
         print(
-            f"{'batch':>6} {'generate':>9} {'vs b1':>7} {'bare':>8} {'vs b1':>7} {'gen/bare':>9} {'transformers':>13} {'ours/theirs':>12}"
+            f"{'batch':>6} {'generate':>9} {'vs b1':>7} {'bare':>8} {'vs b1':>7} {'gen/bare':>9} {'1 pass':>8} {'vs b1':>7} "
+            f"{'transformers':>13} {'ours/theirs':>12}"
         )
         for b, row in f["batches"].items():
             print(
                 f"{b:>6} {rate(row['generate_tok_s']):>9} {times(row['vs_batch1']):>7} {rate(row['bare_tok_s']):>8} "
                 f"{times(row['bare_vs_batch1']):>7} {times(row['generate_over_bare']):>9} "
+                f"{rate(row['one_pass_tok_s']):>8} {times(row['one_pass_vs_batch1']):>7} "
                 f"{rate(row['transformers_tok_s']):>13} {times(row['over_transformers']):>12}"
             )
     print()
