@@ -139,13 +139,14 @@ static void linear(const linear_t *l, int64_t M, const float *x, float *y, scrat
     const int64_t K = l->K;
 #pragma omp single
     {
-        int need_d = 0, need16 = 0, need32 = 0, need_q = 0, need_quads = 0;
+        int need_d = 0, need16 = 0, need32 = 0, need_q = 0, need_quads = 0, need_residual = 0;
         for (int64_t b = 0; b < l->num_blocks; b++) {
             const layout_t *w = &l->blocks[b].w;
             if (w->bits == 0) continue;
             if (int8 && int8_dot_reads(w)) {
                 need_q = 1;
                 need_quads |= int8_reads_quads(w);
+                need_residual |= int8_reads_residual(w);
                 continue;
             }
             need_d |= w->bits != 8;
@@ -154,7 +155,7 @@ static void linear(const linear_t *l, int64_t M, const float *x, float *y, scrat
         }
         if (need16) prepare_x(M, K, 16, x, need_d ? s->xd : NULL, s->xsum16);
         if (need32) prepare_x(M, K, 32, x, need16 || !need_d ? NULL : s->xd, s->xsum32);
-        if (need_q) quantize_x(M, K, x, s->codes, s->qconsts, &s->qx, need_quads, residual);
+        if (need_q) quantize_x(M, K, x, s->codes, s->qconsts, &s->qx, need_quads, need_residual ? residual : 0);
     }
     for (int64_t b = 0; b < l->num_blocks; b++) {
         const block_t *blk = &l->blocks[b];

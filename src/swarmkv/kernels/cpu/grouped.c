@@ -419,15 +419,16 @@ typedef struct {
  * tile16 reads it while those groups' codes are in registers, 8 more dot products per (group, row) pair. */
 #define MAX_RESIDUAL_GROUPS 4
 
-/* Bytes of codes and floats of constants quantize_x writes for M rows of K. */
+/* A block of FAST_ROWS rows' (group, slot, row) triples of the residual pass, and the end mark. */
 #define PAIR_INTS (3 * FAST_ROWS * MAX_RESIDUAL_GROUPS + 1)
+/* Bytes of codes and floats of constants quantize_x writes for M rows of K. */
 #define QX_CODE_BYTES(M, K) (4 * (M) * (K) + 64 * (M) * MAX_RESIDUAL_GROUPS)
 #define QX_CONST_FLOATS(M, K) \
     (12 * (M) * ((K) / 32) + 4 * (M) * MAX_RESIDUAL_GROUPS + ((M) / FAST_ROWS + 1) * PAIR_INTS)
 
-/* The residual pass of M rows over R groups each into codes [M, R, 2, 32] and consts [4, M, R], after quantize_x's
- * first pass set qx->scale: each row's groups of largest dx (the lower index first among equals; none whose dx
- * is 0), and the int8 codes of what the first pass left of them. */
+/* The residual pass of M rows over R groups each into codes [2, M, R, 32] and consts (4 M R, then PAIR_INTS a block
+ * of FAST_ROWS rows), after quantize_x's first pass set qx->scale: each row's groups of largest dx (the lower
+ * index first among equals; none whose dx is 0), and the int8 codes of what the first pass left of them. */
 static void quantize_residuals(int64_t M, int64_t K, int R, const float *x, int8_t *codes, float *consts, qx_t *qx) {
     const int64_t groups = K / 32;
     int32_t *group = (int32_t *)consts, *bias8 = group + M * R;
@@ -1342,15 +1343,19 @@ static void matmul_share_int8(const layout_t *w, int64_t M, int64_t N, int64_t K
 int swarmkv_has_int8_dot(void) { return HAVE_INT8_DOT; }
 
 /* Whether the int8 kernel of this build and layout reads the residual pass (tile16's layouts, AVX-512 VNNI). */
-int swarmkv_int8_reads_residual(int bits, int group, const void *s_sub, const uint16_t *m_half, const uint8_t *m_sub) {
+static inline int int8_reads_residual(const layout_t *w) {
 #if HAVE_INT8_512
-    layout_t w;
-    fill_layout(&w, bits, group, 0, NULL, NULL, NULL, s_sub, 0, 1, m_half, m_sub, 1);
-    return int8_dot_reads(&w) && tile16_reads(&w);
+    return int8_dot_reads(w) && tile16_reads(w);
 #else
-    (void)bits, (void)group, (void)s_sub, (void)m_half, (void)m_sub;
+    (void)w;
     return 0;
 #endif
+}
+
+int swarmkv_int8_reads_residual(int bits, int group, const void *s_sub, const uint16_t *m_half, const uint8_t *m_sub) {
+    layout_t w;
+    fill_layout(&w, bits, group, 0, NULL, NULL, NULL, s_sub, 0, 1, m_half, m_sub, 1);
+    return int8_reads_residual(&w);
 }
 
 /* y[M, N] = x W^T with x quantised to int8 per group of 32 first, with the residual pass over `residual` groups
@@ -1370,7 +1375,7 @@ int swarmkv_grouped_matmul_int8(int64_t M, int64_t N, int64_t K, const float *x,
         return 2;
     }
     qx_t qx;
-    quantize_x(M, K, x, codes, consts, &qx, int8_reads_quads(&w), residual);
+    quantize_x(M, K, x, codes, consts, &qx, int8_reads_quads(&w), int8_reads_residual(&w) ? residual : 0);
 #pragma omp parallel num_threads(threads)
     matmul_share_int8(&w, M, N, K, &qx, y, ldy);
     free(codes);
