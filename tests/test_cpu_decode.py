@@ -278,6 +278,17 @@ def test_the_int8_kernel_at_every_row_count(kind: GGMLQuantizationType, build: s
         )
 
 
+def stepped_logits(llm: LLM, seed: int, **options: Any) -> torch.Tensor:
+    """Logits [48, vocab] of 48 random tokens fed one at a time through a C step described with `options`, over
+    one row of 4 pages of the engine's cache."""
+    table = PageTable(1, 4, 16, torch.device("cpu"))
+    table.append("row", [0, 1, 2, 3])
+    step = cpu_decode.describe(llm.loaded.model, llm.engine.runner.kv_cache, table, **options)
+    ids = torch.randint(5, 500, (48,), generator=torch.Generator().manual_seed(seed))
+    one = torch.zeros(1, dtype=torch.int64)
+    return torch.cat([step.step(ids[t : t + 1], one, torch.tensor([t]), [1], [0]) for t in range(48)])
+
+
 def test_int8_activations_give_the_likely_tokens_the_float32_heads_logits(tmp_path: Path) -> None:
     """Float32 projections and a Q8_0 head: int8 activations change only the head, whose 8 highest logits a
     row are computed again from float32 x (decode.c's rescore_top), so they are the float32 step's, and the
@@ -292,19 +303,7 @@ def test_int8_activations_give_the_likely_tokens_the_float32_heads_logits(tmp_pa
         tied=False,
     )
     llm = LLM(str(path), dtype="float32", kv_cache_memory="64MiB")
-    model, cache = llm.loaded.model, llm.engine.runner.kv_cache
-    table = PageTable(1, 4, 16, torch.device("cpu"))
-    table.append("row", [0, 1, 2, 3])
-    ids, one = (
-        torch.randint(5, 500, (48,), generator=torch.Generator().manual_seed(0)),
-        torch.zeros(1, dtype=torch.int64),
-    )
-    logits = {}
-    for int8 in (False, True):
-        step = cpu_decode.describe(model, cache, table, int8_activations=int8)
-        logits[int8] = torch.cat(
-            [step.step(ids[t : t + 1], one, torch.tensor([t]), [1], [0]) for t in range(48)]
-        )
+    logits = {int8: stepped_logits(llm, seed=0, int8_activations=int8) for int8 in (False, True)}
     # The 8 rescored were the int8 head's highest; one whose float32 value is lower can fall under a 9th.
     top = logits[True].topk(8, dim=-1).indices
     scale = float(logits[False].abs().max())
@@ -324,22 +323,13 @@ def test_the_residual_pass_brings_int8_decode_closer_to_float32_activations(file
     runner = llm.engine.runner
     assert runner.cpu_decode is not None
     assert runner.cpu_decode._model.residual_groups == 3  # the engine's default reaches the step
-    model, cache = llm.loaded.model, runner.kv_cache
-    blocks = [b.weight for b in model.layers[0].mlp.gate_up_proj.blocks]
+    blocks = [b.weight for b in llm.loaded.model.layers[0].mlp.gate_up_proj.blocks]
     if not all(cpu_grouped.reads_residual(b) for b in blocks):
         pytest.skip("this build's int8 kernel has no residual pass (it needs AVX-512 VNNI)")
-    table = PageTable(1, 4, 16, torch.device("cpu"))
-    table.append("row", [0, 1, 2, 3])
-    ids, one = (
-        torch.randint(5, 500, (48,), generator=torch.Generator().manual_seed(1)),
-        torch.zeros(1, dtype=torch.int64),
-    )
-    logits = {}
-    for int8, groups in ((False, 0), (True, 0), (True, 3)):
-        step = cpu_decode.describe(model, cache, table, int8_activations=int8, residual_groups=groups)
-        logits[int8, groups] = torch.cat(
-            [step.step(ids[t : t + 1], one, torch.tensor([t]), [1], [0]) for t in range(48)]
-        )
+    logits = {
+        (int8, groups): stepped_logits(llm, seed=1, int8_activations=int8, residual_groups=groups)
+        for int8, groups in ((False, 0), (True, 0), (True, 3))
+    }
     # at float32's top token, which the int8 head rescores from float32 x: the layers' rounding alone
     top = logits[False, 0].argmax(-1, keepdim=True)
     plain, second = (
