@@ -14,9 +14,11 @@ from swarmkv.choices import (
     ASYNC_SCHEDULING_MODES,
     ATTENTION_BACKENDS,
     CASCADE_MODES,
+    CPU_INT8_RESIDUAL_GROUPS,
     JUMP_FORWARD_MODES,
     KV_CACHE_DTYPES,
     LOOP_GUARD_MODES,
+    MAX_CPU_INT8_RESIDUAL_GROUPS,
     PREFILL_BF16_MODES,
     SPECULATION_MODES,
     AsyncSchedulingMode,
@@ -114,7 +116,7 @@ class EngineConfig:
         "and multiply on the CPU's integer dot products; off: float32 activations (slower, closer to float)",
     )
     cpu_int8_residual_groups: int = _opt(
-        3,
+        CPU_INT8_RESIDUAL_GROUPS,
         "with int8 activations, the groups of 32 in each row of a layer's input that get a second int8 pass "
         "over what the first left (those of largest scale, where one outlier coarsens the step for the other "
         "31): 0 to 4, 0 for llama.cpp's single pass. Read by the 16-row kernel (Q4_0, Q4_1, Q8_0 on AVX-512 "
@@ -216,8 +218,14 @@ class EngineConfig:
                 f"cpu_prefill_bf16 must be one of {PREFILL_BF16_MODES}, got {self.cpu_prefill_bf16!r}"
             )
         groups = self.cpu_int8_residual_groups
-        if isinstance(groups, bool) or not isinstance(groups, int) or not 0 <= groups <= 4:
-            raise ValueError(f"cpu_int8_residual_groups must be an integer from 0 to 4, got {groups!r}")
+        if (
+            isinstance(groups, bool)
+            or not isinstance(groups, int)
+            or not 0 <= groups <= MAX_CPU_INT8_RESIDUAL_GROUPS
+        ):
+            raise ValueError(
+                f"cpu_int8_residual_groups must be an integer from 0 to {MAX_CPU_INT8_RESIDUAL_GROUPS}, got {groups!r}"
+            )
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {self.speculation!r}")
         rows = self.max_speculative_rows

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from swarmkv.choices import CPU_INT8_RESIDUAL_GROUPS
 from swarmkv.engine.kv_cache import KVCache
 from swarmkv.engine.page_table import PageTable
 from swarmkv.kernels import cpu_decode, cpu_grouped
@@ -62,7 +63,7 @@ def describe(
     kv_cache: KVCache,
     page_table: PageTable,
     int8_activations: bool,
-    residual_groups: int = 0,
+    residual_groups: int = CPU_INT8_RESIDUAL_GROUPS,
 ) -> cpu_decode.DecodeModel:
     """The model, its KV slabs and page table as the C decode step reads them (after `why_not` said None)."""
     config = model.config

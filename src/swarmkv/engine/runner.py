@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from swarmkv.choices import CascadeMode, PrefillBf16Mode
+from swarmkv.choices import CPU_INT8_RESIDUAL_GROUPS, CascadeMode, PrefillBf16Mode
 from swarmkv.core.scheduler import Chunk, StepPlan, sampling_rows
 from swarmkv.core.sequence import PROVISIONAL_TOKEN
 from swarmkv.core.stats import EngineCounters
@@ -48,7 +48,7 @@ class ModelRunner:
         states: StateCache | None = None,
         fused_cpu_decode: bool = False,
         cpu_int8_activations: bool = True,
-        cpu_int8_residual_groups: int = 0,
+        cpu_int8_residual_groups: int = CPU_INT8_RESIDUAL_GROUPS,
         cpu_prefill_bf16: PrefillBf16Mode = "off",
     ) -> None:
         """With the triton backend, `cuda_graphs` replays decode steps of up to `max_num_seqs` rows, and with

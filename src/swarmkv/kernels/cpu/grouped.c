@@ -460,8 +460,8 @@ static void quantize_residuals(int64_t M, int64_t K, int R, const float *x, int8
             }
             const float d2 = rmax / 127.0f, inv2 = d2 > 0.0f ? 1.0f / d2 : 0.0f;
             int total = 0;
-            for (int i = 0; i < 32; i++) {
-                const int8_t q = (int8_t)(int)nearbyintf(r[i] * inv2);
+            for (int i = 0; i < 32; i++) { /* clamped: 1 / d2 overflows where rmax is below about 4e-37 */
+                const int8_t q = (int8_t)(int)fminf(fmaxf(nearbyintf(r[i] * inv2), -127.0f), 127.0f);
                 natural[at * 32 + i] = q, paired[at * 32 + (i & 1) * 16 + i / 2] = q;
                 total += q;
             }
