@@ -121,8 +121,9 @@ class EngineConfig:
         "over what the first left (those of largest scale, where one outlier coarsens the step for the other "
         "31): 0 to 4, 0 for llama.cpp's single pass. Read by the 16-row kernel (Q4_0, Q4_1, Q8_0 on AVX-512 "
         "VNNI). Top-1 agreement with float over 1,024 tokens on the embedded model, 0 against 3 groups: the "
-        "README 97.4 / 98.9 percent, the founding document 96.4 / 98.0, engine.py 98.0 / 98.7. An 8-row step "
-        "costs about 10 percent more (batch 8 against batch 1: 3.3x to 3.0x), one row about the same",
+        "README 97.4 / 98.9 percent, the founding document 96.4 / 97.95, engine.py 97.95 / 98.7. An 8-row step "
+        "takes about 15 percent longer, one row 4 percent (bench/decode.py's bare loop: batch 8 against batch 1 "
+        "3.63x with 0, 3.29x with 3)",
     )
     jump_forward: JumpForwardMode = _opt(
         "auto",
