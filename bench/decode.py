@@ -50,7 +50,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from swarmkv import LLM, SamplingParams  # noqa: E402
-from swarmkv.core.config import EngineConfig  # noqa: E402
+from swarmkv.choices import CPU_INT8_RESIDUAL_GROUPS  # noqa: E402
 from swarmkv.engine import cpu_decode  # noqa: E402
 from swarmkv.engine.kv_cache import KVCache  # noqa: E402
 from swarmkv.engine.page_table import PageTable  # noqa: E402
@@ -133,12 +133,12 @@ def bare_decode(
     num_tokens: int,
     fused: bool = False,
     page_size: int = 16,
-    residual_groups: int | None = None,
+    residual_groups: int = CPU_INT8_RESIDUAL_GROUPS,
 ) -> tuple[float, list[list[int]]]:
     """Seconds of `num_tokens` greedy decode steps of every prompt at once (after their untimed prefill):
     the model forward over `cache` through `PagedAttention`, the LM head for one row each, and argmax; or, if
     `fused`, the C decode step over a page table of contiguous pages (its int8 residual pass over
-    `residual_groups` groups a row; None: the engine's default); and each prompt's tokens (the prefill's, then
+    `residual_groups` groups a row, the engine's default unless given); and each prompt's tokens (the prefill's, then
     the decodes')."""
     model, device, dtype = loaded.model, loaded.device, loaded.dtype
     lengths = torch.tensor([len(p) for p in prompts])
@@ -163,8 +163,9 @@ def bare_decode(
         table = PageTable(len(prompts), pages_per_row, page_size, device)
         for b in range(len(prompts)):
             table.append(f"row{b}", list(range(b * pages_per_row, (b + 1) * pages_per_row)))
-        groups = EngineConfig().cpu_int8_residual_groups if residual_groups is None else residual_groups
-        c_step = cpu_decode.describe(model, cache, table, int8_activations=True, residual_groups=groups)
+        c_step = cpu_decode.describe(
+            model, cache, table, int8_activations=True, residual_groups=residual_groups
+        )
         rows, ones, nothing = torch.arange(len(prompts)), [1] * len(prompts), [0] * len(prompts)
         start = time.perf_counter()
         for step in range(num_tokens):

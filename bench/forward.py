@@ -31,7 +31,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from swarmkv import LLM, SamplingParams  # noqa: E402
-from swarmkv.core.config import EngineConfig  # noqa: E402
+from swarmkv.choices import CPU_INT8_RESIDUAL_GROUPS  # noqa: E402
 from swarmkv.engine import cpu_decode  # noqa: E402
 from swarmkv.engine.kv_cache import KVCache  # noqa: E402
 from swarmkv.engine.page_table import PageTable  # noqa: E402
@@ -147,7 +147,10 @@ def top1_agreement(loaded: LoadedModel, reference: LoadedModel, ids: list[int]) 
 
 
 def decode_step_logits(
-    loaded: LoadedModel, ids: list[int], int8_activations: bool, residual_groups: int = 0
+    loaded: LoadedModel,
+    ids: list[int],
+    int8_activations: bool,
+    residual_groups: int = CPU_INT8_RESIDUAL_GROUPS,
 ) -> torch.Tensor:
     """Logits at every position of one sequence [T, vocab], fed token by token through the C decode step
     (engine/cpu_decode.py) over its own KV pages: what decoding computes, teacher-forced."""
@@ -241,8 +244,7 @@ def main() -> None:
         ):
             with torch.inference_mode():
                 reference = swarmkv_all_logits(models["float"], ids).argmax(-1)
-                default = EngineConfig().cpu_int8_residual_groups
-                for int8, groups in ((True, default), (True, 0), (False, 0)):
+                for int8, groups in ((True, CPU_INT8_RESIDUAL_GROUPS), (True, 0), (False, 0)):
                     picks = decode_step_logits(gguf, ids, int8, groups).argmax(-1)
                     agreement = float((picks == reference).float().mean())
                     kind = f"int8 activations, residual pass over {groups} groups" if int8 else "float32"

@@ -340,9 +340,10 @@ def test_the_residual_pass_brings_int8_decode_closer_to_float32_activations(file
     assert 0 < second < 0.8 * plain, (second, plain)
 
 
-def test_cpu_int8_residual_groups_is_checked() -> None:
+@pytest.mark.parametrize("groups", [5, -1, True, 2.0])
+def test_cpu_int8_residual_groups_is_checked(groups: object) -> None:
     with pytest.raises(ValueError, match="cpu_int8_residual_groups"):
-        LLM(kv_cache_memory="16MiB", cpu_int8_residual_groups=5)
+        LLM(kv_cache_memory="16MiB", cpu_int8_residual_groups=groups)
 
 
 @pytest.mark.parametrize("name", ["llama-q4_1", "llama-q5_0-f16", "qwen3-q8_0"])

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swarmkv.choices import CPU_INT8_RESIDUAL_GROUPS
 from swarmkv.kernels import cpu_grouped
 from swarmkv.kernels.cpu_grouped import GroupedQuant
 from swarmkv.kernels.cpu_threads import ThreadChoice
@@ -157,7 +158,7 @@ class DecodeModel:
         page_table: torch.Tensor,
         page_size: int,
         int8_activations: bool = True,
-        residual_groups: int = 0,
+        residual_groups: int = CPU_INT8_RESIDUAL_GROUPS,
     ) -> None:
         """`k_slabs`, `v_slabs`: float32 or float16 [layers, slots, kv_heads, head_dim] (float16 where
         `reads_half_kv()`); `page_table`: int64 [rows, pages].

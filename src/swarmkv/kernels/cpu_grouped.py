@@ -125,7 +125,7 @@ def build(arch: tuple[str, ...]) -> ctypes.CDLL | None:
     int8_common = [*common[:-1], _INT, _INT]  # the residual pass's groups a row before the threads
     library.swarmkv_grouped_matmul_int8.argtypes = [_I64, _I64, _I64, _PTR, _PTR, _I64, *int8_common]
     library.swarmkv_grouped_matmul_int8.restype = library.swarmkv_has_int8_dot.restype = _INT
-    library.swarmkv_int8_reads_residual.argtypes = [_INT, _INT, _PTR, _PTR, _PTR]
+    library.swarmkv_int8_reads_residual.argtypes = common[:-1]
     library.swarmkv_int8_reads_residual.restype = _INT
     library.swarmkv_has_kv_half.restype = library.swarmkv_decode_step.restype = _INT
     # kernels/cpu_decode.py's step: the model (a ctypes structure), rows, ids, page-table rows, positions,
@@ -218,8 +218,7 @@ def reads_residual(w: GroupedQuant, library: ctypes.CDLL | None = None) -> bool:
     library = library or _library()
     if library is None or not reads_int8(w, library):
         return False
-    args = layout_args(w)
-    return bool(library.swarmkv_int8_reads_residual(args[0], args[1], args[6], args[9], args[10]))
+    return bool(library.swarmkv_int8_reads_residual(*layout_args(w)))
 
 
 def matmul_int8(

@@ -402,14 +402,14 @@ typedef struct {
     /* the residual pass (quantize_residuals), read by tile16: a row's R groups of largest dx again, as what
      * their int8 rounding left (x - q dx), itself rounded to int8 against its own max / 127 */
     int residual;                /* R: groups a row carries it for, 0 to MAX_RESIDUAL_GROUPS */
-    const int32_t *res_group;    /* [M, R]: the group; K / 32 (no group) in a slot left unused */
     const float *res_scale;      /* [M, R]: the residual's dx */
     const float *res_sum;        /* [M, R]: dx * its codes' sum */
     const int32_t *res_bias8;    /* [M, R]: -128 times its codes' sum */
     const int8_t *res_natural;   /* [M, R, 32]: its codes in element order */
     const int8_t *res_paired;    /* [M, R, 32]: even elements, then odd */
     const int32_t *res_pairs;    /* per FAST_ROWS rows (PAIR_INTS): their slots' groups in order, then K / 32; the
-                                  * slots (m * R + j) in that order; their rows m within the block */
+                                  * slots (m * R + j) in that order; their rows m within the block (kept,
+                                  * so that tile16 divides by nothing) */
 } qx_t;
 
 /* An int8 group of 32 rounds each value to a multiple of its largest / 127, so one large value (the residual
@@ -428,13 +428,14 @@ typedef struct {
 
 /* The residual pass of M rows over R groups each into codes [2, M, R, 32] and consts (4 M R, then PAIR_INTS a block
  * of FAST_ROWS rows), after quantize_x's first pass set qx->scale: each row's groups of largest dx (the lower
- * index first among equals; none whose dx is 0), and the int8 codes of what the first pass left of them. */
+ * index first among equals; none whose dx is 0), and the int8 codes of what the first pass left of them. A slot
+ * left without a group is written nowhere but the group list: no pair reads it. */
 static void quantize_residuals(int64_t M, int64_t K, int R, const float *x, int8_t *codes, float *consts, qx_t *qx) {
     const int64_t groups = K / 32;
     int32_t *group = (int32_t *)consts, *bias8 = group + M * R;
     float *scale = consts + 2 * M * R, *sum = consts + 3 * M * R;
     int8_t *natural = codes, *paired = codes + M * R * 32;
-    qx->residual = R, qx->res_group = group, qx->res_bias8 = bias8, qx->res_scale = scale, qx->res_sum = sum;
+    qx->residual = R, qx->res_bias8 = bias8, qx->res_scale = scale, qx->res_sum = sum;
     qx->res_natural = natural, qx->res_paired = paired;
     for (int64_t m = 0; m < M; m++) {
         const float *dx = qx->scale + m * groups;
@@ -448,9 +449,7 @@ static void quantize_residuals(int64_t M, int64_t K, int R, const float *x, int8
         }
         for (int64_t j = 0; j < R; j++) {
             const int64_t at = m * R + j;
-            scale[at] = sum[at] = 0.0f, bias8[at] = 0;
-            memset(natural + at * 32, 0, 32), memset(paired + at * 32, 0, 32);
-            if (group[at] == groups) continue;
+            if (group[at] == groups) continue; /* an unused slot: no pair reads it */
             const float *v = x + m * K + group[at] * 32;
             const float d = top[j], inv = 1.0f / d; /* as the first pass: x * (1 / dx), rounded to nearest even */
             float r[32], rmax = 0.0f;
@@ -1352,9 +1351,11 @@ static inline int int8_reads_residual(const layout_t *w) {
 #endif
 }
 
-int swarmkv_int8_reads_residual(int bits, int group, const void *s_sub, const uint16_t *m_half, const uint8_t *m_sub) {
+int swarmkv_int8_reads_residual(int bits, int group, int offset, const uint8_t *low, const uint8_t *high,
+                                const uint16_t *s_half, const void *s_sub, int s_sub_signed, int s_per,
+                                const uint16_t *m_half, const uint8_t *m_sub, int m_per) {
     layout_t w;
-    fill_layout(&w, bits, group, 0, NULL, NULL, NULL, s_sub, 0, 1, m_half, m_sub, 1);
+    fill_layout(&w, bits, group, offset, low, high, s_half, s_sub, s_sub_signed, s_per, m_half, m_sub, m_per);
     return int8_reads_residual(&w);
 }
 
