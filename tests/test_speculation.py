@@ -97,9 +97,9 @@ def test_siblings_and_sessions_share_only_within_a_salt() -> None:
 
 def test_failed_drafts_back_off_and_accepted_ones_grow() -> None:
     drafter = Drafter(max_draft_tokens=8)
-    drafter.add("a", [1, 2, 3, 1, 2, 3, 1, 2], None, None)
+    drafter.add("a", [1, 2, 3, 4, 5, 6, 1, 2], None, None)
     first = drafter.propose("a", 8)
-    assert first is not None and len(first.tokens) == 4
+    assert first is not None and first.tokens == (3, 4, 5, 6)  # the first draft's length, 4
     assert drafter.record("a", 4, 4) == "own"
     assert len(drafter.propose("a", 8).tokens) == 8  # type: ignore[union-attr]
     drafter.record("a", 8, 0)
@@ -107,6 +107,23 @@ def test_failed_drafts_back_off_and_accepted_ones_grow() -> None:
     assert drafter.propose("a", 8) is not None
     drafter.record("a", 1, 0)
     assert [drafter.propose("a", 8) for _ in range(3)] == [None] * 3  # then three
+
+
+def test_a_draft_is_as_long_as_its_match() -> None:
+    """A partial acceptance cuts the next draft to what was accepted plus one, unless the match it continues
+    is longer: a long match is a copy under way."""
+    drafter = Drafter(max_draft_tokens=8)
+    text = list(range(10, 30))
+    drafter.add("a", [*text, *text[:3]], None, None)
+    first = drafter.propose("a", 16)
+    assert first is not None and first.match_tokens == 3 and first.tokens == tuple(text[3:7])
+    drafter.record("a", 4, 1)  # one accepted: the next draft is cut to 2 tokens
+    drafter.extend("a", text[3:5])
+    assert drafter.propose("a", 16).tokens == tuple(text[5:10])  # type: ignore[union-attr]  # match of 5
+    drafter.record("a", 5, 0)  # none accepted: cut to 1
+    assert drafter.propose("a", 16) is None  # the step of back-off after a miss
+    drafter.extend("a", [99, 10, 11])  # a new match of 2 tokens: 2 drafted, not the cap's 8
+    assert drafter.propose("a", 16).tokens == (12, 13)  # type: ignore[union-attr]
 
 
 def test_greedy_verification_keeps_the_argmax_run() -> None:

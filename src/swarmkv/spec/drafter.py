@@ -11,8 +11,8 @@ sources are scoped by cache salt, which is the tenant's: a draft never comes fro
 acceptance and timing would show it.
 
 Draft length adapts per request: doubled after a fully accepted draft, cut to what was accepted plus one after
-a partial one, and a request whose drafts keep failing waits longer and longer between tries. Under async
-scheduling (`idle_wait_steps`), a request whose text matched nothing also waits a few steps before it looks
+a partial one, but never shorter than the match it continues (up to the cap), since a long match is a copy under
+way; a request whose drafts keep failing waits longer and longer between tries. Under async scheduling (`idle_wait_steps`), a request whose text matched nothing also waits a few steps before it looks
 again: a step may then be scheduled before its last token is known.
 """
 
@@ -155,17 +155,24 @@ class Drafter:
         if req.wait_steps:
             req.wait_steps -= 1
             return None
-        num_tokens = min(req.draft_tokens, max_tokens)
-        best: Draft | None = None
+        # The longest match among the sources: its length, what it is followed by, and where it came from.
         length, end = req.context.repeat()
+        found: tuple[int, SuffixAutomaton, int, DraftSource] | None = None
         if length >= self.min_match_tokens:
-            best = Draft(tuple(req.context.continuing(end, num_tokens)), "own", length)
+            found = (length, req.context, end, "own")
         for matcher, source in req.matchers.values():
             length, end = matcher.match()
-            if length >= self.min_match_tokens and (best is None or length > best.match_tokens):
-                tokens = matcher.automaton.following(end, num_tokens)
-                if tokens:
-                    best = Draft(tuple(tokens), source, length)
+            followed = end + 1 < len(matcher.automaton.tokens)  # a reply matched at its end lends nothing
+            if length >= self.min_match_tokens and followed and (found is None or length > found[0]):
+                found = (length, matcher.automaton, end, source)
+        best: Draft | None = None
+        if found is not None:
+            length, automaton, end, source = found
+            # A long match is evidence of a copy: the draft is at least as long as the match (up to the cap),
+            # as SuffixDecoding sizes its drafts, however short a partial acceptance has cut `draft_tokens`.
+            num_tokens = min(max(req.draft_tokens, min(length, self.max_draft_tokens)), max_tokens)
+            copy = automaton.continuing if source == "own" else automaton.following
+            best = Draft(tuple(copy(end, num_tokens)), source, length)
         req.pending = best
         if best is None:
             req.idle += 1
