@@ -280,22 +280,16 @@ def randomize(module: torch.nn.Module, generator: torch.Generator) -> None:
             else:
                 param.normal_(0.0, INIT_STD, generator=generator)
         for sub in module.modules():
-            if isinstance(sub, QuantizedLinear):
-                if sub.format == "int8":  # uniform in [-127, 127]: std about 73.6
-                    sub.qweight.copy_(
-                        torch.randint(
-                            -127, 128, sub.qweight.shape, generator=generator, device=sub.qweight.device
-                        )
-                    )
-                    sub.scales.fill_(INIT_STD / 73.6)
-                else:  # uniform nibbles 0..15: mean 7.5, std about 4.6
-                    sub.qweight.copy_(
-                        torch.randint(
-                            0, 256, sub.qweight.shape, generator=generator, device=sub.qweight.device
-                        )
-                    )
-                    sub.scales.fill_(INIT_STD / 4.6)
-                    sub.mins.fill_(-7.5 * INIT_STD / 4.6)
+            if isinstance(sub, GGUFLinear) and sub.int8_from_float and not sub.blocks:
+                # int8 layers quantize what they load: a random float weight, held as int8 groups
+                draw = torch.empty(sub.out_features, sub.in_features, device=generator.device)
+                sub.load_block(0, draw.normal_(0.0, INIT_STD, generator=generator))
+            if isinstance(sub, QuantizedLinear):  # uniform nibbles 0..15: mean 7.5, std about 4.6
+                sub.qweight.copy_(
+                    torch.randint(0, 256, sub.qweight.shape, generator=generator, device=sub.qweight.device)
+                )
+                sub.scales.fill_(INIT_STD / 4.6)
+                sub.mins.fill_(-7.5 * INIT_STD / 4.6)
 
 
 def random_model(
@@ -602,7 +596,7 @@ def kernel_point(
     }
 
 
-# The kernels section's formats: PyTorch-layout int4 and int8, float, and Q4_K_M's two GGUF types held at their
+# The kernels section's formats: PyTorch-layout int4, int8 groups, float, and Q4_K_M's two GGUF types held at their
 # own bits (models/gguf_quants.py's grouped layout, kernels/grouped_matmul.py on a GPU).
 GGUF_KINDS = {"q4_k": GGMLQuantizationType.Q4_K, "q6_k": GGMLQuantizationType.Q6_K}
 KERNEL_FORMATS = ("int4", "int8", "float", *GGUF_KINDS)
@@ -657,7 +651,7 @@ def measure_kernels(sizes: Sizes, device: torch.device, copy_bytes_per_s: float)
                 with torch.device(device):
                     module = make_linear(in_features, out_features, False, fmt).to(sizes.dtype)
                 randomize(module, generator)
-            if isinstance(module, QuantizedLinear):
+            if isinstance(module, QuantizedLinear | GGUFLinear):
                 module.finalize()
             for rows in sizes.kernel_rows:
                 points.append(

@@ -142,11 +142,12 @@ def _int4_case(rows: int, dtype: torch.dtype) -> None:
 
 
 def _int8_case(rows: int, dtype: torch.dtype) -> None:
-    from swarmkv.kernels.quant_matmul import int8_matmul
+    """The weight format int8: 8-bit codes in groups of 32 with a scale and a minimum, on the grouped kernel."""
+    from swarmkv.kernels.grouped_matmul import grouped_matmul
+    from swarmkv.models.gguf_quants import int8_groups
 
-    x = _empty(rows, HIDDEN, dtype=dtype)
-    qweight = _empty(HIDDEN, HIDDEN, dtype=torch.int8)
-    int8_matmul(x, qweight, _empty(HIDDEN, dtype=dtype), **_split_options())
+    weight = int8_groups(torch.zeros(HIDDEN, HIDDEN))  # o_proj
+    grouped_matmul(_empty(rows, HIDDEN, dtype=dtype), weight, units=SM_COUNT)
 
 
 def _split_options() -> dict[str, int]:

@@ -96,7 +96,7 @@ def test_small_cpu_run_measures_every_section(tmp_path: Path) -> None:
     }
     for p in kernels["points"]:
         assert positive(p["us"]) and positive(p["weight_bytes"]) and positive(p["fraction_of_copy_bandwidth"])
-    # int4 holds half a byte a weight plus its groups' scales and minimums; int8 one byte and a scale a row.
+    # int4 holds half a byte a weight plus its groups' scales and minimums; int8 a byte plus its groups' (9 bits).
     by = {(p["format"], p["projection"]): p["weight_bytes"] for p in kernels["points"]}
     assert by[("int4", "qkv")] < by[("int8", "qkv")] < by[("float", "qkv")]
     assert by[("q4_k", "qkv")] < by[("q6_k", "qkv")] < by[("int8", "qkv")]  # 4.625 and 6.5625 bits a weight

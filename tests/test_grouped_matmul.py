@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType
 from swarmkv.models.attention import CausalSelfAttention
 from swarmkv.models.gguf_linear import GGUFLinear
 from swarmkv.models.gguf_quantize import quantize
-from swarmkv.models.gguf_quants import SPECS, GroupedQuant, parse_blocks
+from swarmkv.models.gguf_quants import SPECS, GroupedQuant, int8_groups, parse_blocks
 from swarmkv.models.loader import load_model
 from tiny_gguf import write_tiny_gguf
 
@@ -46,6 +46,17 @@ def test_every_type_matches_its_dequantisation(kind: GGMLQuantizationType, rows:
     weight = held(kind, 40, 512)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(gm.grouped_matmul(x, weight), reference(x, weight), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 40])
+def test_the_int8_weight_format_matches_its_dequantisation(rows: int) -> None:
+    """The weight format int8 (8-bit codes with a minimum, no GGUF type of its own) through the same kernel, at
+    576 columns (a masked last tile) and with a K split."""
+    weight = int8_groups(torch.randn(40, 576, generator=torch.Generator().manual_seed(5)) * 0.02 + 0.01)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    for units in (1, 132):
+        got = gm.grouped_matmul(x, weight, units=units)
+        torch.testing.assert_close(got, reference(x, weight), atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", [Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda k: k.name)

@@ -1,5 +1,5 @@
-"""The Triton weight-only quantized matmuls (int8 per channel, int4 groups with a minimum) against their torch
-references (interpreted on the CPU)."""
+"""The Triton weight-only quantized matmuls (int4 groups with a minimum; the general grouped layout's GEMV, int8
+groups with a minimum among its layouts) against their torch references (interpreted on the CPU)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,6 @@ from swarmkv.kernels.quant_gemv import (  # noqa: E402
 from swarmkv.kernels.quant_matmul import (  # noqa: E402
     int4_matmul,
     int4_matmul_reference,
-    int8_matmul,
-    int8_matmul_reference,
     pack_int4,
     unpack_int4,
 )
@@ -73,13 +71,6 @@ def _activations(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(m, k, generator=_generator(seed)).to(DEVICE, dtype)
 
 
-def _int8_weight(n: int, k: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = _generator(seed)
-    qweight = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
-    scales = 0.005 + 0.02 * torch.rand(n, generator=gen)
-    return qweight.to(DEVICE), scales.to(DEVICE, dtype)
-
-
 def _int4_weight(
     n: int, k: int, group: int, dtype: torch.dtype, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,16 +111,6 @@ def test_pack_int4_layout_and_round_trip() -> None:
 
 
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_int8_matmul_matches_reference(m: int, n: int, k: int, dtype: torch.dtype) -> None:
-    x = _activations(m, k, dtype, seed=m)
-    qweight, scales = _int8_weight(n, k, dtype, seed=n + k)
-    out = int8_matmul(x, qweight, scales)
-    ref = int8_matmul_reference(x, qweight, scales)
-    assert _relative_error(out, ref) <= TOLERANCE[dtype]
-
-
-@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
 @pytest.mark.parametrize("group", [32, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_int4_matmul_matches_reference(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> None:
@@ -146,9 +127,6 @@ def test_row_strided_activations(m: int) -> None:
     dtype = torch.float16
     x = _activations(m, 128, dtype, seed=7)
     strided = _strided_rows(x)
-    qweight, scales = _int8_weight(48, 128, dtype, seed=1)
-    out = int8_matmul(strided, qweight, scales)
-    assert _relative_error(out, int8_matmul_reference(x, qweight, scales)) <= TOLERANCE[dtype]
     qweight4, scales4, mins4 = _int4_weight(48, 128, 32, dtype, seed=2)
     out4 = int4_matmul(strided, qweight4, scales4, mins4, 32)
     assert _relative_error(out4, int4_matmul_reference(x, qweight4, scales4, mins4, 32)) <= TOLERANCE[dtype]
@@ -156,9 +134,6 @@ def test_row_strided_activations(m: int) -> None:
 
 def test_scales_in_another_dtype_than_x() -> None:
     x = _activations(3, 128, torch.float32, seed=3)
-    qweight, scales = _int8_weight(64, 128, torch.float16, seed=4)
-    out = int8_matmul(x, qweight, scales)
-    assert _relative_error(out, int8_matmul_reference(x, qweight, scales)) <= TOLERANCE[torch.float32]
     qweight4, scales4, mins4 = _int4_weight(64, 128, 64, torch.bfloat16, seed=5)
     out4 = int4_matmul(x, qweight4, scales4, mins4, 64)
     ref4 = int4_matmul_reference(x, qweight4, scales4, mins4, 64)
@@ -187,17 +162,9 @@ def test_tolerance_rejects_a_wrong_layout(m: int) -> None:
     for expected in wrong:
         assert _relative_error(out, expected) > 5 * TOLERANCE[dtype]
 
-    qweight8, scales8 = _int8_weight(64, 128, dtype, seed=13)
-    out8 = int8_matmul(x, qweight8, scales8)
-    assert _relative_error(out8, int8_matmul_reference(x, qweight8, scales8)) <= TOLERANCE[dtype]
-    shifted = int8_matmul_reference(x, qweight8, scales8.roll(1))  # each row scaled by its neighbour's scale
-    assert _relative_error(out8, shifted) > 5 * TOLERANCE[dtype]
-
 
 def test_empty_batch() -> None:
     x = torch.empty(0, 64, device=DEVICE)
-    qweight, scales = _int8_weight(48, 64, torch.float32, seed=0)
-    assert int8_matmul(x, qweight, scales).shape == (0, 48)
     qweight4, scales4, mins4 = _int4_weight(48, 64, 32, torch.float32, seed=0)
     assert int4_matmul(x, qweight4, scales4, mins4, 32).shape == (0, 48)
 
@@ -229,11 +196,8 @@ def _group_constants(
     n: int, k: int, group: int, dtype: torch.dtype, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     gen = _generator(seed)
-    width = k // group if group else 1
-    scales = 0.005 + 0.02 * torch.rand(n, width, generator=gen)
-    mins = -scales * (8 + torch.rand(n, width, generator=gen))
-    if not group:
-        scales = scales[:, 0]
+    scales = 0.005 + 0.02 * torch.rand(n, k // group, generator=gen)
+    mins = -scales * (8 + torch.rand(n, k // group, generator=gen))
     return scales.to(DEVICE, dtype), mins.to(DEVICE, dtype)
 
 
@@ -246,7 +210,7 @@ def _group_constants(
         (4, 16, 0, True),  # groups of 16: 8-byte chunks
         (4, 64, 0, True),  # two chunks per group
         (8, 32, 0, False),  # Q8_0
-        (8, 0, 0, False),  # int8 per output channel
+        (8, 32, 0, True),  # the weight format int8: groups with a minimum
     ],
 )
 @pytest.mark.parametrize("splits", [1, 2])
@@ -272,9 +236,14 @@ def test_gemv_other_dtypes(m: int, dtype: torch.dtype) -> None:
     qweight, scales, mins = _int4_weight(40, 320, 32, dtype, seed=6)
     out = int4_matmul(x, qweight, scales, mins, 32, splits=2)
     assert _relative_error(out, int4_matmul_reference(x, qweight, scales, mins, 32)) <= TOLERANCE[dtype]
-    qweight8, scales8 = _int8_weight(40, 320, dtype, seed=7)
-    out8 = int8_matmul(x, qweight8, scales8, splits=2)
-    assert _relative_error(out8, int8_matmul_reference(x, qweight8, scales8)) <= TOLERANCE[dtype]
+    qweight8 = _codes(40, 320, 8, seed=7)
+    scales8, mins8 = _group_constants(40, 320, 32, dtype, seed=7)
+    options = dict(bits=8, group=32)
+    out8 = quant_gemv(x, qweight8, scales8, mins8, num_sms=1, splits=2, **options)
+    assert (
+        _relative_error(out8, quant_gemv_reference(x, qweight8, scales8, mins8, **options))
+        <= TOLERANCE[dtype]
+    )
 
 
 def test_split_k_is_sized_from_the_sm_count_and_reproducible() -> None:
@@ -300,11 +269,3 @@ def test_a_group_that_is_not_a_power_of_two() -> None:
     assert (
         _relative_error(out, int4_matmul_reference(x, qweight, scales, mins, 48)) <= TOLERANCE[torch.float16]
     )
-
-
-def test_decode_with_a_k_the_gemv_cannot_chunk() -> None:
-    """int8 rows of 72 bytes are not whole 16-byte chunks: the decode falls back to the GEMM, still exact."""
-    x = _activations(1, 72, torch.float32, seed=10)
-    qweight, scales = _int8_weight(40, 72, torch.float32, seed=11)
-    out = int8_matmul(x, qweight, scales)
-    assert _relative_error(out, int8_matmul_reference(x, qweight, scales)) <= TOLERANCE[torch.float32]

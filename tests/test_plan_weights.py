@@ -131,8 +131,8 @@ def test_auto_follows_the_checkpoint_and_kv_dtype_follows_the_weights(
         "fp8_e4m3",
         81_920,
     )
-    # int8: one byte per weight and a float16 scale per output row.
-    assert fit["weights"]["projections_bytes"] == 40 * sum(n * k + 2 * n for n, k in shapes)
+    # int8: one byte per weight and a float16 scale and minimum per group of 32.
+    assert fit["weights"]["projections_bytes"] == 40 * sum(n * k + 2 * n * (k // 32) * 2 for n, k in shapes)
 
 
 SMALL = ModelConfig(

@@ -1,10 +1,10 @@
-"""The quantized matmul in Triton, for the int4 / int8 layouts and GGUF's grouped one alike: x [M, K] @ W.T, each
+"""The quantized matmul in Triton, for the int4 layout and the grouped one (GGUF's types, int8) alike: x [M, K] @ W.T, each
 lane loading its weight bytes along K in 16-byte chunks, so a decode step (M up to GEMV_MAX_ROWS: a GEMV) reads
 each weight byte once.
 
 The weight layouts are those of docs/quantized-layouts.md: codes q row-major along K, two to a byte (element k in
 byte k // 2, the low nibble for even k) or one signed byte each, and W[n, k] = S[n, g] * (q[n, k] - OFFSET)
-+ M[n, g] with g = k // GROUP (GROUP = 0: one scale per row, no minimum). 5- and 6-bit codes add a `high` plane of
++ M[n, g] with g = k // GROUP. 5- and 6-bit codes add a `high` plane of
 the bits above the nibble, a chunk's high bits read as one word (HIGH_BITS a code); S and M are float, or (TWO_LEVEL, GGUF's
 K-quants) an integer per group times a float per PER_OUTER groups, multiplied in float32. Bits, group, offset,
 minimums and the constants' levels are compile-time parameters.
@@ -85,7 +85,7 @@ def _chunk_codes(bits: int, group: int) -> int:
     full = CHUNK_BYTES * 8 // _low_bits(bits)
     if bits > _low_bits(bits):
         full = min(full, HIGH_WORD_BITS // (bits - _low_bits(bits)))
-    return full if group == 0 else math.gcd(group, full)
+    return math.gcd(group, full)
 
 
 def _chunk_bytes(bits: int, group: int) -> int:
@@ -229,13 +229,10 @@ def _quant_gemv_kernel(
             q = tl.join(even, odd).reshape(BLOCK_N, BLOCK_C, CODES).to(tl.float32)
         else:
             q = packed.to(tl.float32)
-        if GROUP == 0:
-            scale = tl.full([BLOCK_N, BLOCK_C], 1.0, tl.float32)
-        else:
-            group = chunk_k // GROUP
-            scale = _group_constants(
-                Scales, ScaleOuter, rn, group, s_ok, stride_sn, stride_so, TWO_LEVEL, PER_OUTER
-            )
+        group = chunk_k // GROUP
+        scale = _group_constants(
+            Scales, ScaleOuter, rn, group, s_ok, stride_sn, stride_so, TWO_LEVEL, PER_OUTER
+        )
         if HAS_MINS:
             mins = _group_constants(
                 Mins, MinOuter, rn, group, s_ok, stride_mn, stride_mo, TWO_LEVEL, PER_OUTER
@@ -264,9 +261,6 @@ def _quant_gemv_kernel(
                 qx = tl.sum(q * xr[None, :, :], axis=2)  # [N, C]
                 part = tl.sum(qx * scale + tl.sum(xr, axis=1)[None, :] * low, axis=1)  # [N]
                 acc += tl.where(tl.arange(0, BLOCK_M)[:, None] == r, part[None, :], 0.0)
-    if GROUP == 0:
-        # One scale per row, constant along K: applied once to the float32 sums.
-        acc *= tl.load(Scales + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out_ptrs = Out + split * stride_os + rm[:, None] * stride_om + rn[None, :]
     out_ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
@@ -318,13 +312,13 @@ def quant_gemv(
 ) -> torch.Tensor:
     """x [M, K] @ W.T as [M, N] in x's dtype, for W in the layout above: qweight uint8 [N, K // 2] (bits 4, 5, 6)
     or int8 [N, K] (bits 8), and for 5 or 6 bits the `high` plane uint8 [N, K * (bits - 4) // 8]; scales (and
-    mins) [N, K // group], or scales [N] when group is 0, float or (with `levels`) integers. Into `out` when given
+    mins) [N, K // group], float or (with `levels`) integers. Into `out` when given
     (an [M, N] view whose columns are contiguous). The caller checks shapes; `num_sms` sizes the K split,
     `splits` forces it."""
     num_rows, k = x.shape
     n = qweight.shape[0]
     assert quant_gemv_supports(k, bits, group), f"K={k} must be a multiple of a chunk's codes"
-    assert group > 0 or mins is None, "minimums need groups"
+    assert group > 0, "codes come in groups along K"
     assert (high is None) == (bits in (4, 8)), "5- and 6-bit codes need their high plane, others have none"
     assert levels is None or (levels.min_outer is None) == (mins is None), (
         "minimums take their own outer floats"
@@ -398,10 +392,7 @@ def quant_gemv_reference(
 ) -> torch.Tensor:
     """What quant_gemv computes, in float32 torch, cast to x's dtype."""
     q = (unpack_int4(qweight) if bits == 4 else qweight).float() - offset
-    if group == 0:
-        weight = q * scales.float()[:, None]
-    else:
-        weight = q * scales.float().repeat_interleave(group, dim=1)
-        if mins is not None:
-            weight += mins.float().repeat_interleave(group, dim=1)
+    weight = q * scales.float().repeat_interleave(group, dim=1)
+    if mins is not None:
+        weight += mins.float().repeat_interleave(group, dim=1)
     return (x.float() @ weight.T).to(x.dtype)

@@ -1,6 +1,8 @@
-"""Layers that hold a GGUF file's tensors at the file's own bits (weight format "gguf"): a linear layer whose
-row blocks are each a `GroupedQuant` (or a float tensor), and an embedding that dequantises only the rows it
-looks up. A tied embedding's blocks serve the LM head as well, once in memory.
+"""Layers that hold weights in the grouped layout of `models/gguf_quants.py`: a linear layer whose row blocks
+are each a `GroupedQuant` (or a float tensor), and an embedding that dequantises only the rows it looks up. The
+weight format "gguf" holds a file's tensors at the file's own bits, and a tied embedding's blocks serve the LM
+head as well, once in memory; the weight format "int8" holds the projections of any checkpoint quantized to
+8-bit groups (`gguf_quants.int8_groups`) as they load.
 
 On the CPU the matmul runs the C kernel of `kernels/cpu_grouped.py`: at small batches (decode) a GEMV that reads
 each weight byte once, at larger ones an exact dequantisation into a float tile and torch's matmul. Where the C
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from swarmkv.kernels import cpu_grouped
-from swarmkv.models.gguf_quants import GroupedQuant
+from swarmkv.models.gguf_quants import GroupedQuant, int8_groups
 
 # Rows of x the C GEMV serves in one pass over the weights (FAST_ROWS in kernels/cpu/grouped.c); larger batches
 # (prefill) dequantise a float tile once and use torch's matmul.
@@ -62,8 +64,12 @@ class HeldBlocks(nn.Module):
 
     def load_block(self, start: int, weight: Block) -> None:
         """Hold `weight` as output rows [start, start + rows)."""
-        self.blocks.append(RowBlock(start, weight))
+        self.blocks.append(RowBlock(start, self._held(weight)))
         self._register()
+
+    def _held(self, weight: Block) -> Block:
+        """What a layer holds of a weight it is given (subclasses may quantize it)."""
+        return weight
 
     def _register(self) -> None:
         for name in [n for n, _ in self.named_buffers(recurse=False)]:
@@ -77,14 +83,22 @@ class HeldBlocks(nn.Module):
 class GGUFLinear(HeldBlocks):
     """y = x W^T (+ b) with W held as row blocks at the file's bits; filled by `load_block`, then `finalize()`d."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
-        """No blocks yet (the loader adds them); the bias, if any, is a float parameter. `kernel`: "auto" is
-        Triton on a GPU and C on the CPU; "triton" takes the Triton kernel on the CPU too (its interpreter,
-        for tests)."""
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, int8_from_float: bool = False
+    ) -> None:
+        """No blocks yet (the loader adds them); the bias, if any, is a float parameter. `int8_from_float`:
+        float weights given to `load_block` are held as int8 groups (the weight format "int8"). `kernel`:
+        "auto" is Triton on a GPU and C on the CPU; "triton" takes the Triton kernel on the CPU too (its
+        interpreter, for tests)."""
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.int8_from_float = int8_from_float
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel: Literal["auto", "triton"] = "auto"
+
+    def _held(self, weight: Block) -> Block:
+        # Quantization is row-local, so a shard quantized alone equals its rows of the fused matrix.
+        return int8_groups(weight) if self.int8_from_float and isinstance(weight, torch.Tensor) else weight
 
     def share_blocks(self, other: HeldBlocks) -> None:
         """Hold the same blocks as `other` (an LM head tied to the embedding): no bytes of its own."""

@@ -1,5 +1,5 @@
 """GGUF quantized blocks held at their file's bits: one grouped layout for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
-Q5_K and Q6_K, its exact float32 dequantisation, and a quantizer of ours that writes such blocks (for tests).
+Q5_K and Q6_K, its exact float32 dequantisation, and the weight format "int8" in the same layout (`int8_groups`).
 
 The layout (docs/quantized-layouts.md has the decision and its numbers), for a weight [N, K]:
 - codes: `low` uint8 [N, K / 2], element k in byte k // 2 (low nibble when k is even) for 4-, 5- and 6-bit
@@ -194,6 +194,31 @@ class GroupedQuant:
             GroupConstants.cat_rows([p.scales for p in parts]),
             None if mins[0] is None else GroupConstants.cat_rows([m for m in mins if m is not None]),
         )
+
+
+INT8_GROUP_SIZE = 32  # the weight format "int8": GGUF's legacy block, so a Q4_0/Q4_1/Q5 group maps onto one
+
+
+def int8_groups(weight: torch.Tensor) -> GroupedQuant:
+    """A float weight [N, K] in the weight format "int8": 8-bit codes in groups of 32, each group with a float16
+    scale S = (max - min) / 255 and minimum M = min + 128 S, W = S q + M with q in -128..127.
+
+    The minimum spends the 256 codes on the group's own range, which symmetric int8 (Q8_0) halves for a group
+    that is all of one sign. The groups are a GGUF file's legacy blocks, so a Q4_0/Q4_1/Q5_0/Q5_1 weight keeps
+    its grid: its 16 or 32 levels fall within a float16 rounding of every 17th or 8th code. Per output channel
+    instead, one outlier sets the step of a whole row (docs/quantized-layouts.md has the agreement figures)."""
+    rows, cols = weight.shape
+    assert cols % INT8_GROUP_SIZE == 0, f"int8 groups need whole groups of {INT8_GROUP_SIZE}, got {cols}"
+    groups = weight.float().reshape(rows, cols // INT8_GROUP_SIZE, INT8_GROUP_SIZE)
+    low, high = groups.amin(-1), groups.amax(-1)
+    # Codes are chosen against the float16 constants the kernels read, so the rounding of S and M is not
+    # carried into every weight of the group alike.
+    scales = ((high - low) / 255).to(torch.float16)
+    mins = (low + 128 * scales.float()).to(torch.float16)
+    step, base = scales.float()[..., None], mins.float()[..., None]
+    q = torch.where(step > 0, torch.round((groups - base) / step), 0).clamp(-128, 127)
+    codes = q.to(torch.int8).reshape(rows, cols)
+    return GroupedQuant(8, INT8_GROUP_SIZE, 0, codes, None, GroupConstants(scales), GroupConstants(mins))
 
 
 def held_bytes(kind: GGMLQuantizationType, rows: int, cols: int) -> int:

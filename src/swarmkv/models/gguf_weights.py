@@ -42,7 +42,7 @@ def auto_weight_format(file: GGUFFile, device_type: str = "cpu") -> WeightFormat
     """The format that keeps a file's weights at their precision: "gguf", every tensor at its own bits (float
     when the file holds none quantized), on the CPU and on a GPU with triton (kernels/grouped_matmul.py). On a
     GPU without triton: int4 when all projections are Q4_0/Q4_1, float when all are float, int8 otherwise
-    (requantized per channel), for PyTorch's kernels."""
+    (requantized in groups of 32)."""
     kinds = {t.tensor_type for t in file.reader.tensors if _PROJECTION.match(t.name)}
     if device_type == "cpu" or (device_type == "cuda" and importlib.util.find_spec("triton") is not None):
         every = {t.tensor_type for t in file.reader.tensors}

@@ -120,7 +120,7 @@ def _load_gguf(
     report = WeightReport() if fmt == "gguf" else None
     keep: Keep = "gguf" if fmt == "gguf" else "int4" if fmt == "int4" else "float"
     tensors = gguf_tensors(file, config, keep=keep, dtype=dtype, report=report)
-    load_weights(model, config, named_tensors_to(tensors, dtype, device if fmt == "gguf" else None))
+    load_weights(model, config, named_tensors_to(tensors, _load_dtype(fmt, dtype), _load_device(fmt, device)))
     finalize_quantized(model)
     model.tie_weights()
     if fmt == "gguf":
@@ -128,6 +128,17 @@ def _load_gguf(
     tokenizer = Tokenizer.from_gguf_metadata(file.metadata)
     name = str(file.metadata.get("general.name") or file.path.stem)
     return LoadedModel(file.path, name, config, model.eval(), tokenizer, dtype, device, fmt, report)
+
+
+def _load_dtype(fmt: WeightFormat, dtype: torch.dtype) -> torch.dtype:
+    """The dtype tensors are read in: int8 layers quantize from float32 (the float parameters cast as they
+    are copied), so the compute dtype's rounding is not added to the codes'."""
+    return torch.float32 if fmt == "int8" else dtype
+
+
+def _load_device(fmt: WeightFormat, device: torch.device) -> torch.device | None:
+    """Where tensors move before they load: the device, for layers that hold the tensors they are given."""
+    return device if fmt in ("gguf", "int8") else None
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -160,7 +171,10 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, weights: 
     config.require_runnable()
     files = _safetensors_files(path)
     model = instantiate_model(config, dtype, device, weights)
-    load_weights(model, config, named_tensors_to(_safetensors_tensors(files), dtype))
+    tensors = _safetensors_tensors(files)
+    load_weights(
+        model, config, named_tensors_to(tensors, _load_dtype(weights, dtype), _load_device(weights, device))
+    )
     finalize_quantized(model)
     model.tie_weights()
     tokenizer = Tokenizer.from_hf_dir(path)

@@ -13,7 +13,7 @@ from swarmkv.config import ModelConfig
 from swarmkv.errors import ModelLoadError
 from swarmkv.models.gguf_linear import GGUFEmbedding, GGUFLinear, gguf_modules
 from swarmkv.models.gguf_quants import GroupedQuant
-from swarmkv.models.quantized import QuantizedLinear, QuantizedWeight, quantize
+from swarmkv.models.quantized import QuantizedLinear, QuantizedWeight, quantize_int4
 
 # A checkpoint tensor: float, already quantized (GGUF Q4 blocks kept as int4), or a GGUF tensor's own blocks.
 CheckpointTensor = torch.Tensor | QuantizedWeight | GroupedQuant
@@ -165,19 +165,18 @@ def _load_quantized(
     start, rows = _rows(target, config, module.out_features)
     _check_shape(name, tuple(tensor.shape), (rows, module.in_features), target.param)
     if isinstance(tensor, GroupedQuant):
-        raise ModelLoadError(
-            f"tensor {name!r} holds GGUF blocks, but {target.param!r} was built for {module.format}"
-        )
+        raise ModelLoadError(f"tensor {name!r} holds GGUF blocks, but {target.param!r} was built for int4")
     if not isinstance(tensor, QuantizedWeight):
         # Quantization is row-local, so a shard quantized alone equals its rows of the fused matrix.
-        tensor = quantize(tensor, module.format, module.scales.dtype)
+        tensor = quantize_int4(tensor, module.scales.dtype)
     module.load_rows(start, tensor)
 
 
 def _load_gguf(
     module: nn.Module, target: Target, name: str, tensor: CheckpointTensor, config: ModelConfig
 ) -> None:
-    """A GGUF tensor (blocks or float) becomes its rows of a GGUF-held layer, as the file holds it."""
+    """A GGUF tensor (blocks or float) becomes its rows of a GGUF-held layer, as the file holds it (an int8
+    layer quantizes a float one)."""
     assert isinstance(tensor, torch.Tensor | GroupedQuant), "GGUF layers take GGUF tensors"
     assert isinstance(module, GGUFLinear | GGUFEmbedding)
     if isinstance(module, GGUFLinear):

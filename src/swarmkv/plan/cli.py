@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="auto",
         choices=WEIGHT_FORMATS,
         help="projection weights: auto (a GGUF's own: every tensor at its file's bits, counted tensor by tensor;"
-        " an HF checkpoint's dtype), int4 (groups of 32), int8 (per channel), or one float dtype",
+        " an HF checkpoint's dtype), int4 (groups of 32), int8 (groups of 32), or one float dtype",
     )
     shape.add_argument(
         "--kv-dtype",

@@ -26,7 +26,7 @@ def weights_items(plan: Plan, weights: WeightsFigure) -> list[Item]:
     linear = "; linear attention's in and out" if count.recurrent_bytes else ""
     layout = {
         "int4": f"int4 in groups of 32, a {dtype} scale and minimum per group",
-        "int8": f"int8, a {dtype} scale per output channel",
+        "int8": "int8 in groups of 32, a float16 scale and minimum per group",
     }.get(count.weight_format, dtype)
     items = [
         (

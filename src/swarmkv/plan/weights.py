@@ -169,6 +169,13 @@ def meta_model_bytes(config: ModelConfig, precision: Precision) -> int:
     except UnsupportedModelError:
         buildable = replace(config, layer_types=None)
     model = instantiate_model(buildable, precision.torch_dtype, torch.device("meta"), precision.layer_format)
+    if precision.layer_format == "int8":
+        from swarmkv.models.gguf_linear import GGUFLinear
+
+        # int8 layers hold what loading gives them: quantize an empty weight of each shape.
+        for module in model.modules():
+            if isinstance(module, GGUFLinear):
+                module.load_block(0, torch.empty(module.out_features, module.in_features, device="meta"))
     model.tie_weights()  # the loader ties after loading; tied, the head's matrix is the embedding's
     tensors = [*model.parameters(), *model.buffers()]  # parameters() lists a tied matrix once
     return sum(t.numel() * t.element_size() for t in tensors)
