@@ -126,6 +126,29 @@ def test_a_draft_is_as_long_as_its_match() -> None:
     assert drafter.propose("a", 16).tokens == (12, 13)  # type: ignore[union-attr]
 
 
+def test_a_copy_left_at_one_token_resumes_past_it() -> None:
+    """An edit renames a name: the reply follows the file, writes another token in place of one, and goes on
+    copying. After 3 or more accepted tokens the next draft resumes past the replaced token; after fewer, a
+    rejection is only a miss."""
+    text = list(range(10, 40))
+    for accepted, resumed in ((3, True), (2, False)):
+        drafter = Drafter(max_draft_tokens=8)
+        drafter.add("a", [*text, 99, *text[:6]], None, None)
+        draft = drafter.propose("a", 8)
+        assert draft is not None and draft.tokens == tuple(text[6:12])  # as long as its match of 6
+        drafter.record("a", 6, accepted)
+        drafter.extend("a", [*text[6 : 6 + accepted], 77])  # 77 in place of the copy's next token
+        after = drafter.propose("a", 8)
+        if resumed:
+            skip = 6 + accepted + 1
+            assert (
+                after is not None and after.source == "own" and after.tokens == tuple(text[skip : skip + 8])
+            )
+        else:
+            assert after is None  # [..., 77] matches nothing
+        assert drafter.propose("a", 8) is None  # a resume is offered to one proposal only
+
+
 def test_greedy_verification_keeps_the_argmax_run() -> None:
     assert verify_greedy([5, 6, 9, 1], (5, 6, 7)) == [5, 6, 9]
     assert verify_greedy([4, 0], (5,)) == [4]

@@ -12,7 +12,9 @@ acceptance and timing would show it.
 
 Draft length adapts per request: doubled after a fully accepted draft, cut to what was accepted plus one after
 a partial one, but never shorter than the match it continues (up to the cap), since a long match is a copy under
-way; a request whose drafts keep failing waits longer and longer between tries. Under async scheduling (`idle_wait_steps`), a request whose text matched nothing also waits a few steps before it looks
+way. A copy that the reply leaves at one token after following it for a while (an edit renaming a name) resumes
+after that token when nothing else matches. A request whose drafts keep failing waits longer and longer between
+tries. Under async scheduling (`idle_wait_steps`), a request whose text matched nothing also waits a few steps before it looks
 again: a step may then be scheduled before its last token is known.
 """
 
@@ -30,6 +32,7 @@ HEAD_TOKENS = 32  # opening tokens that put requests of one salt under one head 
 WARM_TOKENS = 32  # own tokens fed to a matcher made mid-reply, so it starts matching at once
 MAX_BACKOFF_STEPS = 64
 MAX_POOLS = 256  # heads and sessions whose replies are kept, each pool bounded too
+RESUME_MIN_ACCEPTED = 3  # tokens of a draft accepted before a rejection for its copy to resume past the token
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,23 @@ class Draft:
     tokens: tuple[int, ...]
     source: DraftSource
     match_tokens: int
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """Where a draft is copied from: the text after index `end` of `automaton`, matched (or followed) over
+    `length` tokens."""
+
+    automaton: SuffixAutomaton
+    end: int
+    source: DraftSource
+    length: int
+
+    def tokens(self, num_tokens: int) -> list[int]:
+        """Up to `num_tokens` tokens of the copy. The request's own text may run into itself (`continuing`)."""
+        if self.source == "own":
+            return self.automaton.continuing(self.end, num_tokens)
+        return self.automaton.following(self.end, num_tokens)
 
 
 @dataclass
@@ -53,6 +73,8 @@ class _Request:
     idle: int = 0  # proposals in a row that matched nothing
     wait_steps: int = 0  # proposals skipped before the next try
     pending: Draft | None = None
+    pending_copy: _Copy | None = None  # where the pending draft came from
+    resume: _Copy | None = None  # a copy left at one token, offered to the next proposal only
 
 
 class _Pool:
@@ -155,31 +177,34 @@ class Drafter:
         if req.wait_steps:
             req.wait_steps -= 1
             return None
-        # The longest match among the sources: its length, what it is followed by, and where it came from.
-        length, end = req.context.repeat()
-        found: tuple[int, SuffixAutomaton, int, DraftSource] | None = None
-        if length >= self.min_match_tokens:
-            found = (length, req.context, end, "own")
-        for matcher, source in req.matchers.values():
-            length, end = matcher.match()
-            followed = end + 1 < len(matcher.automaton.tokens)  # a reply matched at its end lends nothing
-            if length >= self.min_match_tokens and followed and (found is None or length > found[0]):
-                found = (length, matcher.automaton, end, source)
+        copy = self._longest_match(req) or req.resume
+        req.resume = None
         best: Draft | None = None
-        if found is not None:
-            length, automaton, end, source = found
+        if copy is not None:
             # A long match is evidence of a copy: the draft is at least as long as the match (up to the cap),
             # as SuffixDecoding sizes its drafts, however short a partial acceptance has cut `draft_tokens`.
-            num_tokens = min(max(req.draft_tokens, min(length, self.max_draft_tokens)), max_tokens)
-            copy = automaton.continuing if source == "own" else automaton.following
-            best = Draft(tuple(copy(end, num_tokens)), source, length)
-        req.pending = best
+            num_tokens = min(max(req.draft_tokens, min(copy.length, self.max_draft_tokens)), max_tokens)
+            tokens = copy.tokens(num_tokens)
+            best = Draft(tuple(tokens), copy.source, copy.length) if tokens else None
+        req.pending, req.pending_copy = best, copy if best is not None else None
         if best is None:
             req.idle += 1
             req.wait_steps = min(req.idle, self.idle_wait_steps)
         else:
             req.idle = 0
         return best
+
+    def _longest_match(self, req: _Request) -> _Copy | None:
+        """The longest match of the request's recent tokens among its sources (its own context first among
+        equals), None below `min_match_tokens`."""
+        length, end = req.context.repeat()
+        found = _Copy(req.context, end, "own", length) if length >= self.min_match_tokens else None
+        for matcher, source in req.matchers.values():
+            length, end = matcher.match()
+            followed = end + 1 < len(matcher.automaton.tokens)  # a reply matched at its end lends nothing
+            if length >= self.min_match_tokens and followed and (found is None or length > found.length):
+                found = _Copy(matcher.automaton, end, source, length)
+        return found
 
     def backing_off(self, request_id: str) -> bool:
         """Whether the request's next proposal is skipped without reading its tokens (it is waiting out
@@ -193,7 +218,13 @@ class Drafter:
         req = self._requests.get(request_id)
         if req is None or req.pending is None:
             return None
-        source, req.pending = req.pending.source, None
+        source, copy = req.pending.source, req.pending_copy
+        req.pending = req.pending_copy = None
+        if copy is not None and RESUME_MIN_ACCEPTED <= num_accepted < num_drafted:
+            # The reply followed the copy, then put another token in place of its next one: resume past it.
+            req.resume = _Copy(
+                copy.automaton, copy.end + 1 + num_accepted, copy.source, copy.length + num_accepted
+            )
         if num_accepted == num_drafted:
             req.draft_tokens = min(2 * req.draft_tokens, self.max_draft_tokens)
         else:
