@@ -159,5 +159,5 @@ def test_gguf_weights_are_refused_where_no_kernel_reads_them(
     assert gguf_linear.gguf_kernels_run_on(torch.device("cpu"))
     assert not gguf_linear.gguf_kernels_run_on(torch.device("meta"))
     monkeypatch.setattr(gguf_linear, "gguf_kernels_run_on", lambda device: False)
-    with pytest.raises(ConfigError, match="use --weights auto, int4 or int8"):
+    with pytest.raises(ConfigError, match="elsewhere use --weights float"):
         load_model(str(mixed_gguf), dtype="float32", weights="gguf")

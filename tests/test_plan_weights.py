@@ -227,7 +227,11 @@ def test_vram_too_small_says_by_how_much(
         ([*NINE_B_FLAGS[:6], "--qk-norm"], "missing --hidden-size"),
         (
             [*NINE_B_FLAGS, "--hidden-size", "4080", "--weight-format", "int4", "--vram", "16GiB"],
-            "divisible by 32, got 4080",
+            "int4 weights need input sizes divisible by 32, got 4080",
+        ),
+        (
+            [*NINE_B_FLAGS, "--hidden-size", "4080", "--weight-format", "int8", "--vram", "16GiB"],
+            "int8 weights need input sizes divisible by 32, got 4080",
         ),
         ([*NINE_B_FLAGS, "--vocab-size", "0", "--vram", "16GiB"], "--vocab-size must be a positive integer"),
         (["--model", "x.gguf", "--qk-norm"], "not both (--qk-norm with --model)"),

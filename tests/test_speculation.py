@@ -149,6 +149,28 @@ def test_a_copy_left_at_one_token_resumes_past_it() -> None:
         assert drafter.propose("a", 8) is None  # a resume is offered to one proposal only
 
 
+def test_a_resume_is_dropped_by_a_step_without_drafts_and_never_copies_the_reply() -> None:
+    """A resume follows the rejected draft's yield only: a plain step between (the scheduler had no room for a
+    draft) leaves it behind the reply. And an own copy that ran into the reply itself (a repeating pattern)
+    has no copied text past the replaced token to resume."""
+    text = list(range(10, 40))
+    drafter = Drafter(max_draft_tokens=8)
+    drafter.add("a", [*text, 99, *text[:6]], None, None)
+    assert drafter.propose("a", 8) is not None
+    drafter.record("a", 6, 3)
+    drafter.extend("a", [*text[6:9], 77])
+    drafter.extend("a", [text[10]])  # a plain step: the request decoded one token without a draft
+    assert drafter.propose("a", 8) is None
+
+    looping = Drafter(max_draft_tokens=8)
+    looping.add("b", [5, 6, 7, 1, 1, 1, 1], None, None)
+    draft = looping.propose("b", 4)
+    assert draft is not None and draft.tokens == (1, 1, 1, 1)  # the overlapping copy runs past the text
+    looping.record("b", 4, 3)
+    looping.extend("b", [1, 1, 1, 2])
+    assert looping.propose("b", 8) is None  # nothing but the reply's own 2s past the replaced token
+
+
 def test_greedy_verification_keeps_the_argmax_run() -> None:
     assert verify_greedy([5, 6, 9, 1], (5, 6, 7)) == [5, 6, 9]
     assert verify_greedy([4, 0], (5,)) == [4]

@@ -76,6 +76,8 @@ def _low_bits(bits: int) -> int:
 
 def quant_gemv_supports(k: int, bits: int, group: int) -> bool:
     """Whether quant_gemv takes this K and group: whole bytes per chunk (and per high word), whole chunks per row."""
+    if group <= 0:
+        return False
     codes = _chunk_codes(bits, group)
     return codes * _low_bits(bits) % 8 == 0 and codes * (bits - _low_bits(bits)) % 8 == 0 and k % codes == 0
 

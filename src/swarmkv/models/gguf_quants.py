@@ -201,22 +201,37 @@ INT8_GROUP_SIZE = 32  # the weight format "int8": GGUF's legacy block, so a Q4_0
 
 def int8_groups(weight: torch.Tensor) -> GroupedQuant:
     """A float weight [N, K] in the weight format "int8": 8-bit codes in groups of 32, each group with a float16
-    scale S = (max - min) / 255 and minimum M = min + 128 S, W = S q + M with q in -128..127.
+    minimum M (about min + 128 S) and scale S (about (max - min) / 255), W = S q + M with q in -128..127.
 
     The minimum spends the 256 codes on the group's own range, which symmetric int8 (Q8_0) halves for a group
     that is all of one sign. The groups are a GGUF file's legacy blocks, so a Q4_0/Q4_1/Q5_0/Q5_1 weight keeps
     its grid: its 16 or 32 levels fall within a float16 rounding of every 17th or 8th code. Per output channel
-    instead, one outlier sets the step of a whole row (docs/quantized-layouts.md has the agreement figures)."""
+    instead, one outlier sets the step of a whole row (docs/quantized-layouts.md has the agreement figures).
+    ModelLoadError for values float16 constants cannot hold (beyond +-65504, or not finite)."""
+    from swarmkv.errors import ModelLoadError
+
     rows, cols = weight.shape
     assert cols % INT8_GROUP_SIZE == 0, f"int8 groups need whole groups of {INT8_GROUP_SIZE}, got {cols}"
     groups = weight.float().reshape(rows, cols // INT8_GROUP_SIZE, INT8_GROUP_SIZE)
     low, high = groups.amin(-1), groups.amax(-1)
-    # Codes are chosen against the float16 constants the kernels read, so the rounding of S and M is not
-    # carried into every weight of the group alike.
-    scales = ((high - low) / 255).to(torch.float16)
-    mins = (low + 128 * scales.float()).to(torch.float16)
-    step, base = scales.float()[..., None], mins.float()[..., None]
-    q = torch.where(step > 0, torch.round((groups - base) / step), 0).clamp(-128, 127)
+    mins = (low + 128 * ((high - low) / 255)).to(torch.float16)
+    # S is sized from the rounded M, and rounded up, so that codes -128 and 127 reach both ends of the group:
+    # no code is clamped, and every weight is within half a step. Codes are then chosen against the float16
+    # constants the kernels read, so their rounding is not carried into every weight of the group alike.
+    base = mins.float()
+    need = torch.maximum((high - base) / 127, (base - low) / 128).clamp(min=0)
+    scales = need.to(torch.float16)
+    scales = torch.where(
+        scales.float() < need, torch.nextafter(scales, torch.full_like(scales, torch.inf)), scales
+    )
+    finite = weight.device.type == "meta" or bool(torch.isfinite(scales).all() and torch.isfinite(mins).all())
+    if not finite:  # (a meta weight, the planner's, has shapes only)
+        raise ModelLoadError(
+            "int8 weights hold a float16 scale and minimum per group of 32: this weight has values beyond"
+            " float16's range (+-65504) or not finite; use --weights float"
+        )
+    step = scales.float()[..., None]
+    q = torch.where(step > 0, torch.round((groups - base[..., None]) / step), 0).clamp(-128, 127)
     codes = q.to(torch.int8).reshape(rows, cols)
     return GroupedQuant(8, INT8_GROUP_SIZE, 0, codes, None, GroupConstants(scales), GroupConstants(mins))
 

@@ -6,7 +6,6 @@ is converted to Q8_0 in it, its error measured and reported."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import re
 from collections.abc import Iterator
@@ -38,20 +37,12 @@ _PROJECTION = re.compile(
 )
 
 
-def auto_weight_format(file: GGUFFile, device_type: str = "cpu") -> WeightFormat:
-    """The format that keeps a file's weights at their precision: "gguf", every tensor at its own bits (float
-    when the file holds none quantized), on the CPU and on a GPU with triton (kernels/grouped_matmul.py). On a
-    GPU without triton: int4 when all projections are Q4_0/Q4_1, float when all are float, int8 otherwise
-    (requantized in groups of 32)."""
-    kinds = {t.tensor_type for t in file.reader.tensors if _PROJECTION.match(t.name)}
-    if device_type == "cpu" or (device_type == "cuda" and importlib.util.find_spec("triton") is not None):
-        every = {t.tensor_type for t in file.reader.tensors}
-        return "float" if every <= _FLOAT else "gguf"
-    if kinds and kinds <= set(_Q4):
-        return "int4"
-    if kinds <= _FLOAT:
-        return "float"
-    return "int8"
+def auto_weight_format(file: GGUFFile) -> WeightFormat:
+    """The format that keeps a file's weights at their precision: "gguf", every tensor at its own bits, or float
+    when the file holds none quantized. (Every quantized format runs on the grouped layout's kernels or on
+    Triton, so a device without them gets no better choice: the loader asks for triton there.)"""
+    every = {t.tensor_type for t in file.reader.tensors}
+    return "float" if every <= _FLOAT else "gguf"
 
 
 @dataclass

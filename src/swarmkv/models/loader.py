@@ -72,8 +72,8 @@ def load_model(
     weights: WeightsOption = "auto",
 ) -> LoadedModel:
     """Load a Hugging Face directory or a GGUF file (the default model when `path` is None), its projections
-    in `weights`: auto keeps a GGUF's every tensor at its own bits (on a GPU without triton: Q4_0/Q4_1 as
-    int4, other quants requantized to int8); safetensors stay float unless int8 or int4 is asked for."""
+    in `weights`: auto keeps a GGUF's every tensor at its own bits; safetensors stay float unless int8 or int4
+    is asked for."""
     resolved = checkpoint_file_or_dir(path)
     device = torch.device(device)
     compute_dtype = resolve_dtype(dtype, device)
@@ -104,18 +104,13 @@ def instantiate_model(
 def _load_gguf(
     file: GGUFFile, dtype: torch.dtype, device: torch.device, weights: WeightsOption
 ) -> LoadedModel:
-    from swarmkv.models.gguf_linear import gguf_kernels_run_on
     from swarmkv.models.gguf_weights import Keep, WeightReport, auto_weight_format, gguf_tensors
 
     names = {t.name for t in file.reader.tensors}
     config = ModelConfig.from_gguf_metadata(file.metadata, num_output_tensors=int("output.weight" in names))
     config.require_runnable()
-    fmt: WeightFormat = auto_weight_format(file, device.type) if weights == "auto" else weights
-    if fmt == "gguf" and not gguf_kernels_run_on(device):
-        raise ConfigError(
-            f"GGUF blocks at their own bits run on the CPU, or on a CUDA or ROCm GPU with triton installed, not"
-            f" on {device.type!r} here; use --weights auto, int4 or int8"
-        )
+    fmt: WeightFormat = auto_weight_format(file) if weights == "auto" else weights
+    _require_grouped_kernels(fmt, device)
     model = instantiate_model(config, dtype, device, fmt)
     report = WeightReport() if fmt == "gguf" else None
     keep: Keep = "gguf" if fmt == "gguf" else "int4" if fmt == "int4" else "float"
@@ -130,6 +125,17 @@ def _load_gguf(
     return LoadedModel(file.path, name, config, model.eval(), tokenizer, dtype, device, fmt, report)
 
 
+def _require_grouped_kernels(fmt: WeightFormat, device: torch.device) -> None:
+    """ConfigError, before any weight is read, where the grouped layout's kernels ("gguf", "int8") do not run."""
+    from swarmkv.models.gguf_linear import gguf_kernels_run_on
+
+    if fmt in ("gguf", "int8") and not gguf_kernels_run_on(device):
+        raise ConfigError(
+            f"--weights {fmt} runs on the CPU, or on a CUDA or ROCm GPU with triton installed (pip install"
+            f" triton), not on {device.type!r} here; elsewhere use --weights float"
+        )
+
+
 def _load_dtype(fmt: WeightFormat, dtype: torch.dtype) -> torch.dtype:
     """The dtype tensors are read in: int8 layers quantize from float32 (the float parameters cast as they
     are copied), so the compute dtype's rounding is not added to the codes'."""
@@ -137,8 +143,10 @@ def _load_dtype(fmt: WeightFormat, dtype: torch.dtype) -> torch.dtype:
 
 
 def _load_device(fmt: WeightFormat, device: torch.device) -> torch.device | None:
-    """Where tensors move before they load: the device, for layers that hold the tensors they are given."""
-    return device if fmt in ("gguf", "int8") else None
+    """Where tensors move before they load: the device for a GGUF's blocks, which layers hold as given. Float
+    tensors stay on the host: a parameter copies them over, and an int8 layer quantizes them there and moves
+    only the codes (a float32 matrix and its quantization's temporaries would otherwise peak on the device)."""
+    return device if fmt == "gguf" else None
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -170,6 +178,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, weights: 
     config = ModelConfig.from_hf_dir(path)
     config.require_runnable()
     files = _safetensors_files(path)
+    _require_grouped_kernels(weights, device)
     model = instantiate_model(config, dtype, device, weights)
     tensors = _safetensors_tensors(files)
     load_weights(

@@ -12,7 +12,7 @@ from torch import nn
 from swarmkv.config import ModelConfig
 from swarmkv.errors import ModelLoadError
 from swarmkv.models.gguf_linear import GGUFEmbedding, GGUFLinear, gguf_modules
-from swarmkv.models.gguf_quants import GroupedQuant
+from swarmkv.models.gguf_quants import GroupedQuant, int8_groups
 from swarmkv.models.quantized import QuantizedLinear, QuantizedWeight, quantize_int4
 
 # A checkpoint tensor: float, already quantized (GGUF Q4 blocks kept as int4), or a GGUF tensor's own blocks.
@@ -99,6 +99,7 @@ def load_weights(
     """Copy named HF-layout tensors into `model` (quantizing those bound for quantized layers); fail on any
     missing, unexpected, duplicate or mis-shaped one."""
     params = dict(model.named_parameters(remove_duplicate=True))
+    device = next(iter(params.values())).device  # where an int8 layer's quantized codes go
     quantized: dict[str, nn.Module] = {
         f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)
     }
@@ -122,7 +123,7 @@ def load_weights(
         if isinstance(module, QuantizedLinear):
             _load_quantized(module, target, name, tensor, config)
         elif module is not None:
-            _load_gguf(module, target, name, tensor, config)
+            _load_gguf(module, target, name, tensor, config, device)
         else:
             _load_float(params[target.param].data, target, name, tensor, config)
         filled[key] = name
@@ -173,10 +174,15 @@ def _load_quantized(
 
 
 def _load_gguf(
-    module: nn.Module, target: Target, name: str, tensor: CheckpointTensor, config: ModelConfig
+    module: nn.Module,
+    target: Target,
+    name: str,
+    tensor: CheckpointTensor,
+    config: ModelConfig,
+    device: torch.device,
 ) -> None:
-    """A GGUF tensor (blocks or float) becomes its rows of a GGUF-held layer, as the file holds it (an int8
-    layer quantizes a float one)."""
+    """A GGUF tensor (blocks or float) becomes its rows of a GGUF-held layer, as the file holds it; an int8
+    layer quantizes a float one where it is and holds the codes on `device`."""
     assert isinstance(tensor, torch.Tensor | GroupedQuant), "GGUF layers take GGUF tensors"
     assert isinstance(module, GGUFLinear | GGUFEmbedding)
     if isinstance(module, GGUFLinear):
@@ -185,6 +191,8 @@ def _load_gguf(
         total, cols = module.num_embeddings, module.embedding_dim
     start, rows = _rows(target, config, total)
     _check_shape(name, tuple(tensor.shape), (rows, cols), target.param)
+    if isinstance(module, GGUFLinear) and module.int8_from_float and isinstance(tensor, torch.Tensor):
+        tensor = int8_groups(tensor).to(device)
     module.load_block(start, tensor)
 
 

@@ -129,11 +129,11 @@ def count_weights(config: ModelConfig, precision: Precision) -> WeightCount:
     kinds = [(num_attention, projection_shapes(config))]
     if num_linear:
         kinds.append((num_linear, linear_attention_shapes(config)))
-    if fmt == "int4":
+    if fmt in ("int4", "int8"):  # groups of 32 either way (INT8_GROUP_SIZE is the same block)
         odd = sorted({k for _, shapes in kinds for _, k in shapes if k % INT4_GROUP_SIZE})
         if odd:
             raise ValueError(
-                f"int4 weights need input sizes divisible by {INT4_GROUP_SIZE}, got {', '.join(map(str, odd))}"
+                f"{fmt} weights need input sizes divisible by {INT4_GROUP_SIZE}, got {', '.join(map(str, odd))}"
             )
     projections = sum(
         layers * sum(linear_weight_bytes(n, k, fmt, dtype) for n, k in shapes) for layers, shapes in kinds

@@ -75,6 +75,7 @@ class _Request:
     pending: Draft | None = None
     pending_copy: _Copy | None = None  # where the pending draft came from
     resume: _Copy | None = None  # a copy left at one token, offered to the next proposal only
+    resume_at: int = 0  # the context's length it follows: the rejected draft's yield appended
 
 
 class _Pool:
@@ -177,7 +178,8 @@ class Drafter:
         if req.wait_steps:
             req.wait_steps -= 1
             return None
-        copy = self._longest_match(req) or req.resume
+        resume = req.resume if len(req.context.tokens) == req.resume_at else None  # a plain step stales it
+        copy = self._longest_match(req) or resume
         req.resume = None
         best: Draft | None = None
         if copy is not None:
@@ -220,11 +222,13 @@ class Drafter:
             return None
         source, copy = req.pending.source, req.pending_copy
         req.pending = req.pending_copy = None
+        # The reply followed the copy, then put another token in place of its next one: resume past it, in text
+        # the copy read (an own copy running into the reply, LZ77-like, has no text past it to resume).
         if copy is not None and RESUME_MIN_ACCEPTED <= num_accepted < num_drafted:
-            # The reply followed the copy, then put another token in place of its next one: resume past it.
-            req.resume = _Copy(
-                copy.automaton, copy.end + 1 + num_accepted, copy.source, copy.length + num_accepted
-            )
+            replaced = copy.end + 1 + num_accepted  # the rejected draft token's index in the copied text
+            if replaced < len(copy.automaton.tokens) - 1:
+                req.resume = _Copy(copy.automaton, replaced, copy.source, copy.length + num_accepted)
+                req.resume_at = len(req.context.tokens) + num_accepted + 1
         if num_accepted == num_drafted:
             req.draft_tokens = min(2 * req.draft_tokens, self.max_draft_tokens)
         else:
