@@ -67,7 +67,7 @@ from swarmkv.engine.engine import LLMEngine  # noqa: E402
 from swarmkv.engine.llm import LLM  # noqa: E402
 from swarmkv.models.decoder import DecoderForCausalLM  # noqa: E402
 from swarmkv.models.gguf_linear import GGUFLinear  # noqa: E402
-from swarmkv.models.gguf_quants import SPECS, GroupConstants, GroupedQuant  # noqa: E402
+from swarmkv.models.gguf_quants import SPECS, GroupConstants, GroupedQuant, int8_groups  # noqa: E402
 from swarmkv.models.loader import LoadedModel, instantiate_model  # noqa: E402
 from swarmkv.models.quantized import (  # noqa: E402
     QuantizedLinear,
@@ -283,7 +283,7 @@ def randomize(module: torch.nn.Module, generator: torch.Generator) -> None:
             if isinstance(sub, GGUFLinear) and sub.int8_from_float and not sub.blocks:
                 # int8 layers quantize what they load: a random float weight, held as int8 groups
                 draw = torch.empty(sub.out_features, sub.in_features, device=generator.device)
-                sub.load_block(0, draw.normal_(0.0, INIT_STD, generator=generator))
+                sub.load_block(0, int8_groups(draw.normal_(0.0, INIT_STD, generator=generator)))
             if isinstance(sub, QuantizedLinear):  # uniform nibbles 0..15: mean 7.5, std about 4.6
                 sub.qweight.copy_(
                     torch.randint(0, 256, sub.qweight.shape, generator=generator, device=sub.qweight.device)

@@ -1,6 +1,6 @@
-"""The quantized matmul in Triton, for the int4 layout and the grouped one (GGUF's types, int8) alike: x [M, K] @ W.T, each
-lane loading its weight bytes along K in 16-byte chunks, so a decode step (M up to GEMV_MAX_ROWS: a GEMV) reads
-each weight byte once.
+"""The quantized matmul in Triton, for the int4 layout and the grouped one (GGUF's types, int8) alike:
+x [M, K] @ W.T, each lane loading its weight bytes along K in 16-byte chunks, so a decode step (M up to
+GEMV_MAX_ROWS: a GEMV) reads each weight byte once.
 
 The weight layouts are those of docs/quantized-layouts.md: codes q row-major along K, two to a byte (element k in
 byte k // 2, the low nibble for even k) or one signed byte each, and W[n, k] = S[n, g] * (q[n, k] - OFFSET)
@@ -319,8 +319,7 @@ def quant_gemv(
     `splits` forces it."""
     num_rows, k = x.shape
     n = qweight.shape[0]
-    assert quant_gemv_supports(k, bits, group), f"K={k} must be a multiple of a chunk's codes"
-    assert group > 0, "codes come in groups along K"
+    assert quant_gemv_supports(k, bits, group), f"K={k} must be whole chunks of codes, in groups along K"
     assert (high is None) == (bits in (4, 8)), "5- and 6-bit codes need their high plane, others have none"
     assert levels is None or (levels.min_outer is None) == (mins is None), (
         "minimums take their own outer floats"

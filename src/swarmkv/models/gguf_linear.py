@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from swarmkv.kernels import cpu_grouped
-from swarmkv.models.gguf_quants import GroupedQuant, int8_groups
+from swarmkv.models.gguf_quants import GroupedQuant
 
 # Rows of x the C GEMV serves in one pass over the weights (FAST_ROWS in kernels/cpu/grouped.c); larger batches
 # (prefill) dequantise a float tile once and use torch's matmul.
@@ -64,12 +64,8 @@ class HeldBlocks(nn.Module):
 
     def load_block(self, start: int, weight: Block) -> None:
         """Hold `weight` as output rows [start, start + rows)."""
-        self.blocks.append(RowBlock(start, self._held(weight)))
+        self.blocks.append(RowBlock(start, weight))
         self._register()
-
-    def _held(self, weight: Block) -> Block:
-        """What a layer holds of a weight it is given (subclasses may quantize it)."""
-        return weight
 
     def _register(self) -> None:
         for name in [n for n, _ in self.named_buffers(recurse=False)]:
@@ -87,7 +83,7 @@ class GGUFLinear(HeldBlocks):
         self, in_features: int, out_features: int, bias: bool, int8_from_float: bool = False
     ) -> None:
         """No blocks yet (the loader adds them); the bias, if any, is a float parameter. `int8_from_float`:
-        float weights given to `load_block` are held as int8 groups (the weight format "int8"). `kernel`:
+        the weight format "int8": the loader quantizes float weights to int8 groups before `load_block`. `kernel`:
         "auto" is Triton on a GPU and C on the CPU; "triton" takes the Triton kernel on the CPU too (its
         interpreter, for tests)."""
         super().__init__()
@@ -95,10 +91,6 @@ class GGUFLinear(HeldBlocks):
         self.int8_from_float = int8_from_float
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel: Literal["auto", "triton"] = "auto"
-
-    def _held(self, weight: Block) -> Block:
-        # Quantization is row-local, so a shard quantized alone equals its rows of the fused matrix.
-        return int8_groups(weight) if self.int8_from_float and isinstance(weight, torch.Tensor) else weight
 
     def share_blocks(self, other: HeldBlocks) -> None:
         """Hold the same blocks as `other` (an LM head tied to the embedding): no bytes of its own."""

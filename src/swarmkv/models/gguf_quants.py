@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from swarmkv.errors import ModelLoadError
+
 Q = GGMLQuantizationType
 SUPER_GROUP = 256  # QK_K: a K-quant super-block
 
@@ -208,8 +210,6 @@ def int8_groups(weight: torch.Tensor) -> GroupedQuant:
     its grid: its 16 or 32 levels fall within a float16 rounding of every 17th or 8th code. Per output channel
     instead, one outlier sets the step of a whole row (docs/quantized-layouts.md has the agreement figures).
     ModelLoadError for values float16 constants cannot hold (beyond +-65504, or not finite)."""
-    from swarmkv.errors import ModelLoadError
-
     rows, cols = weight.shape
     assert cols % INT8_GROUP_SIZE == 0, f"int8 groups need whole groups of {INT8_GROUP_SIZE}, got {cols}"
     groups = weight.float().reshape(rows, cols // INT8_GROUP_SIZE, INT8_GROUP_SIZE)

@@ -89,7 +89,7 @@ class QuantizedLinear(nn.Module):
             raise ConfigError(
                 f"int4 weights need input sizes divisible by {INT4_GROUP_SIZE}, got {in_features}"
             )
-        self.in_features, self.out_features, self.format = in_features, out_features, "int4"
+        self.in_features, self.out_features = in_features, out_features
         self.kernel: Literal["cpu", "triton"] | None = None
         self.num_sms: int | None = None  # the GPU's SMs (CUs), which size the Triton GEMV's K split
         groups = in_features // INT4_GROUP_SIZE
@@ -100,7 +100,7 @@ class QuantizedLinear(nn.Module):
 
     def load_rows(self, start: int, weight: QuantizedWeight) -> None:
         """Copy `weight` into output rows [start, start + N) (a shard of a fused projection)."""
-        assert weight.format == self.format and self.kernel is None
+        assert self.kernel is None, "rows load before finalize()"
         rows = weight.qweight.shape[0]
         self.qweight[start : start + rows].copy_(weight.qweight)
         self.scales[start : start + rows].copy_(weight.scales)

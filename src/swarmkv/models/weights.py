@@ -192,6 +192,7 @@ def _load_gguf(
     start, rows = _rows(target, config, total)
     _check_shape(name, tuple(tensor.shape), (rows, cols), target.param)
     if isinstance(module, GGUFLinear) and module.int8_from_float and isinstance(tensor, torch.Tensor):
+        # Quantization is row-local, so a shard quantized alone equals its rows of the fused matrix.
         tensor = int8_groups(tensor).to(device)
     module.load_block(start, tensor)
 

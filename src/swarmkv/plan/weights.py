@@ -10,6 +10,7 @@ import torch
 
 from swarmkv.config import DTYPES, ModelConfig
 from swarmkv.errors import UnsupportedModelError
+from swarmkv.models.gguf_quants import INT8_GROUP_SIZE
 from swarmkv.models.quantized import INT4_GROUP_SIZE, WeightFormat, linear_weight_bytes
 
 if TYPE_CHECKING:  # the gguf package loads only for GGUF files
@@ -129,11 +130,12 @@ def count_weights(config: ModelConfig, precision: Precision) -> WeightCount:
     kinds = [(num_attention, projection_shapes(config))]
     if num_linear:
         kinds.append((num_linear, linear_attention_shapes(config)))
-    if fmt in ("int4", "int8"):  # groups of 32 either way (INT8_GROUP_SIZE is the same block)
-        odd = sorted({k for _, shapes in kinds for _, k in shapes if k % INT4_GROUP_SIZE})
+    group = {"int4": INT4_GROUP_SIZE, "int8": INT8_GROUP_SIZE}.get(fmt)
+    if group is not None:
+        odd = sorted({k for _, shapes in kinds for _, k in shapes if k % group})
         if odd:
             raise ValueError(
-                f"{fmt} weights need input sizes divisible by {INT4_GROUP_SIZE}, got {', '.join(map(str, odd))}"
+                f"{fmt} weights need input sizes divisible by {group}, got {', '.join(map(str, odd))}"
             )
     projections = sum(
         layers * sum(linear_weight_bytes(n, k, fmt, dtype) for n, k in shapes) for layers, shapes in kinds
@@ -171,11 +173,13 @@ def meta_model_bytes(config: ModelConfig, precision: Precision) -> int:
     model = instantiate_model(buildable, precision.torch_dtype, torch.device("meta"), precision.layer_format)
     if precision.layer_format == "int8":
         from swarmkv.models.gguf_linear import GGUFLinear
+        from swarmkv.models.gguf_quants import int8_groups
 
-        # int8 layers hold what loading gives them: quantize an empty weight of each shape.
+        # int8 layers hold what loading gives them: an empty weight of each shape, quantized.
         for module in model.modules():
             if isinstance(module, GGUFLinear):
-                module.load_block(0, torch.empty(module.out_features, module.in_features, device="meta"))
+                empty = torch.empty(module.out_features, module.in_features, device="meta")
+                module.load_block(0, int8_groups(empty))
     model.tie_weights()  # the loader ties after loading; tied, the head's matrix is the embedding's
     tensors = [*model.parameters(), *model.buffers()]  # parameters() lists a tied matrix once
     return sum(t.numel() * t.element_size() for t in tensors)

@@ -14,8 +14,8 @@ Draft length adapts per request: doubled after a fully accepted draft, cut to wh
 a partial one, but never shorter than the match it continues (up to the cap), since a long match is a copy under
 way. A copy that the reply leaves at one token after following it for a while (an edit renaming a name) resumes
 after that token when nothing else matches. A request whose drafts keep failing waits longer and longer between
-tries. Under async scheduling (`idle_wait_steps`), a request whose text matched nothing also waits a few steps before it looks
-again: a step may then be scheduled before its last token is known.
+tries. Under async scheduling (`idle_wait_steps`), a request whose text matched nothing also waits a few steps
+before it looks again: a step may then be scheduled before its last token is known.
 """
 
 from __future__ import annotations
@@ -72,8 +72,7 @@ class _Request:
     misses: int = 0  # drafts in a row with nothing accepted
     idle: int = 0  # proposals in a row that matched nothing
     wait_steps: int = 0  # proposals skipped before the next try
-    pending: Draft | None = None
-    pending_copy: _Copy | None = None  # where the pending draft came from
+    pending: _Copy | None = None  # where the latest draft came from, until its acceptance is recorded
     resume: _Copy | None = None  # a copy left at one token, offered to the next proposal only
     resume_at: int = 0  # the context's length it follows: the rejected draft's yield appended
 
@@ -188,7 +187,7 @@ class Drafter:
             num_tokens = min(max(req.draft_tokens, min(copy.length, self.max_draft_tokens)), max_tokens)
             tokens = copy.tokens(num_tokens)
             best = Draft(tuple(tokens), copy.source, copy.length) if tokens else None
-        req.pending, req.pending_copy = best, copy if best is not None else None
+        req.pending = copy if best is not None else None
         if best is None:
             req.idle += 1
             req.wait_steps = min(req.idle, self.idle_wait_steps)
@@ -220,11 +219,10 @@ class Drafter:
         req = self._requests.get(request_id)
         if req is None or req.pending is None:
             return None
-        source, copy = req.pending.source, req.pending_copy
-        req.pending = req.pending_copy = None
+        copy, req.pending = req.pending, None
         # The reply followed the copy, then put another token in place of its next one: resume past it, in text
         # the copy read (an own copy running into the reply, LZ77-like, has no text past it to resume).
-        if copy is not None and RESUME_MIN_ACCEPTED <= num_accepted < num_drafted:
+        if RESUME_MIN_ACCEPTED <= num_accepted < num_drafted:
             replaced = copy.end + 1 + num_accepted  # the rejected draft token's index in the copied text
             if replaced < len(copy.automaton.tokens) - 1:
                 req.resume = _Copy(copy.automaton, replaced, copy.source, copy.length + num_accepted)
@@ -238,7 +236,7 @@ class Drafter:
         else:
             req.misses += 1
             req.wait_steps = min(2**req.misses - 1, MAX_BACKOFF_STEPS)
-        return source
+        return copy.source
 
     # The pools.
 
