@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest_tokenizer_helpers import qwen_tokenizer
 from engine_helpers import tiny_config
@@ -107,22 +109,27 @@ def _prompt() -> list[int]:
 
 
 @cache
-def _llm(mode: str, jump_forward: str = "auto") -> LLM:
-    return LLM(loaded=bigram_loaded(), kv_cache_memory=16 * 2**20, loop_guard=mode, jump_forward=jump_forward)
+def _llm(mode: str, jump_forward: str = "auto", speculation: str = "on") -> LLM:
+    return LLM(
+        loaded=bigram_loaded(),
+        kv_cache_memory=16 * 2**20,
+        loop_guard=mode,
+        jump_forward=jump_forward,
+        speculation=speculation,
+    )
 
 
 def _reply(
-    mode: str, grammar: str | None = GRAMMAR, jump_forward: str = "auto"
+    mode: str, grammar: str | None = GRAMMAR, jump_forward: str = "auto", speculation: str = "on"
 ) -> tuple[Any, dict[str, int]]:
     """The reply, and the engine's counters it moved."""
-    llm = _llm(mode, jump_forward)
+    llm = _llm(mode, jump_forward, speculation)
     before = llm.engine.stats()
     (out,) = llm.generate([_prompt()], SamplingParams(max_tokens=96, temperature=0, grammar=grammar))
     llm.engine.check_integrity()
     after = llm.engine.stats()
-    return out, {
-        k: after[k] - before[k] for k in ("loop_guard_penalties", "grammars_compiled", "spec_draft_tokens")
-    }
+    keys = ("loop_guard_penalties", "grammars_compiled", "spec_draft_tokens", "spec_accepted_tokens")
+    return out, {k: after[k] - before[k] for k in keys}
 
 
 def test_without_the_guard_the_bigram_loops_until_max_tokens() -> None:
@@ -153,7 +160,46 @@ def test_the_guard_is_for_constrained_replies_unless_all() -> None:
     assert moved["spec_draft_tokens"] > 0  # unguarded, the loop is drafted from its own text
     out, moved = _reply("all", grammar=None)
     assert moved["loop_guard_penalties"] > 0 and "ABABABAB" * 5 not in out.text
-    assert moved["spec_draft_tokens"] == 0  # a guarded request is never drafted
+
+
+@pytest.mark.parametrize("grammar", [GRAMMAR, None], ids=["constrained", "all"])
+@pytest.mark.parametrize("jump_forward", ["on", "off"])
+def test_a_guarded_reply_is_drafted_until_its_loop_nears_a_penalty(
+    grammar: str | None, jump_forward: str
+) -> None:
+    mode = "constrained" if grammar is not None else "all"
+    on, moved = _reply(mode, grammar, jump_forward, speculation="on")
+    off, _ = _reply(mode, grammar, jump_forward, speculation="off")
+    assert on.token_ids == off.token_ids  # the rows a draft puts before the guard were free of it
+    assert moved["spec_accepted_tokens"] > 0 and moved["loop_guard_penalties"] > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.lists(st.integers(1, 9), max_size=60),
+    tail=st.lists(st.integers(1, 9), min_size=16, max_size=16),
+    period=st.integers(1, 12),
+)
+def test_no_row_a_draft_may_take_is_penalised_or_biased(
+    text: list[int], tail: list[int], period: int
+) -> None:
+    """Whatever the draft, the rows after 0 to `draftable` of its tokens have no penalty and no close bias
+    (0: no draft, and no row but the plain step's)."""
+    guard = _strings_guard(text)
+    looped = _strings_guard(text + tail[:period] * 40)  # past the span: no draft
+    assert looped.draftable("r") == 0
+    for g in (guard, _strings_guard(text + tail[:period] * 2)):  # a loop's start: the bound bites
+        num_tokens = g.draftable("r")
+        assert num_tokens is not None
+        if not num_tokens:
+            continue
+        for draft in (tail[:num_tokens], (g._replies["r"].automaton.tokens[-period:] * 16)[:num_tokens]):
+            probe = _strings_guard(g._replies["r"].automaton.tokens)
+            for token in [None, *draft]:
+                if token is not None:
+                    probe.extend("r", [token])
+                assert probe.penalty("r") is None and probe.closing("r") is None
+    assert LoopGuard().draftable("unguarded") is None
 
 
 def test_a_bad_mode_is_refused() -> None:

@@ -112,7 +112,11 @@ class LLMEngine:
         # few proposals, so such steps may run ahead.
         self.lookahead = config.lookahead(loaded.device.type)
         if self._speculates(config):
-            drafter = Drafter(config.num_speculative_tokens, idle_wait_steps=4 if self.lookahead else 0)
+            drafter = Drafter(
+                config.num_speculative_tokens,
+                idle_wait_steps=4 if self.lookahead else 0,
+                vet=self._draftable,
+            )
         self.core = EngineCore(
             config,
             num_pages,
@@ -225,15 +229,9 @@ class LLMEngine:
                 self.loop_guard.add(request_id, self.structured.json_strings, params.grammar_prefix)
             else:
                 self.loop_guard.add(request_id)
-        elif (
-            grammar is None
-            and self.drafter is not None
-            and not is_pin
-            and (params.greedy or params.seed is None)
-        ):
-            # Not under a grammar (its mask would have to vet every draft token) or the loop guard (its
-            # penalty at a draft's row would depend on the draft), nor for a seeded sampling request: its
-            # draws would depend on what the drafts were, so the seed would not reproduce it.
+        if self.drafter is not None and not is_pin and (params.greedy or params.seed is None):
+            # Not for a seeded sampling request: its draws would depend on what the drafts were, so the seed
+            # would not reproduce it. Under a grammar or the loop guard, `_draftable` cuts each draft.
             self.drafter.add(request_id, seq.prompt_token_ids, cache_salt, session_id)
         if params.seed is not None:
             self._generators[request_id] = torch.Generator().manual_seed(params.seed)
@@ -353,6 +351,8 @@ class LLMEngine:
             provisional = in_flight.inputs() if in_flight is not None else None
             # The masks are computed meanwhile.
             sampling, logits = self.runner.run(plan, provisional)
+            if masks is not None:  # every constrained row, a draft's included, before any is verified
+                self.structured.apply(masks, sampling, logits)
             generators = [self._generators.get(c.request_id, self._generator) for c in sampling]
             verified = self._verify(sampling, logits, generators) if any(c.draft for c in sampling) else {}
             # The other chunks sample from their one row (a speculative chunk's rows were verified above).
@@ -362,10 +362,8 @@ class LLMEngine:
                 rows = torch.tensor([ends[i] - 1 for i in plain], dtype=torch.int64, device=logits.device)
                 logits = logits[rows]
             plain_chunks = [sampling[i] for i in plain]
-            if self.loop_guard is not None:
+            if self.loop_guard is not None:  # no guarded row of a draft has a penalty (`_draftable`)
                 self.loop_guard.apply(plain_chunks, logits)
-            if masks is not None:  # constrained requests are never drafted: all of them are plain
-                self.structured.apply(masks, plain_chunks, logits)
             params, plain_generators = [c.seq.params for c in plain_chunks], [generators[i] for i in plain]
             sampled: list[int] = []
             if self._looks_ahead(sampling, verified, masks):
@@ -471,7 +469,25 @@ class LLMEngine:
         source = self.drafter.record(chunk.request_id, len(chunk.draft), num_accepted)
         c.spec_accepted_sibling_tokens += num_accepted if source == "sibling" else 0
         c.spec_accepted_session_tokens += num_accepted if source == "session" else 0
-        return self.append_tokens(chunk.seq, tokens, num_computed=num_accepted, drafted=True)
+        rid = chunk.request_id
+        constrained = self._structured is not None and rid in self._structured
+        if constrained:
+            tokens = self.structured.advance_drafted(rid, tokens)
+        complete = constrained and self.structured.is_complete(rid)
+        return self.append_tokens(
+            chunk.seq, tokens, grammar_complete=complete, num_computed=num_accepted, drafted=True
+        )
+
+    def _draftable(self, request_id: str, tokens: tuple[int, ...]) -> int:
+        """How many of a draft's first tokens the request's next step may verify: those its grammar allows
+        before any forced run, within what the loop guard leaves free of penalties."""
+        num_tokens = len(tokens)
+        limit = self.loop_guard.draftable(request_id) if self.loop_guard is not None else None
+        if limit is not None:
+            num_tokens = min(num_tokens, limit)
+        if self._structured is not None and num_tokens:
+            num_tokens = self._structured.draftable(request_id, tokens[:num_tokens])
+        return num_tokens
 
     def _time_prefill(self, plan: StepPlan, elapsed_s: float) -> None:
         """Refine the per-token prefill cost that swap-or-recompute decisions weigh, from a prefill step."""

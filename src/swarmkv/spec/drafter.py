@@ -21,6 +21,7 @@ before it looks again: a step may then be scheduled before its last token is kno
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -104,10 +105,13 @@ class Drafter:
         min_match_tokens: int = 2,
         max_replies: int = 16,
         idle_wait_steps: int = 0,
+        vet: Callable[[str, tuple[int, ...]], int] | None = None,
     ) -> None:
         """`idle_wait_steps`: after k proposals in a row that matched nothing, a request skips the next
-        min(k, idle_wait_steps) (0: it looks every step)."""
+        min(k, idle_wait_steps) (0: it looks every step). `vet(request_id, tokens)`: how many of a draft's
+        first tokens the request may take (a grammar's or a loop guard's limit); None: all."""
         self.max_draft_tokens = max_draft_tokens
+        self.vet = vet
         self.idle_wait_steps = idle_wait_steps
         self.min_match_tokens = min_match_tokens
         self.max_replies = max_replies
@@ -186,6 +190,8 @@ class Drafter:
             # as SuffixDecoding sizes its drafts, however short a partial acceptance has cut `draft_tokens`.
             num_tokens = min(max(req.draft_tokens, min(copy.length, self.max_draft_tokens)), max_tokens)
             tokens = copy.tokens(num_tokens)
+            if self.vet is not None and tokens:
+                tokens = tokens[: self.vet(request_id, tuple(tokens))]
             best = Draft(tuple(tokens), copy.source, copy.length) if tokens else None
         req.pending = copy if best is not None else None
         if best is None:

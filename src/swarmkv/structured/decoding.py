@@ -6,7 +6,9 @@ logits on their device, one batched op over the constrained rows. After sampling
 sampled token to the matcher and returns what to append: the token, then every token the grammar forces
 after it (jump-forward; the engine appends them at once and the next step computes them as one chunk).
 With jump-forward off, forced tokens are queued and appended one a step instead of a sampled token, so
-the two ways give the same tokens. Compiled grammars are cached by text (`GrammarCache`): agents that
+the two ways give the same tokens. A speculative chunk's rows are masked along its draft (llguidance's masks
+with draft tokens); `draftable` keeps a draft to what the grammar allows before any forced run, so the rows
+verified are the rows a decode without drafts would have sampled. Compiled grammars are cached by text (`GrammarCache`): agents that
 share their tools compile them once.
 """
 
@@ -127,32 +129,61 @@ class StructuredDecoding:
         """Forget a request (finished, aborted or failed)."""
         self._rows.pop(request_id, None)
 
+    def draftable(self, request_id: str, tokens: Sequence[int]) -> int:
+        """How many of a draft's first tokens the request's next step may verify: tokens its grammar allows,
+        and none after which the grammar stops or forces a run (the reply takes the run there, not the
+        draft's next rows), nor any while forced tokens wait. The matcher is left as it was."""
+        row = self._rows.get(request_id)
+        if row is None:
+            return len(tokens)
+        if row.queued or not tokens:
+            return 0
+        matcher = row.matcher
+        valid = matcher.validate_tokens(list(tokens))
+        taken = 0
+        while taken < valid:
+            matcher.consume_token(tokens[taken])
+            if matcher.is_stopped() or matcher.compute_ff_tokens():
+                break  # the token that forces (or ends) stays out: it is the step's own choice
+            taken += 1
+        matcher.rollback(taken + (taken < valid))
+        assert not matcher.is_error(), matcher.get_error()
+        return taken
+
     def prefetch(self, chunks: Sequence[Chunk]) -> MaskJob | None:
-        """Start computing the masks of this step's constrained sampling rows; None when there are none."""
+        """Start computing the masks of this step's constrained sampling rows (a speculative chunk's rows
+        along its draft); None when there are none."""
         rows: dict[str, int] = {}
-        matchers: list[tuple[llguidance.LLMatcher, int]] = []
+        matchers: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
+        num_rows = 0
         for chunk in chunks:
             row = self._rows.get(chunk.request_id)
             if chunk.samples and row is not None and not row.queued:  # a queued token replaces the sample
-                rows[chunk.request_id] = len(matchers)
-                matchers.append((row.matcher, len(matchers)))
+                rows[chunk.request_id] = num_rows
+                matchers.append((row.matcher, num_rows, list(chunk.draft)))
+                num_rows += chunk.num_logits
         if not matchers:
             return None
-        bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), self.vocab_size)
-        done = self._thread.submit(
-            llguidance.numpy.fill_next_token_bitmask_par, self._executor, matchers, bitmask
-        )
-        return MaskJob(rows, bitmask, done)
+        bitmask = llguidance.numpy.allocate_token_bitmask(num_rows, self.vocab_size)
+        return MaskJob(rows, bitmask, self._thread.submit(_fill_masks, self._executor, matchers, bitmask))
 
     def apply(self, job: MaskJob | None, sampling: Sequence[Chunk], logits: torch.Tensor) -> None:
-        """Wait for the masks and set every disallowed token's logit to -inf, in place, on the logits' device."""
+        """Wait for the masks and set every disallowed token's logit to -inf, in place, on the logits' device
+        (`logits`: the chunks' `num_logits` rows each, in order)."""
         if job is None:
             return
         job.done.result()
-        order = [(i, job.rows[c.request_id]) for i, c in enumerate(sampling) if c.request_id in job.rows]
-        if not order:
+        logit_rows: list[int] = []
+        mask_rows: list[int] = []
+        first = 0
+        for chunk in sampling:
+            at = job.rows.get(chunk.request_id)
+            if at is not None:
+                logit_rows.extend(range(first, first + chunk.num_logits))
+                mask_rows.extend(range(at, at + chunk.num_logits))
+            first += chunk.num_logits
+        if not logit_rows:
             return
-        logit_rows, mask_rows = (list(t) for t in zip(*order, strict=True))
         with torch.inference_mode():  # the runner's logits are inference tensors
             banned = _disallowed(job.bitmask[mask_rows], logits.shape[-1], logits.device)
             if logit_rows == list(range(logits.shape[0])):
@@ -187,10 +218,35 @@ class StructuredDecoding:
         row.queued = list(forced)
         return [sampled]
 
+    def advance_drafted(self, request_id: str, tokens: Sequence[int]) -> list[int]:
+        """The tokens to append after a speculative step yielded `tokens`: its accepted draft tokens, which
+        `draftable` vetted (none forces a run or ends the grammar), then what `advance` makes of its last."""
+        row = self._rows.get(request_id)
+        if row is None:
+            return list(tokens)
+        for token in tokens[:-1]:
+            accepted = row.matcher.consume_token(token)
+            assert accepted and not row.matcher.is_error(), row.matcher.get_error()
+        return [*tokens[:-1], *self.advance(request_id, tokens[-1])]
+
     def is_complete(self, request_id: str) -> bool:
         """Whether the request's grammar has ended (nothing but the end of the reply may follow)."""
         row = self._rows.get(request_id)
         return row is not None and not row.queued and bool(row.matcher.is_stopped())
+
+
+def _fill_masks(
+    executor: llguidance.LLExecutor,
+    matchers: list[tuple[llguidance.LLMatcher, int, list[int]]],
+    bitmask: np.ndarray,
+) -> None:
+    """Each matcher's masks from its row on: one, or one more a draft token (llguidance wants those apart)."""
+    plain = [(matcher, at) for matcher, at, draft in matchers if not draft]
+    drafted = [entry for entry in matchers if entry[2]]
+    if plain:
+        llguidance.numpy.fill_next_token_bitmask_par(executor, plain, bitmask)
+    if drafted:
+        llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(executor, drafted, bitmask)
 
 
 def _disallowed(bitmask: np.ndarray, vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -40,6 +40,9 @@ MULTIPLIER = 0.8  # DRY's defaults as llama.cpp documents them
 BASE = 1.75
 MAX_EXPONENT = 64  # past it the penalty is already beyond any logit gap
 CLOSE_RATE = 4  # tokens in a looped string per step of the close bias's exponent
+# The longest repeat no penalty acts on (21). A loop of repeat n and period p is penalised when n >= p and
+# n + p >= max(MIN_SPAN, MIN_COPIES p): then p <= n / (MIN_COPIES - 1), so n >= MIN_SPAN (1 - 1 / MIN_COPIES).
+FREE_REPEAT = -(-MIN_SPAN * (MIN_COPIES - 1) // MIN_COPIES) - 1
 
 
 class JsonStrings:
@@ -147,6 +150,20 @@ class LoopGuard:
             return None
         exponent = min(reply.looped_in_string / CLOSE_RATE, MAX_EXPONENT)
         return reply.strings.quote, MULTIPLIER * BASE**exponent
+
+    def draftable(self, request_id: str) -> int | None:
+        """Draft tokens the request's next step may verify with no penalty or close bias on any of its rows
+        (None: it is not guarded). Both act only past a loop whose repeat is longer than `FREE_REPEAT`, and a
+        token appended lengthens the reply's longest repeat by at most one: from a repeat of n, the rows
+        after 0 to k draft tokens are free of them while n + k <= FREE_REPEAT. Speculation under the guard is
+        then exact without the guard computing a row per draft token."""
+        reply = self._replies.get(request_id)
+        if reply is None:
+            return None
+        if self.closing(request_id) is not None:
+            return 0
+        length, _ = reply.automaton.repeat()
+        return max(0, FREE_REPEAT - length)
 
     @staticmethod
     def _loop(reply: SuffixAutomaton) -> tuple[int, float] | None:
