@@ -5,7 +5,9 @@ Workloads, chat prompts from the committed bench/speculation_prompts.json, greed
 - file_edit: a ~50-line Python file in the prompt, "rewrite it with `foo` renamed to `bar`" (batch 1);
 - tool_call: a tool schema in the system prompt, five paths in the user message to read_file (batch 1);
 - swarm: 8 agents with the same system prompt and tools (one head: same salt, same opening tokens) and
-  different short tasks leading to similar calls, as one batch. In lockstep no agent is ever ahead of another,
+  different short tasks leading to similar calls, as one batch. The prompt set's tool_choice "required"
+  puts each reply under the tools' grammar, as a harness forcing a call does: it writes Hermes calls
+  (`<tool_call>` JSON blocks), the grammar's forced runs (jump-forward) and drafts alike. In lockstep no agent is ever ahead of another,
   so a sibling can only lend text it wrote at an earlier position of its reply;
 - swarm_staggered: the same 8 agents arriving one every --stagger-steps engine steps (8 by default), as a
   swarm's agents reach the server apart: an agent that arrives later can draft from the replies of those ahead
@@ -44,7 +46,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from swarmkv import LLM, SamplingParams  # noqa: E402
+from swarmkv.api.structured_request import special_markup  # noqa: E402
 from swarmkv.models.loader import LoadedModel, load_model, resolve_model_path  # noqa: E402
+from swarmkv.structured.grammars import tool_call_grammar  # noqa: E402
+from swarmkv.tokenizer import Tokenizer  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parent / "speculation_prompts.json"
 WORKLOADS = ("file_edit", "tool_call", "swarm", "swarm_staggered", "prose")
@@ -72,6 +77,22 @@ def load_prompts(path: Path = PROMPTS) -> dict[str, list[list[dict[str, str]]]]:
     return out
 
 
+def load_grammars(tokenizer: Tokenizer, path: Path = PROMPTS) -> dict[str, str | None]:
+    """Each workload's reply grammar: its tools' Hermes calls where the prompt set forces a call
+    (tool_choice "required"), else None."""
+    data = json.loads(path.read_text())
+    out: dict[str, str | None] = {}
+    for name in WORKLOADS:
+        entry = data["swarm" if name == STAGGERED else name]
+        if entry.get("tool_choice") == "required":
+            functions = [tool["function"] for tool in entry["tools"]]
+            special = special_markup(tokenizer)
+            out[name] = tool_call_grammar(functions, "hermes", free_text=False, special=special)
+        else:
+            out[name] = None
+    return out
+
+
 @dataclass
 class Run:
     """One `generate` of a workload's prompts: seconds, each row's tokens, and the spec counters it moved."""
@@ -96,10 +117,16 @@ SPEC_KEYS = (
 )
 
 
-def run_once(llm: LLM, prompts: list[list[dict[str, str]]], max_tokens: int, stagger_steps: int = 0) -> Run:
+def run_once(
+    llm: LLM,
+    prompts: list[list[dict[str, str]]],
+    max_tokens: int,
+    stagger_steps: int = 0,
+    grammar: str | None = None,
+) -> Run:
     """One greedy run of every prompt under a fresh shared salt (so no earlier run drafts for it): one
     `generate`, or with `stagger_steps` prompt i added to the engine after i x stagger_steps of its steps."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, grammar=grammar)
     salt = f"spec-bench-{next(_salts)}"
     before = llm.engine.stats()
     start = time.perf_counter()
@@ -156,6 +183,7 @@ def measure(
     max_tokens: int,
     repeats: int,
     stagger_steps: int = 8,
+    grammars: dict[str, str | None] | None = None,
 ) -> dict[str, Any]:
     """Every workload's runs, interleaved, on and off; per workload the best samples, the counters of the
     runs with speculation on summed, and whether every run's tokens on matched off's."""
@@ -164,14 +192,15 @@ def measure(
     long_s: dict[tuple[str, str], list[float]] = defaultdict(list)
     short_s: dict[tuple[str, str], list[float]] = defaultdict(list)
     runs: dict[tuple[str, str], list[Run]] = defaultdict(list)
+    grammars = grammars or {}
     for rep in range(repeats):
         for name in workloads:
-            stagger = stagger_steps if name == STAGGERED else 0
+            stagger, grammar = stagger_steps if name == STAGGERED else 0, grammars.get(name)
             for mode in MODES if rep % 2 == 0 else MODES[::-1]:
-                run = run_once(llms[mode], prompts[name], max_tokens, stagger)
+                run = run_once(llms[mode], prompts[name], max_tokens, stagger, grammar)
                 runs[name, mode].append(run)
                 long_s[name, mode].append(run.seconds)
-                short_s[name, mode].append(run_once(llms[mode], prompts[name], 1, stagger).seconds)
+                short_s[name, mode].append(run_once(llms[mode], prompts[name], 1, stagger, grammar).seconds)
     out: dict[str, Any] = {}
     for name in workloads:
         on_runs, off_runs = runs[name, "on"], runs[name, "off"]
@@ -207,14 +236,16 @@ def identity_check(
     workloads: list[str],
     max_tokens: int,
     stagger_steps: int = 8,
+    grammars: dict[str, str | None] | None = None,
 ) -> dict[str, bool]:
     """Per workload, whether one greedy run's tokens with speculation on equal off's."""
     stagger = {name: stagger_steps if name == STAGGERED else 0 for name in workloads}
-    return {
-        name: run_once(llms["on"], prompts[name], max_tokens, stagger[name]).token_ids
-        == run_once(llms["off"], prompts[name], max_tokens, stagger[name]).token_ids
-        for name in workloads
-    }
+    grammars = grammars or {}
+
+    def tokens(mode: str, name: str) -> list[list[int]]:
+        return run_once(llms[mode], prompts[name], max_tokens, stagger[name], grammars.get(name)).token_ids
+
+    return {name: tokens("on", name) == tokens("off", name) for name in workloads}
 
 
 def tokens_per_step(counters: dict[str, int]) -> float | None:
@@ -317,14 +348,17 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     loaded = load_model(resolve_model_path(args.model), dtype="float32")
     prompts = load_prompts()
+    grammars = load_grammars(loaded.tokenizer)
     llms = make_llms(loaded, args.max_tokens)
     started = time.perf_counter()
-    results = measure(llms, prompts, args.workloads, args.max_tokens, args.repeats, args.stagger_steps)
+    results = measure(
+        llms, prompts, args.workloads, args.max_tokens, args.repeats, args.stagger_steps, grammars
+    )
     float_identity = None
     if not args.no_float_check:
         float_llms = make_llms(loaded, args.max_tokens, cpu_int8_activations=False)
         float_identity = identity_check(
-            float_llms, prompts, args.workloads, args.max_tokens, args.stagger_steps
+            float_llms, prompts, args.workloads, args.max_tokens, args.stagger_steps, grammars
         )
     print(
         f"speculation bench: {args.max_tokens} tokens, {args.repeats} repeats, {args.threads} threads, "

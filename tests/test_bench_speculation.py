@@ -11,6 +11,7 @@ from types import ModuleType
 
 from gguf import GGMLQuantizationType as Q
 
+from conftest_tokenizer_helpers import qwen_tokenizer
 from swarmkv.models.loader import load_model
 from tiny_gguf import write_tiny_gguf
 
@@ -38,6 +39,9 @@ def test_prompt_set_has_every_workload() -> None:
     heads = {p[0]["content"] for p in prompts["swarm"]}
     assert len(heads) == 1  # one system prompt: one head
     assert "`foo`" in prompts["file_edit"][0][-1]["content"]
+    grammars = bench.load_grammars(qwen_tokenizer())  # the swarm's calls are forced: tool_choice required
+    assert grammars["swarm"] is not None and grammars[bench.STAGGERED] == grammars["swarm"]
+    assert all(grammars[name] is None for name in ("file_edit", "tool_call", "prose"))
 
 
 def test_quick_measure_on_a_tiny_float_model(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Histogram
 
 from swarmkv.api.chat_request import parse_chat_request
 from swarmkv.api.outputs import StepOutput
@@ -19,6 +20,8 @@ from swarmkv.api.reasoning import (
     reasoning_splitter,
 )
 from swarmkv.api.tool_parser import ParsedDelta
+from swarmkv.server.observability.latency import Latency
+from swarmkv.server.observability.metrics import ServerMetrics
 from swarmkv.server.pipeline.chat_stream import chat_deltas, parse_whole_reply
 from swarmkv.tokenizer import Tokenizer
 
@@ -142,3 +145,33 @@ def test_streamed_deltas_carry_the_reasoning_before_the_content() -> None:
         ("", "Hel"),
         ("", "lo."),
     ]
+
+
+def test_a_piece_of_several_tokens_counts_reasoning_tokens_up_to_the_closing_tag() -> None:
+    """A draft's or a forced run's output carries several tokens, and its text may close the block: only the
+    tokens up to the one holding `</think>`'s end are reasoning."""
+    text = "<think>abc</think>\n\nhello"
+    whole = ReasoningSplitter()
+    whole.feed(text, 5, (7, 10, 18, 20, 25))  # <think> | abc | </think> | \n\n | hello
+    assert whole.num_tokens == 3
+    pieces = ReasoningSplitter()
+    pieces.feed("<think>ab", 2, (7, 9))
+    pieces.feed("c</thi", 2, (10, 15))  # the tag is held back, unfinished
+    pieces.feed("nk>hi", 2, (18, 20))  # it ends inside the piece's first token
+    assert pieces.num_tokens == 5
+    unknown = ReasoningSplitter()
+    unknown.feed(text, 5)  # without the tokens' ends the piece counts whole, as before
+    assert unknown.num_tokens == 5
+
+
+def test_tokens_that_arrive_together_each_get_an_inter_token_latency() -> None:
+    metrics = ServerMetrics.__new__(ServerMetrics)  # its two histograms alone, without an engine to collect
+    registry = CollectorRegistry()
+    metrics.time_to_first_token = Histogram("ttft", "t", registry=registry)
+    metrics.inter_token_latency = Histogram("itl", "t", registry=registry)
+    latency = Latency(metrics, arrival_s=0.0)
+    for at_s, num_tokens in ((1.0, 1), (2.0, 3), (2.5, 2)):
+        latency.observe(StepOutput("x", num_tokens, False, None, 4, 0, 6, at_s))
+    assert registry.get_sample_value("ttft_count") == 1
+    assert registry.get_sample_value("itl_count") == 5  # one a token after the first
+    assert registry.get_sample_value("itl_sum") == 1.0 + 0.5  # the tokens after an output's first: 0

@@ -105,3 +105,35 @@ def test_a_draft_is_cut_before_the_token_that_forces_a_run() -> None:
     assert 1 < structured.draftable("r", letters) < len(letters)
     assert structured.draftable("r", tuple(tok.encode("Paris", add_special_tokens=False))) == 0  # no opening
     assert structured.draftable("unconstrained", draft) == len(draft)
+
+
+def test_an_output_of_several_tokens_says_where_each_token_ends() -> None:
+    """A draft's yield and a forced run arrive as one delta; its `token_text_ends` locate each token's text."""
+    llm = _llm("on", "on")
+    tok = qwen_tokenizer()
+    engine = llm.engine
+    grammar = json_schema_grammar(SCHEMAS[0])
+    several = 0
+    for round_ in range(2):  # the second round drafts from the first's replies
+        for i, prompt in enumerate(_prompts()[:2]):
+            engine.add_request(
+                f"ends-{round_}-{i}", prompt, SamplingParams(max_tokens=64, temperature=0.0, grammar=grammar)
+            )
+        ids: dict[str, list[int]] = {}
+        text: dict[str, str] = {}
+        while engine.has_unfinished():
+            for delta in engine.step():
+                rid = delta.request_id
+                ids.setdefault(rid, []).extend(delta.new_token_ids)
+                text[rid] = text.get(rid, "") + delta.new_text
+                if len(delta.new_token_ids) > 1:
+                    several += 1
+                    first = len(ids[rid]) - len(delta.new_token_ids)
+                    expected = [
+                        len(tok.decode(ids[rid][: first + k + 1])) for k in range(len(delta.new_token_ids))
+                    ]
+                    assert list(delta.token_text_ends) == expected
+                    assert delta.token_text_ends[-1] == len(text[rid])
+                else:
+                    assert delta.token_text_ends == ()
+    assert several > 0

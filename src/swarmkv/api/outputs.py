@@ -20,3 +20,6 @@ class StepOutput:
     num_output_tokens: int
     emitted_at_s: float  # time.perf_counter() on the loop thread
     stop_string: str | None = None  # the stop string that finished the request, if one did
+    # Where each new token's text ends in the reply's text, for an output of several tokens (a draft's, a
+    # forced run's); () for one token.
+    token_text_ends: tuple[int, ...] = ()

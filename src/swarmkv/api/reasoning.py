@@ -72,16 +72,24 @@ class ReasoningSplitter:
         # those fed before the reply's start decides wait in `_undecided_tokens`.
         self.num_tokens = 0
         self._undecided_tokens = 0
+        self._num_chars = 0  # text fed so far
+        self._closed_at: int | None = None  # where `</think>` ended, if it did in the latest piece
 
-    def feed(self, text: str, num_tokens: int = 0) -> ReasoningSplit:
-        """Split newly generated text, the reply's next `num_tokens` tokens."""
+    def feed(self, text: str, num_tokens: int = 0, token_ends: tuple[int, ...] = ()) -> ReasoningSplit:
+        """Split newly generated text, the reply's next `num_tokens` tokens; `token_ends`: where each of them
+        ends in the reply's text, when there are several (a draft's, a forced run's)."""
         before = self._state
+        self._num_chars += len(text)
+        self._closed_at = None
         split = self._feed(text)
+        if self._closed_at is not None and num_tokens > 1 and len(token_ends) == num_tokens:
+            # The block closed inside the piece: its tokens up to the one holding the tag's end.
+            num_tokens = 1 + sum(1 for end in token_ends[:-1] if end < self._closed_at)
         if before == "reasoning":
             self.num_tokens += num_tokens
         elif before == "start":
             self._undecided_tokens += num_tokens
-            if self._state in ("reasoning", "after"):
+            if self._state in ("reasoning", "after") or self._closed_at is not None:  # opened, maybe closed
                 self.num_tokens += self._undecided_tokens
             if self._state != "start":
                 self._undecided_tokens = 0
@@ -109,6 +117,7 @@ class ReasoningSplitter:
                     break
                 reasoning += self._reasoning(self._buffer[:end])
                 self._buffer = self._buffer[end + len(CLOSE_THINK) :]
+                self._closed_at = self._num_chars - len(self._buffer)
                 self._pending_space = ""
                 self._state = "after"
             elif self._state == "after":

@@ -142,8 +142,9 @@ class EngineConfig:
         "speculative decoding without a draft model: drafts from suffix automata over each request's own "
         "context, its siblings' replies under the same head and its session's earlier turns, verified "
         "exactly several tokens a pass (a hybrid's recurrent state rewound to the last accepted "
-        "position, on either backend). auto: on, but never for a request under a grammar or the loop "
-        "guard; on; off",
+        "position, on either backend). Under a grammar a draft stops before any token that forces a run, and "
+        "its rows are masked along it; under the loop guard it stops short of any row the guard would "
+        "penalise. auto: on; on; off",
     )
     async_scheduling: AsyncSchedulingMode = _opt(
         "auto",

@@ -25,6 +25,8 @@ class RequestDelta:
     finish_reason: FinishReason | None
     error: str | None = None
     stop_string: str | None = None  # the stop string that finished the request, if one did
+    # Where each new token's text ends in the reply's text, when the step appended several: () for one.
+    token_text_ends: tuple[int, ...] = ()
 
 
 @dataclass
@@ -59,14 +61,23 @@ class OutputProcessor:
         """Detokenize the request's new tokens; a stop string in the text finishes it with "stop" and cuts
         the text before it. `reason` is the core's finish reason, None while the request goes on."""
         state = self._states[request_id]
-        if new_token_ids:
+        ends: list[int] = []
+        if len(new_token_ids) > 1:  # token by token, so a reader can tell where each token's text ends
+            base = len(output_token_ids) - len(new_token_ids)
+            for i in range(1, len(new_token_ids) + 1):
+                state.text += state.detokenizer.step(output_token_ids[: base + i])
+                ends.append(len(state.text))
+        elif new_token_ids:
             state.text += state.detokenizer.step(output_token_ids)
         if reason is not None:
             state.text += state.detokenizer.flush(output_token_ids)
         stop_string = self._cut_at_stop_string(state)
         if stop_string is not None:
             reason = "stop"
-        return self._delta(request_id, state, new_token_ids, reason, stop_string)
+        if ends:
+            ends[-1] = len(state.text)  # the last token holds what the flush released
+            ends = [min(end, len(state.text)) for end in ends]  # a stop string cut the text
+        return self._delta(request_id, state, new_token_ids, reason, stop_string, tuple(ends))
 
     def fail(self, request_id: str, error: str) -> RequestDelta:
         """The request ended in a failed step: no more text, the error instead."""
@@ -99,6 +110,7 @@ class OutputProcessor:
         tokens: list[int],
         reason: FinishReason | None,
         stop_string: str | None,
+        token_text_ends: tuple[int, ...] = (),
     ) -> RequestDelta:
         finished = reason is not None
         # Hold back a possible stop-string prefix until the request finishes, so streamed text is never retracted.
@@ -108,4 +120,12 @@ class OutputProcessor:
         state.num_text_emitted = upto
         if finished:
             del self._states[request_id]
-        return RequestDelta(request_id, tokens, new_text, finished, reason, stop_string=stop_string)
+        return RequestDelta(
+            request_id,
+            tokens,
+            new_text,
+            finished,
+            reason,
+            stop_string=stop_string,
+            token_text_ends=token_text_ends,
+        )

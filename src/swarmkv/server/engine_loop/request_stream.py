@@ -34,6 +34,7 @@ def step_output(delta: RequestDelta, seq: Sequence, now_s: float) -> StepOutput:
         num_output_tokens=seq.num_settled_output_tokens,
         emitted_at_s=now_s,
         stop_string=delta.stop_string,
+        token_text_ends=delta.token_text_ends,
     )
 
 

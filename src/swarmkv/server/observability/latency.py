@@ -15,11 +15,14 @@ class Latency:
         self._arrival_s = arrival_s
 
     def observe(self, out: StepOutput) -> None:
-        """Record the output's latency if it carries tokens."""
+        """Record the output's latency if it carries tokens: one inter-token latency a token, 0 for the tokens
+        after the first of an output of several (a draft's, a forced run's): they arrived with it."""
         if out.num_new_tokens == 0:
             return
         if self._last_s is None:
             self._metrics.time_to_first_token.observe(out.emitted_at_s - self._arrival_s)
         else:
             self._metrics.inter_token_latency.observe(out.emitted_at_s - self._last_s)
+        for _ in range(out.num_new_tokens - 1):
+            self._metrics.inter_token_latency.observe(0.0)
         self._last_s = out.emitted_at_s

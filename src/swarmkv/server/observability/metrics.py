@@ -216,7 +216,7 @@ class ServerMetrics:
         )
         self.inter_token_latency = Histogram(
             f"{PREFIX}_inter_token_latency_seconds",
-            "Between consecutive generated tokens of one request.",
+            "Between consecutive generated tokens of one request (0 for tokens that arrive together).",
             buckets=_LATENCY_BUCKETS_S,
             registry=self.registry,
         )

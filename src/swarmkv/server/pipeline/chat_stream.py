@@ -31,7 +31,7 @@ def parse_whole_reply(
     if reasoning is not None:
         split = ReasoningSplit()
         for out in outputs:  # output by output, so the splitter counts the reasoning's tokens
-            split = split.then(reasoning.feed(out.text, out.num_new_tokens))
+            split = split.then(reasoning.feed(out.text, out.num_new_tokens, out.token_text_ends))
         split = split.then(reasoning.finish())
     if not req.parses_tool_calls:
         return ParsedDelta(content=split.content, reasoning=split.reasoning)
@@ -54,7 +54,7 @@ async def chat_deltas(
         latency.observe(out)
         split = ReasoningSplit(content=out.text)
         if reasoning is not None:
-            split = reasoning.feed(out.text, out.num_new_tokens)
+            split = reasoning.feed(out.text, out.num_new_tokens, out.token_text_ends)
             if out.finished:
                 split = split.then(reasoning.finish())
         parsed = ParsedDelta(reasoning=split.reasoning)
