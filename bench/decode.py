@@ -17,6 +17,9 @@ bare forward loop, against transformers and llama.cpp in the same run.
 5. llama.cpp's `llama-bench -t <torch threads> -p 512 -n 128` on the same file, when it is on the PATH (or
    given with --llama-bench): swarmkv's one-request decode against tg128, and its prefill of 512 tokens (the
    time of `generate` with max_tokens=1) against pp512. llama-bench's best repetition is taken, as ours are.
+   Beside it, when `llama-batched-bench` sits next to llama-bench (or is on the PATH), llama.cpp's aggregate
+   decode at the same batch sizes, prompt and decode lengths (its S_TG, one run): swarmkv's `generate`
+   against it at each batch, and llama.cpp's own batch-8 scaling against its batch 1.
 
 Every timed figure is the best of --repeats runs after one warm-up, weight formats and transformers
 interleaved so that background load hits all alike. Prefix caching is off, so every run computes its whole
@@ -267,6 +270,53 @@ def run_llama_bench(
     return {"command": command, "tests": parse_llama_bench(done.stdout)}
 
 
+def find_batched_bench(llama_bench: Path) -> Path | None:
+    """llama-batched-bench beside `llama_bench` (the same build), else on the PATH, else None."""
+    beside = llama_bench.with_name("llama-batched-bench")
+    if beside.is_file():
+        return beside
+    found = shutil.which("llama-batched-bench")
+    return Path(found) if found else None
+
+
+def run_batched_bench(
+    binary: Path, model: Path, threads: int, prompt_tokens: int, decode_tokens: int, batches: list[int]
+) -> dict[str, Any]:
+    """llama-batched-bench's aggregate decode tok/s (S_TG) at each batch: B sequences of `prompt_tokens`
+    prefilled, then `decode_tokens` each decoded together."""
+    context = max(batches) * (prompt_tokens + decode_tokens) + 64
+    command = [
+        str(binary),
+        "-m",
+        str(model),
+        "-t",
+        str(threads),
+        "-c",
+        str(context),
+        "-b",
+        "512",
+        "-ub",
+        "512",
+    ]
+    command += ["-npp", str(prompt_tokens), "-ntg", str(decode_tokens), "-npl", ",".join(map(str, batches))]
+    command += ["--output-format", "jsonl"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {done.returncode}: {done.stderr[-2000:]}")
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return {"command": command, "decode_tok_s": {int(r["pl"]): float(r["speed_tg"]) for r in lines}}
+
+
+def compare_batched(record: dict[str, Any], batched: dict[str, Any]) -> None:
+    """Add swarmkv's aggregate decode against llama.cpp's at each batch, per format, and llama.cpp's scaling."""
+    theirs = batched["decode_tok_s"]
+    batched["vs_batch1"] = {b: ratio(r, theirs.get(1)) for b, r in theirs.items()}
+    batched["versus"] = {
+        fmt: {b: ratio(row["generate_tok_s"], theirs.get(b)) for b, row in f["batches"].items()}
+        for fmt, f in record["formats"].items()
+    }
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line, with --quick's smaller sizes filled in."""
     parser = argparse.ArgumentParser(
@@ -495,6 +545,16 @@ def print_report(record: dict[str, Any]) -> None:
             print(
                 f"  swarmkv {fmt}: one request's decode {times(v['decode_over_tg'])} tg, prefill {times(v['prefill_over_pp'])} pp"
             )
+    batched = record.get("llama_batched")
+    if batched is not None:
+        print(f"llama.cpp aggregate decode (llama-batched-bench, same file, {threads}, one run):")
+        print(
+            f"{'batch':>6} {'tok/s':>9} {'vs b1':>7} "
+            + " ".join(f"{'ours/' + fmt:>12}" for fmt in batched["versus"])
+        )
+        for b, r in batched["decode_tok_s"].items():
+            ours = " ".join(f"{times(v.get(b)):>12}" for v in batched["versus"].values())
+            print(f"{b:>6} {rate(r):>9} {times(batched['vs_batch1'][b]):>7} {ours}")
     if record["targets"]:
         print()
         print("issue 26 targets")
@@ -526,6 +586,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         compare_llama(record, llama, args.prefill_tokens, args.llama_gen_tokens)
         record["llama_bench"] = llama
+        batched_binary = find_batched_bench(binary)
+        if batched_binary is not None:
+            batched = run_batched_bench(
+                batched_binary,
+                Path(record["config"]["path"]),
+                torch.get_num_threads(),
+                args.prompt_tokens,
+                args.decode_tokens,
+                args.batches,
+            )
+            compare_batched(record, batched)
+            record["llama_batched"] = batched
     record["targets"] = targets(record, args.llama_gen_tokens, args.prefill_tokens)
     print_report(record)
     if args.json:

@@ -127,6 +127,10 @@ def test_quick_run_measures_every_figure(tiny_gguf: Path, tmp_path: Path) -> Non
     fake = tmp_path / "llama-bench"
     fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{llama_json(64, 16)}\nEOF\n")
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    batched = tmp_path / "llama-batched-bench"  # beside llama-bench: one jsonl line a batch, among its log
+    lines = [json.dumps({"pl": b, "pp": 16, "tg": 8, "speed_tg": 100.0 * b**0.5}) for b in (1, 2)]
+    batched.write_text("#!/bin/sh\necho 'main: log line'\n" + "".join(f"echo '{line}'\n" for line in lines))
+    batched.chmod(batched.stat().st_mode | stat.S_IXUSR)
     out = tmp_path / "decode.json"
     argv = ["--quick", "--model", str(tiny_gguf), "--weights", "gguf", "float"]
     argv += ["--llama-bench", str(fake), "--json", str(out)]
@@ -151,3 +155,9 @@ def test_quick_run_measures_every_figure(tiny_gguf: Path, tmp_path: Path) -> Non
         None if decode is None else pytest.approx(decode / 153.0)
     )
     assert len(record["targets"]) == 4  # per format: tg and pp (no batch 8 in a quick run)
+    theirs = record["llama_batched"]
+    assert theirs["command"][-8:] == ["-npp", "16", "-ntg", "8", "-npl", "1,2", "--output-format", "jsonl"]
+    assert theirs["decode_tok_s"] == {"1": 100.0, "2": pytest.approx(141.42, rel=1e-3)}
+    assert theirs["vs_batch1"]["2"] == pytest.approx(1.4142, rel=1e-3)
+    ours = record["formats"]["gguf"]["batches"]["2"]["generate_tok_s"]
+    assert theirs["versus"]["gguf"]["2"] == (None if ours is None else pytest.approx(ours / 141.42, rel=1e-3))
