@@ -8,8 +8,8 @@ after it (jump-forward; the engine appends them at once and the next step comput
 With jump-forward off, forced tokens are queued and appended one a step instead of a sampled token, so
 the two ways give the same tokens. A speculative chunk's rows are masked along its draft (llguidance's masks
 with draft tokens); `draftable` keeps a draft to what the grammar allows before any forced run, so the rows
-verified are the rows a decode without drafts would have sampled. Compiled grammars are cached by text (`GrammarCache`): agents that
-share their tools compile them once.
+verified are the rows a decode without drafts would have sampled. Compiled grammars are cached by text
+(`GrammarCache`): agents that share their tools compile them once.
 """
 
 from __future__ import annotations
