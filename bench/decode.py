@@ -248,26 +248,23 @@ def parse_llama_bench(text: str) -> dict[str, dict[str, float]]:
     return tests
 
 
+def run_tool(binary: Path, model: Path, threads: int, *args: str) -> tuple[list[str], str]:
+    """Run a llama.cpp tool on `model` with `threads`: its command and its stdout."""
+    command = [str(binary), "-m", str(model), "-t", str(threads), *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {done.returncode}: {done.stderr[-2000:]}")
+    return command, done.stdout
+
+
 def run_llama_bench(
     binary: Path, model: Path, threads: int, prompt_tokens: int, gen_tokens: int, repetitions: int | None
 ) -> dict[str, Any]:
     """Run llama-bench on `model`; its command and parsed tests."""
-    command = [
-        str(binary),
-        "-m",
-        str(model),
-        "-t",
-        str(threads),
-        "-p",
-        str(prompt_tokens),
-        "-n",
-        str(gen_tokens),
-    ]
-    command += ["-o", "json"] + (["-r", str(repetitions)] if repetitions else [])
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} exited {done.returncode}: {done.stderr[-2000:]}")
-    return {"command": command, "tests": parse_llama_bench(done.stdout)}
+    args = ["-p", str(prompt_tokens), "-n", str(gen_tokens), "-o", "json"]
+    args += ["-r", str(repetitions)] if repetitions else []
+    command, out = run_tool(binary, model, threads, *args)
+    return {"command": command, "tests": parse_llama_bench(out)}
 
 
 def find_batched_bench(llama_bench: Path) -> Path | None:
@@ -285,25 +282,21 @@ def run_batched_bench(
     """llama-batched-bench's aggregate decode tok/s (S_TG) at each batch: B sequences of `prompt_tokens`
     prefilled, then `decode_tokens` each decoded together."""
     context = max(batches) * (prompt_tokens + decode_tokens) + 64
-    command = [
-        str(binary),
-        "-m",
-        str(model),
-        "-t",
-        str(threads),
+    args = [
         "-c",
         str(context),
         "-b",
         "512",
         "-ub",
         "512",
+        "-npp",
+        str(prompt_tokens),
+        "-ntg",
+        str(decode_tokens),
     ]
-    command += ["-npp", str(prompt_tokens), "-ntg", str(decode_tokens), "-npl", ",".join(map(str, batches))]
-    command += ["--output-format", "jsonl"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} exited {done.returncode}: {done.stderr[-2000:]}")
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    args += ["-npl", ",".join(map(str, batches)), "--output-format", "jsonl"]
+    command, out = run_tool(binary, model, threads, *args)
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return {"command": command, "decode_tok_s": {int(r["pl"]): float(r["speed_tg"]) for r in lines}}
 
 
@@ -576,28 +569,17 @@ def main(argv: list[str] | None = None) -> int:
     elif binary is None:
         record["llama_bench"] = {"skipped": f"llama-bench is not on the PATH; {BUILD_HINT}"}
     else:
+        model, threads = Path(record["config"]["path"]), torch.get_num_threads()
         llama = run_llama_bench(
-            binary,
-            Path(record["config"]["path"]),
-            torch.get_num_threads(),
-            args.prefill_tokens,
-            args.llama_gen_tokens,
-            args.llama_repetitions,
+            binary, model, threads, args.prefill_tokens, args.llama_gen_tokens, args.llama_repetitions
         )
         compare_llama(record, llama, args.prefill_tokens, args.llama_gen_tokens)
         record["llama_bench"] = llama
         batched_binary = find_batched_bench(binary)
         if batched_binary is not None:
-            batched = run_batched_bench(
-                batched_binary,
-                Path(record["config"]["path"]),
-                torch.get_num_threads(),
-                args.prompt_tokens,
-                args.decode_tokens,
-                args.batches,
-            )
-            compare_batched(record, batched)
-            record["llama_batched"] = batched
+            sizes = (args.prompt_tokens, args.decode_tokens, args.batches)
+            record["llama_batched"] = run_batched_bench(batched_binary, model, threads, *sizes)
+            compare_batched(record, record["llama_batched"])
     record["targets"] = targets(record, args.llama_gen_tokens, args.prefill_tokens)
     print_report(record)
     if args.json:
