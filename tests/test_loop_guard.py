@@ -202,6 +202,17 @@ def test_no_row_a_draft_may_take_is_penalised_or_biased(
     assert LoopGuard().draftable("unguarded") is None
 
 
+def test_no_draft_in_a_string_that_looped_even_behind_an_escaping_backslash() -> None:
+    """The close bias hides for the row after a lone backslash and acts again after it, so a draft there
+    would take rows the bias applies to (a review found it: greedy output then differed on and off)."""
+    guard = _strings_guard([1, *([5, 6] * 20), *range(100, 110), 3])  # looped, broke out, then `\`
+    assert guard.closing("r") is None and guard.draftable("r") == 0
+    guard.extend("r", [9])
+    assert guard.closing("r") is not None and guard.draftable("r") == 0
+    guard.extend("r", [1])  # the string closed: drafts again
+    assert guard.closing("r") is None and guard.draftable("r") > 0
+
+
 def test_a_bad_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="loop_guard"):
         LLM(loaded=bigram_loaded(), kv_cache_memory=16 * 2**20, loop_guard="sometimes")
@@ -290,3 +301,34 @@ def test_a_loop_resumed_in_variants_is_ended_by_closing_its_string(monkeypatch: 
     (cut,) = llm.generate([_prompt()], params)
     assert cut.finish_reason == "length" and cut.text.count("AC") >= 2, cut.text
     assert cut.text.endswith("ABAB" * 2)
+
+
+def test_a_reply_escaping_in_a_looped_string_is_the_same_with_drafts() -> None:
+    """A bigram loops "ABAB" in a string, breaks out with "C", writes the escape `\\n`, and after it the close
+    bias decides between "A" (8) and the quote (7); the prompt holds `AC\\nABAB...` to draft from."""
+    tok = qwen_tokenizer()
+    a, b, c, backslash, n, quote = (
+        tok.encode(t, add_special_tokens=False)[0] for t in ("A", "B", "C", "\\", "n", '"')
+    )
+    model, scale = _one_hot_bigram([a, b, c, backslash, n])  # class 5: any other token
+    with torch.no_grad():
+        head = model.lm_head.weight
+        head[b, 0] = head[a, 1] = scale  # A -> B, B -> A
+        head[c, 0] = head[c, 1] = 7 / 8 * scale  # C once the loop is penalised
+        head[quote, 0] = head[quote, 1] = 3 / 8 * scale
+        head[backslash, 2], head[quote, 2] = scale, 4 / 8 * scale  # C -> backslash
+        head[n, 3] = scale  # backslash -> n: the escape `\n`
+        head[a, 4], head[quote, 4] = scale, 7 / 8 * scale  # n -> A, or the quote the bias raises
+        head[a, 5] = scale
+    loaded = LoadedModel(
+        Path("escape"), "escape", model.config, model.eval(), tok, torch.float32, torch.device("cpu")
+    )
+    prompt = _prompt() + [a, c, backslash, n, a, b, a, b, a, b]
+    params = SamplingParams(max_tokens=80, temperature=0, grammar=GRAMMAR)
+    replies = {}
+    for mode in ("off", "on"):
+        llm = LLM(loaded=loaded, kv_cache_memory=16 * 2**20, jump_forward="on", speculation=mode)
+        (replies[mode],) = llm.generate([prompt], params)
+        llm.engine.check_integrity()
+    assert replies["on"].token_ids == replies["off"].token_ids
+    assert replies["off"].text.endswith('C\\n"}'), replies["off"].text  # the bias closed the string

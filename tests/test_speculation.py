@@ -109,6 +109,21 @@ def test_failed_drafts_back_off_and_accepted_ones_grow() -> None:
     assert [drafter.propose("a", 8) for _ in range(3)] == [None] * 3  # then three
 
 
+def test_a_vetoed_draft_is_not_a_miss() -> None:
+    """A draft the engine's vet cuts to nothing (a grammar's forced run waiting, a loop near the guard) leaves
+    the request as it was: idle proposals make it skip later ones (under async scheduling), vetoes do not."""
+    allowed = {"a": 0}
+    drafter = Drafter(max_draft_tokens=8, idle_wait_steps=4, vet=lambda rid, tokens: allowed[rid])
+    drafter.add("a", [1, 2, 3, 4, 5, 6, 1, 2], None, None)
+    assert [drafter.propose("a", 8) for _ in range(3)] == [None] * 3
+    allowed["a"] = 2
+    draft = drafter.propose("a", 8)  # no skipped proposals: it drafts at once, cut to what the vet allows
+    assert draft is not None and draft.tokens == (3, 4)
+    drafter.add("b", [7, 8, 9], None, None)  # matches nothing: idle, so the next ones are skipped
+    allowed["b"] = 8
+    assert drafter.propose("b", 8) is None and drafter.backing_off("b")
+
+
 def test_a_draft_is_as_long_as_its_match() -> None:
     """A partial acceptance cuts the next draft to what was accepted plus one, unless the match it continues
     is longer: a long match is a copy under way."""

@@ -185,19 +185,20 @@ class Drafter:
         copy = self._longest_match(req) or resume
         req.resume = None
         best: Draft | None = None
+        vetoed = False  # the text matched, but the request may not take its draft now: not a miss
         if copy is not None:
             # A long match is evidence of a copy: the draft is at least as long as the match (up to the cap),
             # as SuffixDecoding sizes its drafts, however short a partial acceptance has cut `draft_tokens`.
             num_tokens = min(max(req.draft_tokens, min(copy.length, self.max_draft_tokens)), max_tokens)
             tokens = copy.tokens(num_tokens)
             if self.vet is not None and tokens:
-                tokens = tokens[: self.vet(request_id, tuple(tokens))]
+                vetoed = not (tokens := tokens[: self.vet(request_id, tuple(tokens))])
             best = Draft(tuple(tokens), copy.source, copy.length) if tokens else None
         req.pending = copy if best is not None else None
-        if best is None:
+        if best is None and not vetoed:
             req.idle += 1
             req.wait_steps = min(req.idle, self.idle_wait_steps)
-        else:
+        elif best is not None:
             req.idle = 0
         return best
 

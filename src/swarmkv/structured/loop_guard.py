@@ -160,8 +160,10 @@ class LoopGuard:
         reply = self._replies.get(request_id)
         if reply is None:
             return None
-        if self.closing(request_id) is not None:
-            return 0
+        if reply.strings is not None and reply.looped_in_string >= 0:
+            return (
+                0  # in a string that looped: the close bias acts (an escaping backslash only hides it a row)
+            )
         length, _ = reply.automaton.repeat()
         return max(0, FREE_REPEAT - length)
 
