@@ -67,12 +67,16 @@ TARGET_CONTROL = 0.97  # prose against off
 _salts = itertools.count()
 
 
+def load_entries(path: Path = PROMPTS) -> dict[str, dict[str, Any]]:
+    """Each workload's entry of the prompt set (the staggered swarm shares the swarm's)."""
+    data = json.loads(path.read_text())
+    return {name: data["swarm" if name == STAGGERED else name] for name in WORKLOADS}
+
+
 def load_prompts(path: Path = PROMPTS) -> dict[str, list[list[dict[str, str]]]]:
     """Each workload's chat prompts (lists of messages): one for the batch-1 workloads, 8 for the swarm."""
-    data = json.loads(path.read_text())
     out: dict[str, list[list[dict[str, str]]]] = {}
-    for name in WORKLOADS:
-        entry = data["swarm" if name == STAGGERED else name]
+    for name, entry in load_entries(path).items():
         if "tasks" in entry:
             system = {"role": "system", "content": entry["system"]}
             out[name] = [[system, {"role": "user", "content": task}] for task in entry["tasks"]]
@@ -84,10 +88,8 @@ def load_prompts(path: Path = PROMPTS) -> dict[str, list[list[dict[str, str]]]]:
 def load_grammars(tokenizer: Tokenizer, path: Path = PROMPTS) -> dict[str, str | None]:
     """Each workload's reply grammar: its tools' Hermes calls where the prompt set forces a call
     (tool_choice "required"), else None."""
-    data = json.loads(path.read_text())
     out: dict[str, str | None] = {}
-    for name in WORKLOADS:
-        entry = data["swarm" if name == STAGGERED else name]
+    for name, entry in load_entries(path).items():
         if entry.get("tool_choice") == "required":
             functions = [tool["function"] for tool in entry["tools"]]
             special = special_markup(tokenizer)

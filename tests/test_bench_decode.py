@@ -161,3 +161,11 @@ def test_quick_run_measures_every_figure(tiny_gguf: Path, tmp_path: Path) -> Non
     assert theirs["vs_batch1"]["2"] == pytest.approx(1.4142, rel=1e-3)
     ours = record["formats"]["gguf"]["batches"]["2"]["generate_tok_s"]
     assert theirs["versus"]["gguf"]["2"] == (None if ours is None else pytest.approx(ours / 141.42, rel=1e-3))
+
+
+def test_a_failing_llama_cpp_tool_raises_with_its_command_and_stderr(tmp_path: Path) -> None:
+    fake = tmp_path / "llama-batched-bench"
+    fake.write_text("#!/bin/sh\necho 'error: unknown argument: --output-format' >&2\nexit 1\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    with pytest.raises(RuntimeError, match="exited 1: error: unknown argument"):
+        load_bench().run_batched_bench(fake, tmp_path / "m.gguf", 2, 16, 8, [1, 2])

@@ -93,7 +93,7 @@ def test_a_draft_is_cut_before_the_token_that_forces_a_run() -> None:
     assert state.queued  # `{"city": "` is forced
     structured.add("r", state)
     assert structured.draftable("r", tuple(tok.encode("Paris", add_special_tokens=False))) == 0  # queued
-    structured.advance("r", 0)  # jump-forward takes the queued run (the sampled id is not read)
+    structured.advance("r", [0])  # jump-forward takes the queued run (the sampled id is not read)
     matcher = state.matcher
     mask = matcher.compute_bitmask()
     draft = tuple(tok.encode(' "Pari", "unit": "celsius"}', add_special_tokens=False))

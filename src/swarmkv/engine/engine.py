@@ -469,14 +469,19 @@ class LLMEngine:
         source = self.drafter.record(chunk.request_id, len(chunk.draft), num_accepted)
         c.spec_accepted_sibling_tokens += num_accepted if source == "sibling" else 0
         c.spec_accepted_session_tokens += num_accepted if source == "session" else 0
-        rid = chunk.request_id
-        constrained = self._structured is not None and rid in self._structured
-        if constrained:
-            tokens = self.structured.advance_drafted(rid, tokens)
-        complete = constrained and self.structured.is_complete(rid)
+        tokens, complete = self._under_grammar(chunk.request_id, tokens)
         return self.append_tokens(
             chunk.seq, tokens, grammar_complete=complete, num_computed=num_accepted, drafted=True
         )
+
+    def _under_grammar(self, request_id: str, tokens: list[int]) -> tuple[list[int], bool]:
+        """What a step's tokens append under the request's grammar (a forced run after them, or a queued
+        forced token instead), and whether the grammar has ended; the tokens as they are without one."""
+        structured = self._structured
+        if structured is None or request_id not in structured:
+            return tokens, False
+        appended = structured.advance(request_id, tokens)
+        return appended, structured.is_complete(request_id)
 
     def _draftable(self, request_id: str, tokens: tuple[int, ...]) -> int:
         """How many of a draft's first tokens the request's next step may verify: those its grammar allows
@@ -516,11 +521,8 @@ class LLMEngine:
 
     def _append_token(self, chunk: Chunk, sampled: int) -> RequestDelta:
         """Append what the step produced: the sampled token, or under a grammar what it forces too."""
-        seq = chunk.seq
-        constrained = self._structured is not None and seq.request_id in self._structured
-        tokens = self.structured.advance(seq.request_id, sampled) if constrained else [sampled]
-        complete = constrained and self.structured.is_complete(seq.request_id)
-        return self.append_tokens(seq, tokens, grammar_complete=complete)
+        tokens, complete = self._under_grammar(chunk.request_id, [sampled])
+        return self.append_tokens(chunk.seq, tokens, grammar_complete=complete)
 
     def append_tokens(
         self,

@@ -62,22 +62,20 @@ class OutputProcessor:
         the text before it. `reason` is the core's finish reason, None while the request goes on."""
         state = self._states[request_id]
         ends: list[int] = []
-        if len(new_token_ids) > 1:  # token by token, so a reader can tell where each token's text ends
-            base = len(output_token_ids) - len(new_token_ids)
-            for i in range(1, len(new_token_ids) + 1):
-                state.text += state.detokenizer.step(output_token_ids[: base + i])
-                ends.append(len(state.text))
-        elif new_token_ids:
-            state.text += state.detokenizer.step(output_token_ids)
+        base = len(output_token_ids) - len(new_token_ids)
+        for i in range(1, len(new_token_ids) + 1):  # token by token: where each token's text ends
+            state.text += state.detokenizer.step(output_token_ids, base + i)
+            ends.append(len(state.text))
         if reason is not None:
             state.text += state.detokenizer.flush(output_token_ids)
         stop_string = self._cut_at_stop_string(state)
         if stop_string is not None:
             reason = "stop"
-        if ends:
+        token_text_ends: tuple[int, ...] = ()  # for one token: its text is the delta's
+        if len(ends) > 1:
             ends[-1] = len(state.text)  # the last token holds what the flush released
-            ends = [min(end, len(state.text)) for end in ends]  # a stop string cut the text
-        return self._delta(request_id, state, new_token_ids, reason, stop_string, tuple(ends))
+            token_text_ends = tuple(min(end, len(state.text)) for end in ends)  # a stop string cut the text
+        return self._delta(request_id, state, new_token_ids, reason, stop_string, token_text_ends)
 
     def fail(self, request_id: str, error: str) -> RequestDelta:
         """The request ended in a failed step: no more text, the error instead."""

@@ -3,7 +3,7 @@
 A step's masks depend only on the tokens its requests hold before the step, so `prefetch` computes them
 on a thread while the forward runs (llguidance drops the GIL) and `apply` waits for them and masks the
 logits on their device, one batched op over the constrained rows. After sampling, `advance` feeds the
-sampled token to the matcher and returns what to append: the token, then every token the grammar forces
+sampled token (after a speculative step's accepted draft tokens) to the matcher and returns what to append: the token, then every token the grammar forces
 after it (jump-forward; the engine appends them at once and the next step computes them as one chunk).
 With jump-forward off, forced tokens are queued and appended one a step instead of a sampled token, so
 the two ways give the same tokens. A speculative chunk's rows are masked along its draft (llguidance's masks
@@ -192,42 +192,35 @@ class StructuredDecoding:
                 for j, row in enumerate(logit_rows):  # in place, row by row: no copy of the batch's logits
                     logits[row].masked_fill_(banned[j], float("-inf"))
 
-    def advance(self, request_id: str, sampled: int) -> list[int]:
-        """The tokens to append after a step sampled `sampled`: a queued forced token instead (all queued ones
-        under jump-forward), else the sampled token and, under jump-forward, the run the grammar forces
-        after it. The sampled token is one the mask allowed (an AssertionError otherwise)."""
-        row = self._rows.get(request_id)
-        if row is None:
-            return [sampled]
-        if row.queued:
-            take = len(row.queued) if self.jump_forward else 1
-            tokens, row.queued = row.queued[:take], row.queued[take:]
-            self.num_forced_tokens += len(tokens)
-            return tokens
-        accepted = row.matcher.consume_token(sampled)
-        assert accepted and not row.matcher.is_error(), row.matcher.get_error()
-        if row.matcher.is_stopped():
-            return [sampled]
-        forced = row.matcher.compute_ff_tokens()
-        if not forced:
-            return [sampled]
-        row.matcher.consume_tokens(forced)
-        if self.jump_forward:
-            self.num_forced_tokens += len(forced)
-            return [sampled, *forced]
-        row.queued = list(forced)
-        return [sampled]
-
-    def advance_drafted(self, request_id: str, tokens: Sequence[int]) -> list[int]:
-        """The tokens to append after a speculative step yielded `tokens`: its accepted draft tokens, which
-        `draftable` vetted (none forces a run or ends the grammar), then what `advance` makes of its last."""
+    def advance(self, request_id: str, tokens: Sequence[int]) -> list[int]:
+        """The tokens to append after a step yielded `tokens`: a speculative step's accepted draft tokens
+        (`draftable` vetted them: none forces a run or ends the grammar), then the token it sampled. In place of
+        that last: a queued forced token (all queued ones under jump-forward), else the sampled token and, under
+        jump-forward, the run the grammar forces after it. Each token is one the mask allowed (an AssertionError
+        otherwise)."""
         row = self._rows.get(request_id)
         if row is None:
             return list(tokens)
-        for token in tokens[:-1]:
+        if row.queued:  # a queued token replaces the sample (`draftable` drafts nothing while tokens wait)
+            assert len(tokens) == 1, "a draft while forced tokens wait"
+            take = len(row.queued) if self.jump_forward else 1
+            queued, row.queued = row.queued[:take], row.queued[take:]
+            self.num_forced_tokens += len(queued)
+            return queued
+        for token in tokens:
             accepted = row.matcher.consume_token(token)
             assert accepted and not row.matcher.is_error(), row.matcher.get_error()
-        return [*tokens[:-1], *self.advance(request_id, tokens[-1])]
+        if row.matcher.is_stopped():
+            return list(tokens)
+        forced = row.matcher.compute_ff_tokens()
+        if not forced:
+            return list(tokens)
+        row.matcher.consume_tokens(forced)
+        if self.jump_forward:
+            self.num_forced_tokens += len(forced)
+            return [*tokens, *forced]
+        row.queued = list(forced)
+        return list(tokens)
 
     def is_complete(self, request_id: str) -> bool:
         """Whether the request's grammar has ended (nothing but the end of the reply may follow)."""

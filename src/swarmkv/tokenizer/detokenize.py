@@ -38,16 +38,19 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._context)
 
-    def step(self, generated_ids: Sequence[int]) -> str:
-        """New text after `generated_ids` (all ids generated so far) grew; "" while a character is incomplete."""
-        return self._advance(generated_ids, hold_incomplete=True)
+    def step(self, generated_ids: Sequence[int], num_ids: int | None = None) -> str:
+        """New text after `generated_ids` (all ids generated so far, or their first `num_ids`) grew; "" while a
+        character is incomplete."""
+        return self._advance(generated_ids, hold_incomplete=True, num_ids=num_ids)
 
     def flush(self, generated_ids: Sequence[int]) -> str:
         """The text still held back at the end of generation, incomplete trailing bytes included."""
         return self._advance(generated_ids, hold_incomplete=False)
 
-    def _advance(self, generated_ids: Sequence[int], hold_incomplete: bool) -> str:
-        end = len(self._context) + len(generated_ids)
+    def _advance(
+        self, generated_ids: Sequence[int], hold_incomplete: bool, num_ids: int | None = None
+    ) -> str:
+        end = len(self._context) + (len(generated_ids) if num_ids is None else num_ids)
         assert end >= self._read_offset, "generated ids may only grow"
         prefix_text = self._decode(self._window(generated_ids, self._prefix_offset, self._read_offset))
         new_text = self._decode(self._window(generated_ids, self._prefix_offset, end))
