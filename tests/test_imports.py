@@ -252,13 +252,13 @@ def test_the_engine_core_imports_no_torch() -> None:
 
 def test_models_import_no_triton() -> None:
     """Every module of swarmkv.models, and the LLM entry point, load without triton: Triton kernels load on a GPU
-    path (the CPU's C kernel for GGUF blocks, `cpu_grouped`, needs none)."""
+    path (the CPU's C kernel for GGUF blocks, `cpu_grouped`, and the huge-page packing of CPU weights need none)."""
     code = (
         "import importlib, pkgutil, sys, swarmkv, swarmkv.models\n"
         "for m in pkgutil.iter_modules(swarmkv.models.__path__):\n"
         "    importlib.import_module('swarmkv.models.' + m.name)\n"
         "loaded = sorted(m for m in sys.modules if m == 'triton' or m.startswith(('triton.', 'swarmkv.kernels.')))\n"
-        "assert loaded == ['swarmkv.kernels.cpu_grouped', 'swarmkv.kernels.reference'], loaded\n"
+        "assert loaded == ['swarmkv.kernels.cpu_grouped', 'swarmkv.kernels.huge_pages', 'swarmkv.kernels.reference'], loaded\n"
     )
     result = _imports_in_a_fresh_interpreter(code)
     assert result.returncode == 0, result.stderr

@@ -11,6 +11,7 @@ import torch
 
 from swarmkv.choices import KVCacheDtype
 from swarmkv.config import ModelConfig
+from swarmkv.kernels.huge_pages import huge_zeros
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
@@ -40,8 +41,8 @@ class KVCache:
         shape = (num_layers, num_pages * block_size, config.num_kv_heads, config.head_dim)
         self.dtype = dtype
         self.storage_dtype = storage_dtype or dtype
-        self.k = torch.zeros(shape, dtype=self.storage_dtype, device=device)
-        self.v = torch.zeros(shape, dtype=self.storage_dtype, device=device)
+        self.k = huge_zeros(shape, self.storage_dtype, torch.device(device))
+        self.v = huge_zeros(shape, self.storage_dtype, torch.device(device))
         self.block_size = block_size
         self.k_scales = [1.0] * num_layers
         self.v_scales = [1.0] * num_layers

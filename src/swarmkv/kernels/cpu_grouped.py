@@ -151,10 +151,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def layout_args(w: GroupedQuant) -> tuple[object, ...]:
-    """The kernel's description of a layout (pointers into `w`'s tensors), cached on the object."""
+    """The kernel's description of a layout (pointers into `w`'s tensors), cached on the object while its codes
+    stay where they were (`huge_pages.pack_tensors` moves a storage and re-points its tensors)."""
     cached = _ARGS.get(id(w))
-    if cached is not None and cached[0] is w:
-        return cached[1]
+    if cached is not None and cached[0] is w and cached[1] == w.low.data_ptr():
+        return cached[2]
 
     def constants(c: GroupConstants | None) -> tuple[int | None, int | None, int, int]:
         if c is None:
@@ -176,11 +177,11 @@ def layout_args(w: GroupedQuant) -> tuple[object, ...]:
     args += (s_signed, s_per, m_half, m_sub, m_per)
     if len(_ARGS) > 4096:
         _ARGS.clear()
-    _ARGS[id(w)] = (w, args)
+    _ARGS[id(w)] = (w, w.low.data_ptr(), args)
     return args
 
 
-_ARGS: dict[int, tuple[GroupedQuant, tuple[object, ...]]] = {}
+_ARGS: dict[int, tuple[GroupedQuant, int, tuple[object, ...]]] = {}
 
 
 def matmul(

@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from swarmkv.choices import WeightsOption
 from swarmkv.config import ModelConfig, resolve_dtype
 from swarmkv.errors import ConfigError, ModelLoadError
+from swarmkv.kernels.huge_pages import pack_tensors
 from swarmkv.models.decoder import DecoderForCausalLM
 from swarmkv.models.default import default_model_path
 from swarmkv.models.quantized import WeightFormat, finalize_quantized
@@ -120,9 +121,16 @@ def _load_gguf(
     model.tie_weights()
     if fmt == "gguf":
         model.embed_tokens.finalize(dtype)  # type: ignore[operator]
+    _pack_on_cpu(model, device)
     tokenizer = Tokenizer.from_gguf_metadata(file.metadata)
     name = str(file.metadata.get("general.name") or file.path.stem)
     return LoadedModel(file.path, name, config, model.eval(), tokenizer, dtype, device, fmt, report)
+
+
+def _pack_on_cpu(model: DecoderForCausalLM, device: torch.device) -> None:
+    """A CPU model's weights into one huge-page mapping (kernels/huge_pages.py): a decode step reads them all."""
+    if device.type == "cpu":
+        pack_tensors([*model.parameters(), *model.buffers()])
 
 
 def _require_grouped_kernels(fmt: WeightFormat, device: torch.device) -> None:
@@ -186,5 +194,6 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, weights: 
     )
     finalize_quantized(model)
     model.tie_weights()
+    _pack_on_cpu(model, device)
     tokenizer = Tokenizer.from_hf_dir(path)
     return LoadedModel(path, path.name, config, model.eval(), tokenizer, dtype, device, weights)

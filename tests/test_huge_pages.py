@@ -1,0 +1,113 @@
+"""kernels/huge_pages.py: CPU weights and KV slabs in huge-page mappings, with nothing else changed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from swarmkv import LLM, SamplingParams
+from swarmkv.kernels import cpu_grouped, huge_pages
+from swarmkv.kernels.huge_pages import HUGE_PAGE, huge_zeros, pack_tensors
+from swarmkv.models import loader
+from swarmkv.models.gguf_quantize import quantize
+from swarmkv.models.gguf_quants import parse_blocks
+from swarmkv.models.loader import load_model
+from tiny_gguf import write_tiny_gguf
+
+needs_huge_pages = pytest.mark.skipif(
+    not huge_pages.huge_pages_available(), reason="no transparent huge pages here"
+)
+
+
+def anon_huge_kib() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+@needs_huge_pages
+def test_packed_tensors_keep_their_values_views_and_kinds() -> None:
+    a = torch.randn(1000, 600)
+    view = a[10:20, 5:]
+    codes = torch.arange(300_001, dtype=torch.int16)
+    param = torch.nn.Parameter(torch.randn(700, 800), requires_grad=False)
+    with torch.inference_mode():
+        made_in_inference = torch.randn(5000, 100)
+    tensors = [a, view, codes, param, made_in_inference]
+    before = [t.clone() for t in tensors]
+    own_bytes = sum(t.untyped_storage().nbytes() for t in (a, codes, param, made_in_inference))
+    assert pack_tensors(tensors) >= own_bytes
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before, strict=True))
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1, "one mapping holds them all"
+    assert a.data_ptr() % HUGE_PAGE == 0
+    a[10, 5] = 123.0  # a view still aliases its base
+    assert view[0, 0].item() == 123.0
+    assert isinstance(param, torch.nn.Parameter) and view.shape == (10, 595) and codes.dtype == torch.int16
+
+
+def test_nothing_moves_without_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(huge_pages, "huge_pages_available", lambda: False)
+    t = torch.randn(100, 100)
+    where = t.data_ptr()
+    assert pack_tensors([t]) == 0 and t.data_ptr() == where
+    z = huge_zeros((3, 4), torch.float16, torch.device("cpu"))
+    assert z.dtype == torch.float16 and z.shape == (3, 4) and not z.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float8_e4m3fn])
+def test_huge_zeros_are_zeros_of_the_shape_and_dtype(dtype: torch.dtype) -> None:
+    z = huge_zeros((2, 4096, 3, 64), dtype, torch.device("cpu"))
+    assert z.shape == (2, 4096, 3, 64) and z.dtype == dtype and z.is_contiguous()
+    assert not z.float().any()
+    z[1, 7] = 1.0
+    assert z.float().sum().item() == 3 * 64
+
+
+@needs_huge_pages
+def test_huge_zeros_get_huge_pages_when_written() -> None:
+    before = anon_huge_kib()
+    z = huge_zeros((4 * HUGE_PAGE // 4,), torch.float32, torch.device("cpu"))
+    z.fill_(1.0)
+    assert anon_huge_kib() - before >= 2048, "at least one 2 MiB page"
+
+
+@needs_huge_pages
+def test_a_layout_cached_before_packing_is_described_again() -> None:
+    """cpu_grouped caches a weight's pointers; packing moves them, so the cache must notice."""
+    if not cpu_grouped.available():
+        pytest.skip("no C kernel here")
+    w = parse_blocks(quantize(torch.randn(64, 256), Q.Q4_1), Q.Q4_1, (64, 256))
+    x = torch.randn(2, 256)
+    expected = cpu_grouped.matmul(x, w)
+    old = cpu_grouped.layout_args(w)
+    pack_tensors(w.tensors())
+    assert cpu_grouped.layout_args(w) != old
+    assert torch.equal(cpu_grouped.matmul(x, w), expected)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("huge") / "tiny.gguf", "llama", projections=Q.Q4_1)
+
+
+@needs_huge_pages
+def test_a_loaded_model_lives_in_one_mapping_and_answers_the_same(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    packed = load_model(tiny, dtype="float32")
+    held = [*packed.model.parameters(), *packed.model.buffers()]
+    assert len({t.untyped_storage().data_ptr() for t in held}) == 1
+    monkeypatch.setattr(loader, "pack_tensors", lambda tensors: 0)
+    plain = load_model(tiny, dtype="float32")
+    assert len({t.untyped_storage().data_ptr() for t in plain.model.parameters()}) > 1
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 9, 300, 12], list(range(40, 90))]
+    answers = [
+        [o.token_ids for o in LLM(loaded=m, kv_cache_memory="16MiB").generate(prompts, params)]
+        for m in (packed, plain)
+    ]
+    assert answers[0] == answers[1]  # the same arithmetic on the same bytes, wherever they lie
