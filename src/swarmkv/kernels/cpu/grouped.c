@@ -1075,6 +1075,14 @@ static inline __attribute__((always_inline)) void tile16_int8(const layout_t *w,
     for (int64_t m = 0; m < M; m++) res_acc[m] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0xF), flip = _mm512_set1_epi8((char)0x80);
     __m512 st[16], ht[16];
+    if (m0 == 0) { /* the next 16 rows' constants: two more streams the hardware prefetchers are slow to follow */
+        const char *s_next = (const char *)(w->s_half + (n0 + 16) * groups);
+        const char *m_next = w->m_half != NULL ? (const char *)(w->m_half + (n0 + 16) * groups) : NULL;
+        for (int64_t b = 0; b < 16 * groups * 2; b += 64) {
+            _mm_prefetch(s_next + b, _MM_HINT_T0);
+            if (m_next != NULL) _mm_prefetch(m_next + b, _MM_HINT_T0);
+        }
+    }
     for (int64_t g0 = 0; g0 < groups; g0 += 16) {
         const int count = groups - g0 < 16 ? (int)(groups - g0) : 16;
         tile16_constants(w, groups, row, g0, count, SHIFTED, st, ht);
