@@ -146,10 +146,9 @@ def test_stop_string_inside_a_long_new_piece_is_cut() -> None:
     outputs = engine.outputs
     state = outputs._states["s"]
     state.text = "abc"
-    assert not outputs._cut_at_stop_string(state)
+    assert outputs._find_stop_string(state) is None
     state.text += "x" * 40 + "-" * 32  # one step adding far more text than the longest stop string
-    assert outputs._cut_at_stop_string(state)
-    assert state.text == "abc" + "x" * 40
+    assert outputs._find_stop_string(state) == (43, "----")
 
 
 def test_unknown_engine_options_and_cascade_modes_are_refused() -> None:

@@ -352,3 +352,34 @@ def test_bad_speculation_settings_are_refused(option: str, value: object) -> Non
 
     with pytest.raises(ValueError, match=option):
         EngineConfig(**{option: value})  # type: ignore[arg-type]
+
+
+def test_a_stop_string_inside_an_accepted_draft_ends_the_reply_at_its_token() -> None:
+    """One token a step stops at the token that completes a stop string; a draft accepted past it must too:
+    the same tokens, the same usage, nothing past the stop left in the reply."""
+    prompts = _repetitive_prompts(4, 1)
+    llm = tiny_llm(speculation="on")
+    tokenizer = llm.tokenizer
+    llm.engine.add_request("probe", prompts[0], GREEDY)
+    reply: list[int] = []
+    inside = None  # a reply index inside a multi-token delta, not its last
+    while llm.engine.has_unfinished():
+        for delta in llm.engine.step():
+            if inside is None and len(delta.new_token_ids) >= 3 and len(reply) >= 8:
+                inside = len(reply) + 1
+            reply += delta.new_token_ids
+    assert inside is not None, "no accepted draft of 3 tokens to stop inside"
+    text, upto = tokenizer.decode(reply), tokenizer.decode(reply[: inside + 1])
+    stop = next(
+        upto[-n:]
+        for n in range(2, len(upto))
+        if text.find(upto[-n:]) == len(upto) - n and not tokenizer.decode(reply[:inside]).endswith(upto[-n:])
+    )
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, stop=(stop,))
+    results = {}
+    for mode in ("off", "on"):
+        run = tiny_llm(speculation=mode)
+        tokens = _checked_generate(run, prompts, params)[0]
+        results[mode] = (tokens, run.engine.snapshot().generated_tokens)
+    assert results["on"] == results["off"]
+    assert len(results["off"][0]) == inside + 1  # it stopped at the token that completed the stop string

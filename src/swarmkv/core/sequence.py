@@ -88,6 +88,14 @@ class Sequence:
         self._token_ids.pop()
         self.num_provisional_tokens = 0
 
+    def take_back(self, num_tokens: int) -> None:
+        """Remove the reply's last `num_tokens` tokens, appended by this step and not yet counted as computed (a
+        stop string ended the reply before them)."""
+        assert self.num_provisional_tokens == 0 and 0 <= num_tokens <= len(self.output_token_ids)
+        assert self.num_computed_tokens <= len(self._token_ids) - num_tokens, "their KV already counts"
+        del self.output_token_ids[len(self.output_token_ids) - num_tokens :]
+        del self._token_ids[len(self._token_ids) - num_tokens :]
+
     def reached_length(self, max_model_len: int | None) -> bool:
         """Whether the reply is as long as it may get: max_tokens, or the context's `max_model_len` positions."""
         return len(self.output_token_ids) >= self.params.max_tokens or (

@@ -558,6 +558,10 @@ class LLMEngine:
                 break
         if reason is None and grammar_complete:
             reason = "stop"
+        delta = self.outputs.process(seq.request_id, seq.output_token_ids, appended, reason)
+        if len(delta.new_token_ids) < len(appended):  # a stop string ended the reply inside them
+            seq.take_back(len(appended) - len(delta.new_token_ids))
+            appended = delta.new_token_ids
         num_accepted = min(num_computed, len(appended))
         if drafted and self.states is not None:
             # Before a finish snapshots it: the state after the chunk's last token and the accepted drafts.
@@ -568,7 +572,6 @@ class LLMEngine:
         if self.loop_guard is not None:
             self.loop_guard.extend(seq.request_id, appended)
         self.counters.generated_tokens += 0 if seq.is_pin else len(appended)  # a pin's token is dropped
-        delta = self.outputs.process(seq.request_id, seq.output_token_ids, appended, reason)
         if delta.finished:
             assert delta.finish_reason is not None
             if ran_ahead is not None:

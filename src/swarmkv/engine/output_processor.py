@@ -59,7 +59,9 @@ class OutputProcessor:
         reason: FinishReason | None,
     ) -> RequestDelta:
         """Detokenize the request's new tokens; a stop string in the text finishes it with "stop" and cuts
-        the text before it. `reason` is the core's finish reason, None while the request goes on."""
+        the text before it. `reason` is the core's finish reason, None while the request goes on. Where several
+        tokens came at once (an accepted draft, a forced run), the delta keeps those up to the one that completed
+        the stop string, as one token a step would have: the caller takes the rest back."""
         state = self._states[request_id]
         ends: list[int] = []
         base = len(output_token_ids) - len(new_token_ids)
@@ -68,14 +70,21 @@ class OutputProcessor:
             ends.append(len(state.text))
         if reason is not None:
             state.text += state.detokenizer.flush(output_token_ids)
-        stop_string = self._cut_at_stop_string(state)
-        if stop_string is not None:
-            reason = "stop"
-        token_text_ends: tuple[int, ...] = ()  # for one token: its text is the delta's
-        if len(ends) > 1:
+        if ends:
             ends[-1] = len(state.text)  # the last token holds what the flush released
-            token_text_ends = tuple(min(end, len(state.text)) for end in ends)  # a stop string cut the text
-        return self._delta(request_id, state, new_token_ids, reason, stop_string, token_text_ends)
+        kept = new_token_ids
+        found = self._find_stop_string(state)
+        stop_string = None
+        if found is not None:
+            at, stop_string = found
+            reason = "stop"
+            # Text checked before held no stop string, so one of the new tokens completed it.
+            done = next((i for i, end in enumerate(ends) if end >= at + len(stop_string)), len(ends) - 1)
+            kept, ends = new_token_ids[: done + 1], ends[: done + 1]
+            state.text = state.text[:at]
+        # For one token its text is the delta's; a stop string may have cut the text.
+        token_text_ends = tuple(min(end, len(state.text)) for end in ends) if len(ends) > 1 else ()
+        return self._delta(request_id, state, kept, reason, stop_string, token_text_ends)
 
     def fail(self, request_id: str, error: str) -> RequestDelta:
         """The request ended in a failed step: no more text, the error instead."""
@@ -86,8 +95,8 @@ class OutputProcessor:
         """Forget an aborted request."""
         self._states.pop(request_id, None)
 
-    def _cut_at_stop_string(self, state: _TextState) -> str | None:
-        """Cut the text before the first stop string in it; returns that string, or None if none is there."""
+    def _find_stop_string(self, state: _TextState) -> tuple[int, str] | None:
+        """Where the first stop string in the text starts, and which it is; None if none is there."""
         stops = state.params.stop
         if not stops:
             return None
@@ -95,11 +104,7 @@ class OutputProcessor:
         start = max(0, state.num_text_checked - max(len(s) for s in stops) + 1)
         state.num_text_checked = len(state.text)
         hits = [(i, s) for s in stops if (i := state.text.find(s, start)) >= 0]
-        if not hits:
-            return None
-        at, stop = min(hits, key=lambda hit: hit[0])
-        state.text = state.text[:at]
-        return stop
+        return min(hits, key=lambda hit: hit[0]) if hits else None
 
     def _delta(
         self,
