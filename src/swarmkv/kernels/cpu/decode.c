@@ -189,6 +189,14 @@ static void linear(const linear_t *l, int64_t M, const float *x, float *y, scrat
  * against the dequantised rows: the likely tokens get the float32 head's values, for about RESCORE dot
  * products a row beside the head's 49,152. Runs inside the parallel region; ends at omp for's barrier. */
 #define RESCORE 8
+/* Keep v (logit n) among the RESCORE highest so far, in descending order, later equals after earlier ones. */
+static inline void insert_top(float *top_value, int64_t *top, int *count, float v, int64_t n) {
+    if (!(v == v) || (*count == RESCORE && v <= top_value[RESCORE - 1])) return;
+    int i = *count < RESCORE ? (*count)++ : RESCORE - 1;
+    for (; i > 0 && top_value[i - 1] < v; i--) top_value[i] = top_value[i - 1], top[i] = top[i - 1];
+    top_value[i] = v, top[i] = n;
+}
+
 static void rescore_top(const linear_t *l, int64_t M, const float *x, float *y) {
     const int64_t K = l->K, N = l->N;
 #pragma omp for schedule(static)
@@ -196,13 +204,19 @@ static void rescore_top(const linear_t *l, int64_t M, const float *x, float *y) 
         float *row = y + m * N, top_value[RESCORE], w[K];
         int64_t top[RESCORE];
         int count = 0;
-        for (int64_t n = 0; n < N; n++) { /* the RESCORE highest, in descending order; NaN never enters */
-            const float v = row[n];
-            if (!(v == v) || (count == RESCORE && v <= top_value[RESCORE - 1])) continue;
-            int i = count < RESCORE ? count++ : RESCORE - 1;
-            for (; i > 0 && top_value[i - 1] < v; i--) top_value[i] = top_value[i - 1], top[i] = top[i - 1];
-            top_value[i] = v, top[i] = n;
+        int64_t n0 = 0;
+#if defined(__AVX512F__)
+        /* 16 logits a compare against the lowest kept: only the few that pass take the insertion below, in
+         * order, so the result is the scalar loop's (NaN compares false and never enters) */
+        for (; n0 + 16 <= N; n0 += 16) {
+            const __m512 v = _mm512_loadu_ps(row + n0);
+            __mmask16 pass = count == RESCORE ? _mm512_cmp_ps_mask(v, _mm512_set1_ps(top_value[RESCORE - 1]), _CMP_GT_OQ)
+                                              : _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+            for (; pass; pass &= pass - 1)
+                insert_top(top_value, top, &count, row[n0 + __builtin_ctz(pass)], n0 + __builtin_ctz(pass));
         }
+#endif
+        for (int64_t n = n0; n < N; n++) insert_top(top_value, top, &count, row[n], n); /* descending; no NaN */
         for (int i = 0; i < count; i++) {
             const int64_t n = top[i];
             const block_t *blk = l->blocks;
