@@ -46,12 +46,12 @@ def huge_mapping(num_bytes: int) -> torch.Tensor:
 
 
 def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor; on a CPU with huge pages, in its own huge-page mapping (its pages allocated as they are
-    first written, so a large KV pool costs memory as it fills)."""
+    """A zeroed tensor; on a CPU with huge pages, in its own huge-page mapping. Every page is written here, as
+    torch.zeros does, so a pool larger than the machine's memory fails at start, not once it fills."""
     if device.type != "cpu" or not huge_pages_available():
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    return huge_mapping(num_bytes).view(dtype).view(shape)
+    return huge_mapping(num_bytes).zero_().view(dtype).view(shape)
 
 
 def pack_tensors(tensors: Iterable[torch.Tensor]) -> int:
