@@ -550,6 +550,9 @@ static inline void prefetch_slots(const model_t *m, const layer_t *L, const int6
 /* n float16 values as float32. */
 static inline void halves_to_floats(const uint16_t *h, float *f, int64_t n) {
     int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+#endif
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
     for (; i < n; i++) f[i] = _cvtsh_ss(h[i]);
 }
