@@ -89,10 +89,10 @@ def load_grammars(tokenizer: Tokenizer, path: Path = PROMPTS) -> dict[str, str |
     """Each workload's reply grammar: its tools' Hermes calls where the prompt set forces a call
     (tool_choice "required"), else None."""
     out: dict[str, str | None] = {}
+    special = special_markup(tokenizer)
     for name, entry in load_entries(path).items():
         if entry.get("tool_choice") == "required":
             functions = [tool["function"] for tool in entry["tools"]]
-            special = special_markup(tokenizer)
             out[name] = tool_call_grammar(functions, "hermes", free_text=False, special=special)
         else:
             out[name] = None

@@ -50,7 +50,7 @@ def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     torch.zeros does, so a pool larger than the machine's memory fails at start, not once it fills."""
     if device.type != "cpu" or not huge_pages_available():
         return torch.zeros(shape, dtype=dtype, device=device)
-    num_bytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    num_bytes = math.prod(shape) * dtype.itemsize
     return huge_mapping(num_bytes).zero_().view(dtype).view(shape)
 
 

@@ -161,9 +161,8 @@ class LoopGuard:
         if reply is None:
             return None
         if reply.strings is not None and reply.looped_in_string >= 0:
-            return (
-                0  # in a string that looped: the close bias acts (an escaping backslash only hides it a row)
-            )
+            # In a string that looped the close bias acts (an escaping backslash only hides it a row).
+            return 0
         length, _ = reply.automaton.repeat()
         return max(0, FREE_REPEAT - length)
 

@@ -212,8 +212,10 @@ static void rescore_top(const linear_t *l, int64_t M, const float *x, float *y) 
             const __m512 v = _mm512_loadu_ps(row + n0);
             __mmask16 pass = count == RESCORE ? _mm512_cmp_ps_mask(v, _mm512_set1_ps(top_value[RESCORE - 1]), _CMP_GT_OQ)
                                               : _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
-            for (; pass; pass &= pass - 1)
-                insert_top(top_value, top, &count, row[n0 + __builtin_ctz(pass)], n0 + __builtin_ctz(pass));
+            for (; pass; pass &= pass - 1) {
+                const int64_t n = n0 + __builtin_ctz(pass);
+                insert_top(top_value, top, &count, row[n], n);
+            }
         }
 #endif
         for (int64_t n = n0; n < N; n++) insert_top(top_value, top, &count, row[n], n); /* descending; no NaN */
