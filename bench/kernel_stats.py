@@ -40,6 +40,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
+KERNELS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "swarmkv", "kernels")
 TARGETS = {
     "sm_90": GPUTarget("cuda", 90, 32),  # H100 / H200
     "gfx1201": GPUTarget("hip", "gfx1201", 32),  # RX 9070 XT (RDNA4), the founding document's card
@@ -388,9 +389,18 @@ def load_sites(asm: str, is_ptx: bool) -> tuple[LoadSite, ...]:
         widths.setdefault(where, []).extend(found)
     paths = {(files.get(index, ""), line): w for (index, line), w in widths.items() if w}
     return tuple(
-        LoadSite(os.path.basename(path), line, linecache.getline(path, line).strip(), min(w), max(w), len(w))
+        LoadSite(os.path.basename(path), line, source_line(path, line), min(w), max(w), len(w))
         for (path, line), w in sorted(paths.items())
     )
+
+
+def source_line(path: str, line: int) -> str:
+    """Line `line` of `path`, the file the assembly's line info names. Triton's cache keys a compile by its
+    source, not its path, so a cached kernel may name the checkout that first compiled it, since moved or
+    deleted: then the file of that name in this checkout's kernels is read."""
+    if not os.path.exists(path):
+        path = os.path.join(KERNELS_DIR, os.path.basename(path))
+    return linecache.getline(path, line).strip()
 
 
 @functools.cache  # the same kernel recurs across configurations (a split's reduce): ptxas runs once for it

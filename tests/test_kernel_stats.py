@@ -71,6 +71,22 @@ def test_gguf_layouts_share_the_gemv_spill_nothing_and_load_weights_wide(tmp_pat
         assert min(s["min_bytes"] for s in weight) >= 8, (r["config"], r["target"], weight)
 
 
+def test_a_cached_kernel_naming_a_gone_checkout_reads_this_checkouts_source() -> None:
+    """Triton's cache keys a compile by its source, not its path: the line info of a kernel compiled in a clone
+    since deleted still names that clone's file, and the weight load must be found in this checkout's."""
+    pytest.importorskip("triton")
+    lines = (ROOT / "src" / "swarmkv" / "kernels" / "quant_gemv.py").read_text().splitlines()
+    number = next(i for i, text in enumerate(lines, 1) if text.strip().startswith(WEIGHT_LOAD))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import kernel_stats; "
+        f"print(kernel_stats.source_line('/gone/clone/src/swarmkv/kernels/quant_gemv.py', {number}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith(WEIGHT_LOAD)
+
+
 def test_attention_kernels_spill_nothing(tmp_path: Path) -> None:
     records = _stats(tmp_path, ["attention"])
     kernels = {r["kernel"] for r in records}
