@@ -8,6 +8,12 @@ SmolLM2-135M Q4_1 GGUF: the time at M rows over the time at M = 1.
 2. The whole C decode step (engine/cpu_decode.py) at M rows of distinct prompts: bench/decode.py's bare
    forward loop, seconds a step.
 
+Beside each matmul row, its time as a line in M fitted over the rows measured: ns a block of 16 weight rows by
+one group of 32 shared by every row of x (loading, unpacking and transposing the codes, their scales) and ns a
+row adds (its integer dot products and their float scaling). The call's fixed cost (Python, ctypes, quantizing
+x) lands in the shared part, which is why the small matrices show more of it than the LM head. At M rows the
+kernel costs (shared + M x per_row) against (shared + per_row) at one: the shared part is what batching spreads.
+
 Each figure is the best of --repeats runs, the sizes interleaved so that background load hits all alike. The
 speculative-decoding goal (verifying k draft tokens runs M = k + 1 rows): the step at M = 4 within 1.6x and at
 M = 8 within 2.5x the M = 1 time. To compare kernels, run this on each commit in the same session.
@@ -101,16 +107,35 @@ def main(argv: list[str] | None = None) -> int:
                 cache = llm.engine.runner.kv_cache
                 seconds = bare_decode(loaded, cache, prompts[m], args.decode_tokens, True)[0]
                 samples.setdefault(("step", "decode", m), []).append(seconds / args.decode_tokens)
-    print(f"one thread, best of {args.repeats}; ms at M rows, and over M = 1")
-    print(f"{'kernel':>6} {'matrix':>8} " + " ".join(f"{'M=' + str(m):>16}" for m in args.rows))
+    print(
+        f"one thread, best of {args.repeats}; ms at M rows, and over M = 1; ns a 16 x 32 block: shared + a row"
+    )
+    print(
+        f"{'kernel':>6} {'matrix':>8} "
+        + " ".join(f"{'M=' + str(m):>16}" for m in args.rows)
+        + f" {'shared':>7} {'a row':>6}"
+    )
     for kind, name in dict.fromkeys((k, n) for k, n, _ in samples):
         base = min(samples[(kind, name, args.rows[0])])
-        cells = []
-        for m in args.rows:
-            t = min(samples[(kind, name, m)])
-            cells.append(f"{t * 1e3:8.3f} {t / base:6.2f}x")
-        print(f"{kind:>6} {name:>8} " + " ".join(f"{c:>16}" for c in cells))
+        best = [min(samples[(kind, name, m)]) for m in args.rows]
+        cells = [f"{t * 1e3:8.3f} {t / base:6.2f}x" for t in best]
+        fit = ""
+        if name in weights and len(args.rows) > 1:
+            num_blocks = sum(w.shape[0] * w.shape[1] for w in weights[name]) / (16 * 32)
+            shared, per_row = line_fit(args.rows, [t / num_blocks * 1e9 for t in best])
+            fit = f" {shared:7.2f} {per_row:6.2f}"
+        print(f"{kind:>6} {name:>8} " + " ".join(f"{c:>16}" for c in cells) + fit)
     return 0
+
+
+def line_fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through the points (xs at least two distinct values)."""
+    n, mean_x, mean_y = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mean_x) ** 2 for x in xs
+    )
+    assert n > 1
+    return mean_y - slope * mean_x, slope
 
 
 if __name__ == "__main__":

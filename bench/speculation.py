@@ -11,7 +11,9 @@ Workloads, chat prompts from the committed bench/speculation_prompts.json, greed
   so a sibling can only lend text it wrote at an earlier position of its reply;
 - swarm_staggered: the same 8 agents arriving one every --stagger-steps engine steps (8 by default), as a
   swarm's agents reach the server apart: an agent that arrives later can draft from the replies of those ahead
-  of it. The share of accepted tokens drafted from siblings' replies is its figure (the target's row);
+  of it. The share of accepted tokens drafted from siblings' replies is its figure (the target's row). A
+  third engine, on with siblings' replies no source (`draft_sources` without sibling), runs it once a repeat:
+  the accepted tokens with siblings against without say what siblings add beyond the agent's own text;
 - prose: "a short story about a lighthouse keeper", the control (little to draft from).
 The model's own greedy output is what gets drafted; no draft model.
 
@@ -51,6 +53,7 @@ import torch  # noqa: E402
 
 from swarmkv import LLM, SamplingParams  # noqa: E402
 from swarmkv.api.structured_request import special_markup  # noqa: E402
+from swarmkv.choices import DRAFT_SOURCES  # noqa: E402
 from swarmkv.models.loader import LoadedModel, load_model, resolve_model_path  # noqa: E402
 from swarmkv.structured.grammars import tool_call_grammar  # noqa: E402
 from swarmkv.tokenizer import Tokenizer  # noqa: E402
@@ -59,6 +62,7 @@ PROMPTS = Path(__file__).resolve().parent / "speculation_prompts.json"
 WORKLOADS = ("file_edit", "tool_call", "swarm", "swarm_staggered", "prose")
 STAGGERED = "swarm_staggered"  # the swarm's prompts, arriving apart
 MODES = ("off", "on")
+NO_SIBLINGS = "on_no_siblings"  # swarm_staggered only: speculation on, siblings' replies no source
 TARGET_TOKENS_PER_STEP = 2.5  # file_edit
 TARGET_SPEEDUP = 1.8  # file_edit, batch 1
 TARGET_SIBLING_SHARE = 0.30  # swarm_staggered: accepted tokens drafted from siblings
@@ -174,12 +178,19 @@ def decode_tok_s(long: Run, short_s: float) -> float | None:
     return tokens / extra_s if extra_s > 0 and tokens > 0 else None
 
 
-def make_llms(loaded: LoadedModel, max_tokens: int, **options: Any) -> dict[str, LLM]:
-    """An engine with speculation off and one with it on, over the same weights."""
+def make_llms(
+    loaded: LoadedModel, max_tokens: int, no_siblings: bool = False, **options: Any
+) -> dict[str, LLM]:
+    """An engine with speculation off and one with it on, over the same weights; with `no_siblings` also one
+    on whose drafts come from everything but siblings (NO_SIBLINGS: what siblings add)."""
     common: dict[str, Any] = {"prefix_caching": False, "max_num_seqs": 8, **options}
     budget = 8 * (2048 + max_tokens) * loaded.config.kv_bytes_per_token(loaded.dtype)
     common.setdefault("kv_cache_memory", int(budget * 1.25))
-    return {mode: LLM(loaded=loaded, speculation=mode, **common) for mode in MODES}
+    llms = {mode: LLM(loaded=loaded, speculation=mode, **common) for mode in MODES}
+    if no_siblings:
+        sources = tuple(s for s in DRAFT_SOURCES if s != "sibling")
+        llms[NO_SIBLINGS] = LLM(loaded=loaded, speculation="on", draft_sources=sources, **common)
+    return llms
 
 
 def measure(
@@ -207,6 +218,10 @@ def measure(
                 runs[name, mode].append(run)
                 long_s[name, mode].append(run.seconds)
                 short_s[name, mode].append(run_once(llms[mode], prompts[name], 1, stagger, grammar).seconds)
+            if name == STAGGERED and NO_SIBLINGS in llms:
+                runs[name, NO_SIBLINGS].append(
+                    run_once(llms[NO_SIBLINGS], prompts[name], max_tokens, stagger, grammar)
+                )
     out: dict[str, Any] = {}
     for name in workloads:
         on_runs, off_runs = runs[name, "on"], runs[name, "off"]
@@ -220,7 +235,10 @@ def measure(
             measured = sorted(r for r in paired if r is not None)
             rates[mode] = measured[-1] if measured else None
             medians[mode] = statistics.median(measured) if measured else None
-        identical = all(a.token_ids == off_runs[0].token_ids for a in on_runs + off_runs)
+        alone = runs.get((name, NO_SIBLINGS), [])
+        identical = all(a.token_ids == off_runs[0].token_ids for a in on_runs + off_runs + alone)
+        accepted = counters["spec_accepted_tokens"]
+        accepted_alone = sum(r.counters["spec_accepted_tokens"] for r in alone) if alone else None
         out[name] = {
             "rows": len(prompts[name]),
             "generated": on_runs[0].generated,
@@ -228,9 +246,11 @@ def measure(
             "counters": counters,
             "tokens_per_step": tokens_per_step(counters),
             "acceptance": share(counters["spec_accepted_tokens"], counters["spec_draft_tokens"]),
-            "sibling_share": share(
-                counters["spec_accepted_sibling_tokens"], counters["spec_accepted_tokens"]
-            ),
+            "sibling_share": share(counters["spec_accepted_sibling_tokens"], accepted),
+            # accepted tokens with every source against without siblings': what siblings add, net of the
+            # drafts their text displaced (a draft the own context offered too counts as sibling above)
+            "accepted_no_siblings": accepted_alone,
+            "siblings_add": None if accepted_alone is None else share(accepted - accepted_alone, accepted),
             "decode_tok_s": rates,
             "speedup": ratio(rates["on"], rates["off"]),
             "median_speedup": ratio(medians["on"], medians["off"]),
@@ -305,6 +325,12 @@ def report(results: dict[str, Any], float_identity: dict[str, bool] | None) -> l
             f"{fmt(r['speedup'], '.2f', 'x'):>7} {fmt(r['median_speedup'], '.2f', 'x'):>7}"
         )
     lines.append("")
+    for name, r in results.items():
+        if r.get("accepted_no_siblings") is not None:
+            lines.append(
+                f"{name}: {r['counters']['spec_accepted_tokens']} accepted draft tokens with siblings' replies "
+                f"as a source, {r['accepted_no_siblings']} without: siblings add {fmt(r['siblings_add'], '.0%')}"
+            )
     same = all(r["identical"] for r in results.values())
     lines.append(
         f"{verdict(same)}  greedy output on == off, every workload, default engine (int8 activations)"
@@ -361,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
     loaded = load_model(resolve_model_path(args.model), dtype="float32")
     prompts = load_prompts()
     grammars = load_grammars(loaded.tokenizer)
-    llms = make_llms(loaded, args.max_tokens)
+    llms = make_llms(loaded, args.max_tokens, no_siblings=STAGGERED in args.workloads)
     started = time.perf_counter()
     results = measure(
         llms, prompts, args.workloads, args.max_tokens, args.repeats, args.stagger_steps, grammars

@@ -50,7 +50,8 @@ def test_quick_measure_on_a_tiny_float_model(tmp_path: Path) -> None:
     bench = load_bench()
     path = write_tiny_gguf(tmp_path / "tiny.gguf", projections=Q.F32)
     loaded = load_model(path, dtype="float32", weights="float")
-    llms = bench.make_llms(loaded, 16, kv_cache_memory="16MiB")
+    llms = bench.make_llms(loaded, 16, no_siblings=True, kv_cache_memory="16MiB")
+    assert llms[bench.NO_SIBLINGS].engine.config.draft_sources == ("own", "session")
     base = [5, 6, 7, 8, 9, 10, 11, 12] * 6
     prompts = {
         "file_edit": [base],
@@ -67,11 +68,17 @@ def test_quick_measure_on_a_tiny_float_model(tmp_path: Path) -> None:
         assert set(r["decode_tok_s"]) == {"off", "on"}
         assert len(r["samples"]["on"]["long_s"]) == 2
     assert results["file_edit"]["counters"]["spec_accepted_tokens"] > 0  # identity was checked with drafts
+    staggered = results[bench.STAGGERED]
+    assert staggered["accepted_no_siblings"] is not None and results["swarm"]["accepted_no_siblings"] is None
+    assert staggered["counters"]["spec_accepted_sibling_tokens"] > 0  # siblings lent drafts with every source
+    alone = bench.run_once(llms[bench.NO_SIBLINGS], prompts[bench.STAGGERED], 16, 3)
+    assert alone.counters["spec_accepted_tokens"] > 0 and alone.counters["spec_accepted_sibling_tokens"] == 0
     assert bench.identity_check(llms, prompts, ["swarm"], 16) == {"swarm": True}
     assert bench.identity_check(llms, prompts, [bench.STAGGERED], 16, 3) == {bench.STAGGERED: True}
 
     lines = bench.report(results, {"swarm": True})
     assert any(line.startswith(("PASS", "FAIL", "-")) and "file_edit" in line for line in lines)
+    assert any("siblings add" in line for line in lines)
 
 
 def test_staggered_arrivals_add_each_agent_after_its_steps(tmp_path: Path) -> None:

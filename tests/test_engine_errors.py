@@ -160,3 +160,7 @@ def test_unknown_engine_options_and_cascade_modes_are_refused() -> None:
         tiny_llm(cascade_attention=False)  # the bool switch this setting replaced is gone
     with pytest.raises(ValueError, match="starvation_steps"):
         tiny_llm(starvation_steps=0)
+    with pytest.raises(ValueError, match="draft_sources"):
+        tiny_llm(draft_sources=("own", "siblings"))
+    with pytest.raises(ValueError, match="draft_sources"):
+        tiny_llm(draft_sources="own")  # a string is not a tuple of sources

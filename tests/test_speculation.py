@@ -16,7 +16,7 @@ from engine_helpers import tiny_llm
 from swarmkv import LLM, SamplingParams
 from swarmkv.engine.sampler import probabilities
 from swarmkv.engine.speculative import verify_greedy, verify_sampled
-from swarmkv.spec import Drafter
+from swarmkv.spec import Draft, Drafter, DraftSource
 from swarmkv.spec.suffix_automaton import Matcher, SuffixAutomaton
 
 GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
@@ -93,6 +93,30 @@ def test_siblings_and_sessions_share_only_within_a_salt() -> None:
     drafter.finish("first")  # a finished reply stays a source
     drafter.extend("sibling", [9, 10])
     assert drafter.propose("sibling", 8).tokens[:2] == (11, 12)  # type: ignore[union-attr]
+
+
+def test_sources_left_out_lend_nothing() -> None:
+    """draft_sources: without sibling a head's other replies are no source, without session its earlier turns
+    are none, without own the request's context is none; the sources kept still draft."""
+    head = list(range(100, 140))
+
+    def drafts(sources: tuple[DraftSource, ...]) -> dict[str, Draft | None]:
+        drafter = Drafter(max_draft_tokens=4, sources=sources)
+        drafter.add("first", head, "salt", "s1")
+        drafter.extend("first", [7, 8, 9, 10, 11, 12])
+        drafter.add("sibling", head + [1], "salt", None)
+        drafter.add("next-turn", [5, 5, 5], "salt", "s1")
+        drafter.add("repeats", [1, 2, 3, 4, 5, 6, 1, 2], "salt", None)
+        for rid in ("sibling", "next-turn"):
+            drafter.extend(rid, [7, 8])
+        return {rid: drafter.propose(rid, 8) for rid in ("sibling", "next-turn", "repeats")}
+
+    every = drafts(("own", "sibling", "session"))
+    assert [d.source if d else None for d in every.values()] == ["sibling", "session", "own"]
+    assert drafts(("own", "session"))["sibling"] is None
+    assert drafts(("own", "sibling"))["next-turn"] is None
+    no_own = drafts(("sibling", "session"))
+    assert no_own["repeats"] is None and no_own["sibling"] is not None and no_own["next-turn"] is not None
 
 
 def test_failed_drafts_back_off_and_accepted_ones_grow() -> None:

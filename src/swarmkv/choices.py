@@ -13,6 +13,10 @@ JumpForwardMode = Literal["auto", "on", "off"]
 JUMP_FORWARD_MODES: tuple[JumpForwardMode, ...] = ("auto", "on", "off")
 SpeculationMode = Literal["auto", "on", "off"]
 SPECULATION_MODES: tuple[SpeculationMode, ...] = ("auto", "on", "off")
+# Where a draft may come from (spec/drafter.py): the request's own context, its siblings' replies under the same
+# head, its session's earlier turns.
+DraftSource = Literal["own", "sibling", "session"]
+DRAFT_SOURCES: tuple[DraftSource, ...] = ("own", "sibling", "session")
 AsyncSchedulingMode = Literal["auto", "on", "off"]
 ASYNC_SCHEDULING_MODES: tuple[AsyncSchedulingMode, ...] = ("auto", "on", "off")
 PrefillBf16Mode = Literal["auto", "on", "off"]

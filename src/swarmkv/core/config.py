@@ -15,6 +15,7 @@ from swarmkv.choices import (
     ATTENTION_BACKENDS,
     CASCADE_MODES,
     CPU_INT8_RESIDUAL_GROUPS,
+    DRAFT_SOURCES,
     JUMP_FORWARD_MODES,
     KV_CACHE_DTYPES,
     LOOP_GUARD_MODES,
@@ -24,6 +25,7 @@ from swarmkv.choices import (
     AsyncSchedulingMode,
     AttentionBackendName,
     CascadeMode,
+    DraftSource,
     JumpForwardMode,
     KVCacheDtype,
     LoopGuardMode,
@@ -155,6 +157,13 @@ class EngineConfig:
         "CPU, where the step is synchronous and nothing overlaps",
     )
     num_speculative_tokens: int = _opt(8, "draft tokens a request may verify in one step at most")
+    draft_sources: tuple[DraftSource, ...] = _opt(
+        DRAFT_SOURCES,
+        "the texts drafts may come from: own (the request's prompt and reply), sibling (replies of requests "
+        "under the same head and cache salt) and session (its session's earlier turns); bench/speculation.py "
+        "turns sibling off to measure what siblings add",
+        flag=False,
+    )
     max_speculative_rows: int | Literal["auto"] = _opt(
         "auto",
         "a step's decode rows plus draft tokens at most: past it a step is compute-bound and drafts would "
@@ -230,6 +239,9 @@ class EngineConfig:
             )
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {self.speculation!r}")
+        sources = self.draft_sources
+        if not isinstance(sources, tuple) or not set(sources) <= set(DRAFT_SOURCES):
+            raise ValueError(f"draft_sources must be a tuple of {DRAFT_SOURCES}, got {sources!r}")
         rows = self.max_speculative_rows
         if rows != "auto" and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
             raise ValueError(f"max_speculative_rows must be auto or an integer >= 0, got {rows!r}")

@@ -116,6 +116,7 @@ class LLMEngine:
                 config.num_speculative_tokens,
                 idle_wait_steps=4 if self.lookahead else 0,
                 vet=self._draftable,
+                sources=config.draft_sources,
             )
         self.core = EngineCore(
             config,

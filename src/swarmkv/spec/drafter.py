@@ -8,7 +8,7 @@ Its draft is the continuation of the longest match of its recent tokens among th
 - `session`: the replies of its session's earlier turns.
 A sibling's or session turn's reply is followed through a `Matcher`, so every source costs O(1) a token. The
 sources are scoped by cache salt, which is the tenant's: a draft never comes from another tenant's text, since
-acceptance and timing would show it.
+acceptance and timing would show it. `EngineConfig.draft_sources` keeps any of the three out.
 
 Draft length adapts per request: doubled after a fully accepted draft, cut to what was accepted plus one after
 a partial one, but never shorter than the match it continues (up to the cap), since a long match is a copy under
@@ -23,11 +23,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
+from swarmkv.choices import DRAFT_SOURCES, DraftSource
 from swarmkv.spec.suffix_automaton import Matcher, SuffixAutomaton
-
-DraftSource = Literal["own", "sibling", "session"]
 
 HEAD_TOKENS = 32  # opening tokens that put requests of one salt under one head (a system prompt's start)
 WARM_TOKENS = 32  # own tokens fed to a matcher made mid-reply, so it starts matching at once
@@ -106,11 +105,14 @@ class Drafter:
         max_replies: int = 16,
         idle_wait_steps: int = 0,
         vet: Callable[[str, tuple[int, ...]], int] | None = None,
+        sources: tuple[DraftSource, ...] = DRAFT_SOURCES,
     ) -> None:
         """`idle_wait_steps`: after k proposals in a row that matched nothing, a request skips the next
         min(k, idle_wait_steps) (0: it looks every step). `vet(request_id, tokens)`: how many of a draft's
-        first tokens the request may take (a grammar's or a loop guard's limit); None: all."""
+        first tokens the request may take (a grammar's or a loop guard's limit); None: all. `sources`: the
+        texts drafts may come from."""
         self.max_draft_tokens = max_draft_tokens
+        self.sources = frozenset(sources)
         self.vet = vet
         self.idle_wait_steps = idle_wait_steps
         self.min_match_tokens = min_match_tokens
@@ -135,9 +137,11 @@ class Drafter:
         sid = self._next_id
         self._next_id += 1
         self._requests[request_id], self._ids[request_id] = req, sid
-        pools: list[tuple[_Pool, DraftSource]] = [(self._group(group), "sibling")]
-        if session is not None:
-            pools.insert(0, (self._session(session), "session"))
+        pools: list[tuple[_Pool, DraftSource]] = []
+        if session is not None and "session" in self.sources:
+            pools.append((self._session(session), "session"))
+        if "sibling" in self.sources:
+            pools.append((self._group(group), "sibling"))
         for pool, source in pools:
             for other, reply in pool.replies.items():
                 if other not in req.matchers:
@@ -205,7 +209,7 @@ class Drafter:
     def _longest_match(self, req: _Request) -> _Copy | None:
         """The longest match of the request's recent tokens among its sources (its own context first among
         equals), None below `min_match_tokens`."""
-        length, end = req.context.repeat()
+        length, end = req.context.repeat() if "own" in self.sources else (0, -1)
         found = _Copy(req.context, end, "own", length) if length >= self.min_match_tokens else None
         for matcher, source in req.matchers.values():
             length, end = matcher.match()
