@@ -248,7 +248,8 @@ def measure(
             "acceptance": share(counters["spec_accepted_tokens"], counters["spec_draft_tokens"]),
             "sibling_share": share(counters["spec_accepted_sibling_tokens"], accepted),
             # accepted tokens with every source against without siblings': what siblings add, net of the
-            # drafts their text displaced (a draft the own context offered too counts as sibling above)
+            # drafts their text displaced (the share above also counts a draft the own context offered too,
+            # when the sibling's match was the longer)
             "accepted_no_siblings": accepted_alone,
             "siblings_add": None if accepted_alone is None else share(accepted - accepted_alone, accepted),
             "decode_tok_s": rates,
