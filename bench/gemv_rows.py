@@ -130,11 +130,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def line_fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
     """(intercept, slope) of the least-squares line through the points (xs at least two distinct values)."""
-    n, mean_x, mean_y = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
-        (x - mean_x) ** 2 for x in xs
-    )
-    assert n > 1
+    assert len(set(xs)) > 1, "a line needs two distinct row counts"
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
     return mean_y - slope * mean_x, slope
 
 

@@ -146,9 +146,9 @@ def test_stop_string_inside_a_long_new_piece_is_cut() -> None:
     outputs = engine.outputs
     state = outputs._states["s"]
     state.text = "abc"
-    assert outputs._find_stop_string(state) is None
+    assert outputs._scan_for_stop_string(state) is None
     state.text += "x" * 40 + "-" * 32  # one step adding far more text than the longest stop string
-    assert outputs._find_stop_string(state) == (43, "----")
+    assert outputs._scan_for_stop_string(state) == (43, "----")
 
 
 def test_unknown_engine_options_and_cascade_modes_are_refused() -> None:
@@ -160,7 +160,3 @@ def test_unknown_engine_options_and_cascade_modes_are_refused() -> None:
         tiny_llm(cascade_attention=False)  # the bool switch this setting replaced is gone
     with pytest.raises(ValueError, match="starvation_steps"):
         tiny_llm(starvation_steps=0)
-    with pytest.raises(ValueError, match="draft_sources"):
-        tiny_llm(draft_sources=("own", "siblings"))
-    with pytest.raises(ValueError, match="draft_sources"):
-        tiny_llm(draft_sources="own")  # a string is not a tuple of sources

@@ -369,7 +369,13 @@ def test_kept_replies_stay_bounded_as_heads_and_sessions_come_and_go() -> None:
 
 @pytest.mark.parametrize(
     ("option", "value"),
-    [("speculation", "sometimes"), ("max_speculative_rows", -1), ("num_speculative_tokens", 0)],
+    [
+        ("speculation", "sometimes"),
+        ("max_speculative_rows", -1),
+        ("num_speculative_tokens", 0),
+        ("draft_sources", ("own", "siblings")),
+        ("draft_sources", "own"),  # a string is not a tuple of sources
+    ],
 )
 def test_bad_speculation_settings_are_refused(option: str, value: object) -> None:
     from swarmkv.core.config import EngineConfig

@@ -73,7 +73,7 @@ class OutputProcessor:
         if ends:
             ends[-1] = len(state.text)  # the last token holds what the flush released
         kept = new_token_ids
-        found = self._find_stop_string(state)
+        found = self._scan_for_stop_string(state)
         stop_string = None
         if found is not None:
             at, stop_string = found
@@ -95,8 +95,9 @@ class OutputProcessor:
         """Forget an aborted request."""
         self._states.pop(request_id, None)
 
-    def _find_stop_string(self, state: _TextState) -> tuple[int, str] | None:
-        """Where the first stop string in the text starts, and which it is; None if none is there."""
+    def _scan_for_stop_string(self, state: _TextState) -> tuple[int, str] | None:
+        """Where the first stop string in the text not scanned before starts, and which it is; None if none is
+        there. Marks the text scanned: the next call looks only at what is added after it."""
         stops = state.params.stop
         if not stops:
             return None

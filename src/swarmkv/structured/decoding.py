@@ -3,8 +3,9 @@
 A step's masks depend only on the tokens its requests hold before the step, so `prefetch` computes them
 on a thread while the forward runs (llguidance drops the GIL) and `apply` waits for them and masks the
 logits on their device, one batched op over the constrained rows. After sampling, `advance` feeds the
-sampled token (after a speculative step's accepted draft tokens) to the matcher and returns what to append: the token, then every token the grammar forces
-after it (jump-forward; the engine appends them at once and the next step computes them as one chunk).
+sampled token (after a speculative step's accepted draft tokens) to the matcher and returns what to append:
+the token, then every token the grammar forces after it (jump-forward; the engine appends them at once and the
+next step computes them as one chunk).
 With jump-forward off, forced tokens are queued and appended one a step instead of a sampled token, so
 the two ways give the same tokens. A speculative chunk's rows are masked along its draft (llguidance's masks
 with draft tokens); `draftable` keeps a draft to what the grammar allows before any forced run, so the rows
