@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         best = [min(samples[(kind, name, m)]) for m in args.rows]
         cells = [f"{t * 1e3:8.3f} {t / base:6.2f}x" for t in best]
         fit = ""
-        if name in weights and len(args.rows) > 1:
+        if name in weights and len(set(args.rows)) > 1:  # a line needs two distinct row counts
             num_blocks = sum(w.shape[0] * w.shape[1] for w in weights[name]) / (16 * 32)
             shared, per_row = line_fit(args.rows, [t / num_blocks * 1e9 for t in best])
             fit = f" {shared:7.2f} {per_row:6.2f}"

@@ -245,7 +245,7 @@ def measure(
             "identical": identical,
             "counters": counters,
             "tokens_per_step": tokens_per_step(counters),
-            "acceptance": share(counters["spec_accepted_tokens"], counters["spec_draft_tokens"]),
+            "acceptance": share(accepted, counters["spec_draft_tokens"]),
             "sibling_share": share(counters["spec_accepted_sibling_tokens"], accepted),
             # accepted tokens with every source against without siblings': what siblings add, net of the
             # drafts their text displaced (the share above also counts a draft the own context offered too,

@@ -24,3 +24,5 @@ def test_the_fit_splits_a_kernels_time_into_its_shared_and_per_row_parts(
     assert shared == pytest.approx(17.0) and per_row == pytest.approx(3.2)
     shared, per_row = module.line_fit([1, 8], [20.0, 41.0])
     assert shared == pytest.approx(17.0) and per_row == pytest.approx(3.0)
+    with pytest.raises(AssertionError, match="two distinct row counts"):
+        module.line_fit([4, 4], [20.0, 21.0])
