@@ -155,13 +155,6 @@ def test_it_declines_what_it_cannot_describe(files: dict[str, Path]) -> None:
     assert off.engine.runner.cpu_decode is None
 
 
-def test_hybrids_keep_the_torch_modules(tmp_path: Path) -> None:
-    path = write_tiny_gguf(tmp_path / "q35.gguf", "qwen35", projections=Q.Q8_0)
-    llm = LLM(str(path), dtype="float32", kv_cache_memory="64MiB")
-    assert llm.engine.runner.cpu_decode is None
-    assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
-
-
 def test_decodes_beside_a_chunked_prefill_run_in_c_and_match(files: dict[str, Path]) -> None:
     """A step with prefill chunks runs its decodes in C and the chunks through the modules."""
     path = files["qwen3-q8_0"]

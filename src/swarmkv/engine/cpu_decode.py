@@ -1,18 +1,24 @@
-"""The runner's fast path for a step's decodes on the CPU: a dense decoder held at its GGUF bits, described
-once to the whole-step C decode (`kernels/cpu_decode.py`), which reads the runner's own KV slabs and page table.
-Models it cannot describe (hybrids, an attention output gate, partial rotary, KV stored other than float32 or
-float16, weights in another format) keep the torch modules; `why_not` says which."""
+"""The runner's fast path for a step's decodes on the CPU: a decoder held at its GGUF bits (dense, or Qwen3.5's
+hybrid of Gated DeltaNet and gated attention), described once to the whole-step C decode
+(`kernels/cpu_decode.py`), which reads the runner's own KV slabs, page table and state slots. Models it cannot
+describe (KV stored other than float32 or float16, weights in another format, head sizes past its limits) keep
+the torch modules; `why_not` says which."""
 
 from __future__ import annotations
 
 import torch
 
 from swarmkv.choices import CPU_INT8_RESIDUAL_GROUPS
+from swarmkv.config import ModelConfig
 from swarmkv.engine.kv_cache import KVCache
 from swarmkv.engine.page_table import PageTable
+from swarmkv.engine.state_cache import StateCache
 from swarmkv.kernels import cpu_decode, cpu_grouped
 from swarmkv.models.decoder import DecoderForCausalLM, DecoderLayer, SelfAttention
 from swarmkv.models.gguf_linear import GGUFEmbedding, GGUFLinear
+from swarmkv.models.linear_attention import GatedDeltaNet
+
+MAX_HEAD_DIM = 256  # decode.c's bound on an attention head and a Gated DeltaNet key or value head
 
 
 def why_not(model: DecoderForCausalLM, kv_cache: KVCache, device: torch.device) -> str | None:
@@ -44,12 +50,19 @@ def _model_why_not(model: DecoderForCausalLM, device: torch.device) -> str | Non
         return "the CPU kernels are not built"
     if model.weights != "gguf":
         return f"weights are {model.weights!r}, not held at their GGUF bits"
-    if config.is_hybrid or config.attn_output_gate or config.rotary_dim != config.head_dim:
-        return "a hybrid, gated or partial-rotary model"
-    if config.head_dim % 16 or config.head_dim > 256 or config.num_heads // config.num_kv_heads > 16:
+    if config.head_dim % 16 or config.head_dim > MAX_HEAD_DIM or config.num_heads // config.num_kv_heads > 16:
         return (
             "a head size the C attention does not take (a multiple of 16 up to 256, 16 query heads a KV head)"
         )
+    if config.rotary_dim % 2:
+        return "an odd number of rotary dims"
+    shape = config.linear
+    if config.is_hybrid and (
+        shape is None
+        or max(shape.key_head_dim, shape.value_head_dim) > MAX_HEAD_DIM
+        or shape.num_value_heads % shape.num_key_heads
+    ):
+        return "a Gated DeltaNet head size past the C step's 256, or value heads not a multiple of key heads"
     linears = [m for m in model.modules() if isinstance(m, GGUFLinear)]
     blocks = [b.weight for m in linears for b in m.blocks]
     blocks += [b.weight for b in model.embed_tokens.blocks]  # type: ignore[union-attr]
@@ -64,24 +77,34 @@ def describe(
     page_table: PageTable,
     int8_activations: bool,
     residual_groups: int = CPU_INT8_RESIDUAL_GROUPS,
+    states: StateCache | None = None,
 ) -> cpu_decode.DecodeModel:
-    """The model, its KV slabs and page table as the C decode step reads them (after `why_not` said None)."""
+    """The model, its KV slabs, page table and (a hybrid's) state tensors as the C decode step reads them (after
+    `why_not` said None)."""
     config = model.config
+    assert config.is_hybrid == (states is not None), "a hybrid's step, and only a hybrid's, has state slots"
     layers = []
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer)
+        mlp = (_linear(layer.mlp.gate_up_proj), _linear(layer.mlp.down_proj))
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if layer.linear_attn is not None:
+            assert states is not None
+            layers.append(_delta_layer(layer.linear_attn, states, norms, mlp))
+            continue
         attn = layer.self_attn
         assert isinstance(attn, SelfAttention)
         layers.append(
             cpu_decode.Layer(
-                input_norm=layer.input_layernorm.weight,
-                post_norm=layer.post_attention_layernorm.weight,
+                input_norm=norms[0],
+                post_norm=norms[1],
                 q_norm=None if attn.q_norm is None else attn.q_norm.weight,
                 k_norm=None if attn.k_norm is None else attn.k_norm.weight,
                 qkv=_linear(attn.qkv_proj),
                 o=_linear(attn.o_proj),
-                gate_up=_linear(layer.mlp.gate_up_proj),
-                down=_linear(layer.mlp.down_proj),
+                gate_up=mlp[0],
+                down=mlp[1],
+                kv=attn.layer,
             )
         )
     embed = model.embed_tokens
@@ -95,6 +118,8 @@ def describe(
         intermediate=config.intermediate_size,
         vocab=config.vocab_size,
         eps=config.rms_norm_eps,
+        attn_gate=config.attn_output_gate,
+        delta=None if config.linear is None else _delta_shape(config),
     )
     return cpu_decode.DecodeModel(
         shape,
@@ -119,4 +144,52 @@ def _linear(module: object) -> cpu_decode.Linear:
     bias = None if module.bias is None else module.bias.detach()
     return cpu_decode.Linear(
         module.in_features, module.out_features, [(b.start, b.weight) for b in module.blocks], bias
+    )
+
+
+def _delta_shape(config: ModelConfig) -> cpu_decode.DeltaShape:
+    shape = config.linear
+    assert shape is not None
+    return cpu_decode.DeltaShape(
+        key_heads=shape.num_key_heads,
+        value_heads=shape.num_value_heads,
+        key_dim=shape.key_head_dim,
+        value_dim=shape.value_head_dim,
+        conv_kernel=shape.conv_kernel,
+        tiled=shape.value_heads_tiled,
+    )
+
+
+def _delta_layer(
+    mixer: GatedDeltaNet,
+    states: StateCache,
+    norms: tuple[torch.Tensor, torch.Tensor],
+    mlp: tuple[cpu_decode.Linear, cpu_decode.Linear],
+) -> cpu_decode.Layer:
+    """A Gated DeltaNet layer: in_proj as the layer's qkv, out_proj as its o; in_proj_ba's rows follow in_proj's
+    in the C step (one pass over x for both)."""
+    in_proj, ba = _linear(mixer.in_proj), _linear(mixer.in_proj_ba)
+    fused = cpu_decode.Linear(
+        in_proj.in_features,
+        in_proj.out_features + ba.out_features,
+        in_proj.blocks + [(start + in_proj.out_features, block) for start, block in ba.blocks],
+    )
+    assert in_proj.bias is None and ba.bias is None, "Gated DeltaNet projections carry no bias"
+    return cpu_decode.Layer(
+        input_norm=norms[0],
+        post_norm=norms[1],
+        q_norm=None,
+        k_norm=None,
+        qkv=fused,
+        o=_linear(mixer.out_proj),
+        gate_up=mlp[0],
+        down=mlp[1],
+        delta=cpu_decode.DeltaNet(
+            conv_weight=mixer.conv1d.weight.detach()[:, 0],
+            neg_a=-mixer.A_log.detach().float().exp(),
+            dt_bias=mixer.dt_bias.detach(),
+            norm=mixer.norm.weight.detach(),
+            conv_state=states.conv[mixer.layer],
+            ssm_state=states.ssm[mixer.layer],
+        ),
     )

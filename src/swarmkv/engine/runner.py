@@ -83,11 +83,11 @@ class ModelRunner:
                 model, kv_cache, page_table, buckets, max_keys, states=states, mixed_graphs=mixed_step_graphs
             )
         self.cpu_decode: DecodeModel | None = None
-        if fused_cpu_decode and backend == "torch" and states is None:
+        if fused_cpu_decode and backend == "torch":
             reason = cpu_decode.why_not(model, kv_cache, self.device)
             if reason is None:
                 self.cpu_decode = cpu_decode.describe(
-                    model, kv_cache, page_table, cpu_int8_activations, cpu_int8_residual_groups
+                    model, kv_cache, page_table, cpu_int8_activations, cpu_int8_residual_groups, states
                 )
             else:
                 log.info("decode steps run through the torch modules: %s", reason)
@@ -109,14 +109,15 @@ class ModelRunner:
         (async scheduling) reads its input id from `provisional`, the previous step's ids on the device."""
         prefills = [c for c in plan.chunks if c.kind == "prefill"]
         decodes = [c for c in plan.chunks if c.kind == "decode"]
-        if self.cpu_decode is None:
-            # A speculative chunk computes several positions of one request, as a prefill's chunk does.
+        if self.cpu_decode is None or self.states is not None:
+            # A speculative chunk computes several positions of one request, as a prefill's chunk does; a
+            # hybrid's keeps its state after each position for the rewind, which the modules do.
             prefills += [c for c in decodes if c.draft]
             decodes = [c for c in decodes if not c.draft]
         if self.cpu_decode is not None and decodes:
             # The decodes in C, any prefills through the modules: a second pass over the weights costs less than
             # decode rows in the modules, which gather every key of their context layer by layer.
-            sampling, logits = self._run_cpu_decode(self.cpu_decode, decodes, provisional)
+            sampling, logits = self._run_cpu_decode(self.cpu_decode, decodes, plan.state_slots, provisional)
             if not prefills:
                 return sampling, logits
             prefill_sampling, prefill_logits = self._run_modules(plan, prefills, [], [], provisional)
@@ -160,7 +161,11 @@ class ModelRunner:
         self.page_table.sync()
 
     def _run_cpu_decode(
-        self, step: DecodeModel, decodes: list[Chunk], provisional: ProvisionalInputs | None
+        self,
+        step: DecodeModel,
+        decodes: list[Chunk],
+        state_slots: dict[str, int],
+        provisional: ProvisionalInputs | None,
     ) -> tuple[list[Chunk], torch.Tensor]:
         """A step's decodes in one C call, a speculative chunk as a row for each of its positions: the step
         stores every row's KV before any row attends, so a draft token reads the ones before it. Its
@@ -181,12 +186,16 @@ class ModelRunner:
             rows = [r for r, i in enumerate(order) if items[i][0].token_ids[items[i][1]] == PROVISIONAL_TOKEN]
             picks = [provisional.index[items[order[r]][0].request_id] for r in rows]
             provisional.fill_rows(input_ids, rows, picks)
+        slots = None  # a hybrid's rows each continue their request's state slot
+        if self.states is not None:
+            slots = torch.tensor([state_slots[items[i][0].request_id] for i in order], dtype=torch.int64)
         logits = step.step(
             input_ids,
             torch.tensor([table_rows[i] for i in order], dtype=torch.int64),
             torch.tensor([positions[i] for i in order], dtype=torch.int64),
             sizes,
             shared,
+            slots,
         )
         if order != list(range(len(order))):
             inverse = torch.empty(len(order), dtype=torch.int64)

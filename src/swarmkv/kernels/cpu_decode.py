@@ -1,6 +1,7 @@
-"""The whole-step CPU decode of `kernels/cpu/decode.c`, described to C once: a dense decoder's weights (the
-grouped GGUF layout, or float32 row blocks), its KV slabs and page table, as ctypes structures pointing into the
-tensors, which this object keeps alive. `step()` then runs one decode step for M rows in one call."""
+"""The whole-step CPU decode of `kernels/cpu/decode.c`, described to C once: a decoder's weights (the grouped
+GGUF layout, or float32 row blocks), its KV slabs and page table, and a hybrid's recurrent-state tensors, as
+ctypes structures pointing into the tensors, which this object keeps alive. `step()` then runs one decode step
+for M rows in one call."""
 
 from __future__ import annotations
 
@@ -60,6 +61,24 @@ class _Layer(ctypes.Structure):
         ("down", _Linear),
         ("k_cache", _P),
         ("v_cache", _P),
+        ("linear", ctypes.c_int),
+        ("conv_w", _P),
+        ("neg_a", _P),
+        ("dt_bias", _P),
+        ("delta_norm", _P),
+        ("conv_state", _P),
+        ("ssm_state", _P),
+    ]
+
+
+class _DeltaShape(ctypes.Structure):
+    _fields_ = [
+        ("key_heads", _I64),
+        ("value_heads", _I64),
+        ("key_dim", _I64),
+        ("value_dim", _I64),
+        ("conv_kernel", _I64),
+        ("tiled", ctypes.c_int),
     ]
 
 
@@ -86,6 +105,9 @@ class _Model(ctypes.Structure):
         ("int8_activations", ctypes.c_int),
         ("residual_groups", ctypes.c_int),
         ("kv_half", ctypes.c_int),
+        ("rotary_dim", _I64),
+        ("attn_gate", ctypes.c_int),
+        ("delta", _DeltaShape),
     ]
 
 
@@ -103,8 +125,25 @@ class Linear:
 
 
 @dataclass(frozen=True)
+class DeltaNet:
+    """A Gated DeltaNet layer's own weights beside its projections (its `Layer.qkv` is in_proj's rows followed by
+    in_proj_ba's, beta's logits then the decay's), and its slice of the state tensors:
+    conv taps [channels, kernel], -e^A_log and the decay's bias [value heads], the gated norm's weight [value dim];
+    conv_state [slots, channels, kernel - 1] and ssm_state [slots, value heads, key dim, value dim], float32."""
+
+    conv_weight: torch.Tensor
+    neg_a: torch.Tensor
+    dt_bias: torch.Tensor
+    norm: torch.Tensor
+    conv_state: torch.Tensor
+    ssm_state: torch.Tensor
+
+
+@dataclass(frozen=True)
 class Layer:
-    """One dense decoder layer's weights: norms float32 (q/k norms None where the model has none)."""
+    """One decoder layer's weights: norms float32 (q/k norms None where the model has none). An attention layer
+    reads its KV slabs (`kv`: its index among attention layers); a Gated DeltaNet layer (`delta` set) takes
+    `qkv` as in_proj (q, k, v | z) and `o` as out_proj."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -114,6 +153,21 @@ class Layer:
     o: Linear
     gate_up: Linear
     down: Linear
+    kv: int | None = None
+    delta: DeltaNet | None = None
+
+
+@dataclass(frozen=True)
+class DeltaShape:
+    """A hybrid's Gated DeltaNet layers: heads and head sizes, the conv's taps, and the value heads' order
+    (tiled: value head j reads key head j % key_heads)."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+    tiled: bool
 
 
 @dataclass(frozen=True)
@@ -127,6 +181,9 @@ class Shape:
     intermediate: int
     vocab: int
     eps: float
+    rotary_dim: int | None = None  # None: the whole head rotates
+    attn_gate: bool = False  # q's projection also gives each head a sigmoid gate on its output
+    delta: DeltaShape | None = None  # a hybrid's linear-attention layers
 
 
 def reads_half_kv(library: ctypes.CDLL | None = None) -> bool:
@@ -191,8 +248,14 @@ class DecodeModel:
             c.q_norm, c.k_norm = self._float(layer.q_norm), self._float(layer.k_norm)
             c.qkv, c.o = self._linear(layer.qkv), self._linear(layer.o)
             c.gate_up, c.down = self._linear(layer.gate_up), self._linear(layer.down)
-            c.k_cache, c.v_cache = k_slabs[i].data_ptr(), v_slabs[i].data_ptr()
+            if layer.delta is not None:
+                self._describe_delta(c, layer.delta)
+                continue
+            kv = i if layer.kv is None else layer.kv
+            c.k_cache, c.v_cache = k_slabs[kv].data_ptr(), v_slabs[kv].data_ptr()
         self._keep.append(c_layers)
+        self.hybrid = shape.delta is not None
+        delta = shape.delta
         self._model = _Model(
             hidden=shape.hidden,
             heads=shape.heads,
@@ -215,7 +278,28 @@ class DecodeModel:
             int8_activations=int(int8_activations),
             residual_groups=residual_groups,
             kv_half=int(k_slabs.dtype == torch.float16),
+            rotary_dim=cos_sin.shape[-1],
+            attn_gate=int(shape.attn_gate),
+            delta=_DeltaShape(
+                key_heads=delta.key_heads if delta else 0,
+                value_heads=delta.value_heads if delta else 0,
+                key_dim=delta.key_dim if delta else 0,
+                value_dim=delta.value_dim if delta else 0,
+                conv_kernel=delta.conv_kernel if delta else 0,
+                tiled=int(delta.tiled) if delta else 0,
+            ),
         )
+
+    def _describe_delta(self, c: _Layer, delta: DeltaNet) -> None:
+        """A Gated DeltaNet layer's own fields (its state tensors are the engine's, written in place)."""
+        for state in (delta.conv_state, delta.ssm_state):
+            assert state.dtype == torch.float32 and state.is_contiguous(), "states are float32, contiguous"
+            self._keep.append(state)
+        c.linear = 1
+        c.conv_w = self._float(delta.conv_weight)
+        c.neg_a, c.dt_bias = self._float(delta.neg_a), self._float(delta.dt_bias)
+        c.delta_norm = self._float(delta.norm)
+        c.conv_state, c.ssm_state = delta.conv_state.data_ptr(), delta.ssm_state.data_ptr()
 
     def _float(self, t: torch.Tensor | None) -> int | None:
         if t is None:
@@ -251,13 +335,19 @@ class DecodeModel:
         positions: torch.Tensor,
         group_sizes: list[int],
         group_shared: list[int],
+        state_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Float32 logits [M, vocab] for M rows each decoding token ids[m] at positions[m] (int64), whose K and
         V are addressed through page-table rows rows[m]. Rows come in groups (sizes summing to M) whose members
-        share their first group_shared[g] positions' pages: those keys are read once for the group."""
+        share their first group_shared[g] positions' pages: those keys are read once for the group. A hybrid's
+        row m continues the recurrent state in slot state_slots[m], which the step updates in place."""
         count = ids.numel()
         assert sum(group_sizes) == count and len(group_sizes) == len(group_shared)
+        assert (state_slots is not None) == self.hybrid, (
+            "a hybrid's rows, and only a hybrid's, carry state slots"
+        )
         ids, rows, positions = (t.to(torch.int64).contiguous() for t in (ids, rows, positions))
+        slots = None if state_slots is None else state_slots.to(torch.int64).contiguous()
         sizes = torch.tensor(group_sizes, dtype=torch.int64)
         shared = torch.tensor(group_shared, dtype=torch.int64)
         logits = torch.empty(count, self.vocab, dtype=torch.float32)
@@ -276,6 +366,7 @@ class DecodeModel:
                     len(group_sizes),
                     sizes.data_ptr(),
                     shared.data_ptr(),
+                    None if slots is None else slots.data_ptr(),
                     logits.data_ptr(),
                     threads,
                 )

@@ -129,8 +129,8 @@ def build(arch: tuple[str, ...]) -> ctypes.CDLL | None:
     library.swarmkv_int8_reads_residual.restype = _INT
     library.swarmkv_has_kv_half.restype = library.swarmkv_decode_step.restype = _INT
     # kernels/cpu_decode.py's step: the model (a ctypes structure), rows, ids, page-table rows, positions,
-    # groups, their sizes and shared positions, the logits, threads
-    library.swarmkv_decode_step.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT]
+    # groups, their sizes and shared positions, each row's state slot (hybrids), the logits, threads
+    library.swarmkv_decode_step.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _INT]
     library.swarmkv_grouped_dequantize.argtypes = [_I64, _I64, _PTR, _PTR, *common]
     library.swarmkv_grouped_matmul.restype = library.swarmkv_grouped_dequantize.restype = _INT
     return library

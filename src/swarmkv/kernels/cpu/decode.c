@@ -1,6 +1,7 @@
-/* One decode step of a dense decoder (Llama, Mistral, Qwen2, Qwen3) on the CPU, in one call: embedding,
- * every layer (norms, QKV, q/k norm, rotary, the KV store, paged attention, output projection, SwiGLU) and the
- * LM head, for M rows that each decode one token. Weights are the grouped layout of grouped.c (or float32 row
+/* One decode step of a decoder (Llama, Mistral, Qwen2, Qwen3, and Qwen3.5's hybrid) on the CPU, in one call:
+ * embedding, every layer (norms, QKV, q/k norm, rotary, the KV store, paged attention, an output gate, output
+ * projection, SwiGLU; a hybrid's Gated DeltaNet layers over their state slots, in delta.c) and the LM head, for
+ * M rows that each decode one token. Weights are the grouped layout of grouped.c (or float32 row
  * blocks); K and V are the engine's slabs (float32, or float16 converted a tile at a time), addressed through its
  * page table.
  *
@@ -25,6 +26,8 @@
 #define HEAD_BLOCK 4 /* query heads one pass over a tile's keys serves */
 #define MAX_GROUP_HEADS 16 /* query heads per KV head */
 
+#include "delta.c"
+
 typedef struct {
     int64_t start, rows;
     layout_t w; /* bits == 0: float32 rows [rows, K] at w.low */
@@ -40,8 +43,16 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;
     const float *q_norm, *k_norm; /* [head_dim] or NULL */
+    /* attention: q (each head's query then its gate, with attn_gate), k, v | a Gated DeltaNet layer: in_proj's
+     * q, k, v | z (the output gate); o: the output projection (out_proj) */
     linear_t qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* this layer's slabs [slots, kv_heads, head_dim]: float32, or float16 (kv_half) */
+    /* a Gated DeltaNet layer (linear != 0) */
+    int linear;                      /* qkv: in_proj (q, k, v | z) then in_proj_ba (beta's logits | the decay's) */
+    const float *conv_w;             /* [channels, kernel] */
+    const float *neg_a, *dt_bias;    /* [value_heads]: -e^A_log, the decay's bias */
+    const float *delta_norm;         /* [value_dim] */
+    float *conv_state, *ssm_state;   /* [slots, channels, kernel - 1], [slots, value_heads, key_dim, value_dim] */
 } layer_t;
 
 typedef struct {
@@ -58,6 +69,9 @@ typedef struct {
     int int8_activations; /* projections read x quantised to int8 per group of 32 where the layout allows */
     int residual_groups;  /* the layers' int8 x carries quantize_x's residual pass over this many groups a row */
     int kv_half;          /* K and V pages hold float16 (needs F16C): converted a tile at a time to read */
+    int64_t rotary_dim;   /* the first rotary_dim of a head rotate (cos_sin's rows are this wide) */
+    int attn_gate;        /* attention output times sigmoid(the head's gate) */
+    delta_shape_t delta;  /* a hybrid's Gated DeltaNet layers (value_heads 0: none) */
 } model_t;
 
 /* One attention work item: every head over the keys of chunk `chunk` (positions [chunk * CHUNK, ...)), for
@@ -69,6 +83,9 @@ typedef struct {
 /* Scratch for one step, allocated once per call. */
 typedef struct {
     float *resid, *x, *qkv, *attn, *gu, *act, *out;
+    float *raw;  /* the QKV projection's rows before the gate is split off, or in_proj ++ in_proj_ba's */
+    float *gate; /* [M, heads * head_dim]: the attention output gate */
+    float *conv; /* [M, conv channels]: a Gated DeltaNet layer's conv outputs */
     float *xd, *xsum16, *xsum32;
     int8_t *codes;    /* QX_CODE_BYTES(M, widest): int8 x in the orders this build's kernel reads (quantize_x) */
     float *qconsts;   /* QX_CONST_FLOATS(M, widest): their scales, scaled sums and the kernel's spread forms */
@@ -243,15 +260,16 @@ static inline void rms_norm_row(const float *x, const float *w, float eps, int64
     for (int64_t k = 0; k < n; k++) out[k] = w[k] * (x[k] * r);
 }
 
-/* Rotate one head in place by its position's cos/sin (rotate-half form: pairs (d, d + D/2)). */
-static inline void rotate(float *h, const float *cos, const float *sin, int64_t D) {
-    const int64_t half = D / 2;
+/* Rotate a head's first R dims in place by its position's cos/sin (rotate-half form: pairs (d, d + R/2)); the
+ * rest pass through (partial rotary). */
+static inline void rotate(float *h, const float *cos, const float *sin, int64_t R) {
+    const int64_t half = R / 2;
     float tmp[MAX_HEAD_DIM];
     for (int64_t d = 0; d < half; d++) {
         tmp[d] = h[d] * cos[d] + (-h[d + half]) * sin[d];
         tmp[d + half] = h[d + half] * cos[d + half] + h[d] * sin[d + half];
     }
-    memcpy(h, tmp, sizeof(float) * (size_t)D);
+    memcpy(h, tmp, sizeof(float) * (size_t)R);
 }
 
 static inline int64_t slot_of(const model_t *m, int64_t row, int64_t position) {
@@ -687,20 +705,35 @@ static void embed_row(const linear_t *e, int64_t id, float *out) {
 }
 
 /* Logits [M, vocab] for M rows decoding token ids[m] at positions[m] in page-table rows rows[m]. Rows come in
- * groups (group_sizes, summing to M): a group's members share their first group_shared[g] positions. */
+ * groups (group_sizes, summing to M): a group's members share their first group_shared[g] positions. A hybrid's
+ * rows continue the recurrent states of slots state_slots[m] (NULL for a dense model), updated in place. */
 int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const int64_t *rows,
                         const int64_t *positions, int64_t num_groups, const int64_t *group_sizes,
-                        const int64_t *group_shared, float *logits, int threads) {
-    const int64_t H = m->hidden, D = m->head_dim, I = m->intermediate;
+                        const int64_t *group_shared, const int64_t *state_slots, float *logits, int threads) {
+    const int64_t H = m->hidden, D = m->head_dim, I = m->intermediate, R = m->rotary_dim;
     const int64_t qkv_width = (m->heads + 2 * m->kv_heads) * D;
+    const int64_t raw_qkv_width = qkv_width + (m->attn_gate ? m->heads * D : 0);
+    const delta_shape_t *dl = &m->delta;
+    const int hybrid = dl->value_heads > 0;
+    const int64_t delta_width = hybrid ? delta_conv_channels(dl) + dl->value_heads * dl->value_dim : 0;
+    const int64_t proj_width = hybrid ? delta_width + 2 * dl->value_heads : 0; /* in_proj ++ in_proj_ba */
     if (m->kv_half && !HAVE_KV_HALF) return 4;
     if (D > MAX_HEAD_DIM || D % 16 || m->heads / m->kv_heads > MAX_GROUP_HEADS || m->heads % m->kv_heads) return 1;
+    if (R > D || R % 2) return 1;
+    if (hybrid && (state_slots == NULL || dl->key_dim > MAX_HEAD_DIM || dl->value_dim > MAX_HEAD_DIM ||
+                   dl->value_heads % dl->key_heads || dl->conv_kernel < 1))
+        return 1;
     for (int64_t r = 0; r < M; r++)
         if (positions[r] >= m->max_positions) return 3;
+    const int64_t raw_width = raw_qkv_width > proj_width ? raw_qkv_width : proj_width;
+    const int64_t mixed_width = hybrid && dl->value_heads * dl->value_dim > m->heads * D ? dl->value_heads * dl->value_dim
+                                                                                         : m->heads * D;
+    const int64_t conv_width = hybrid ? delta_conv_channels(dl) : 0;
     int64_t widest = H > I ? H : I;
-    widest = widest > m->heads * D ? widest : m->heads * D;
+    widest = widest > mixed_width ? widest : mixed_width;
     scratch_t s;
-    float *arena = malloc(sizeof(float) * (size_t)(M * (3 * H + qkv_width + m->heads * D + 3 * I + widest) +
+    float *arena = malloc(sizeof(float) * (size_t)(M * (3 * H + qkv_width + raw_width + m->heads * D + mixed_width +
+                                                        conv_width + 3 * I + widest) +
                                                    M * widest / 16 * 2 + QX_CONST_FLOATS(M, widest)));
     int8_t *codes = aligned_alloc(64, (size_t)(QX_CODE_BYTES(M, widest) + 63) / 64 * 64); /* whole 512-bit loads */
     if (arena == NULL || codes == NULL) {
@@ -709,7 +742,8 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
         return 2;
     }
     s.resid = arena, s.x = s.resid + M * H, s.out = s.x + M * H, s.qkv = s.out + M * H;
-    s.attn = s.qkv + M * qkv_width, s.gu = s.attn + M * m->heads * D, s.act = s.gu + M * 2 * I;
+    s.raw = s.qkv + M * qkv_width, s.gate = s.raw + M * raw_width, s.attn = s.gate + M * m->heads * D;
+    s.conv = s.attn + M * mixed_width, s.gu = s.conv + M * conv_width, s.act = s.gu + M * 2 * I;
     s.xd = s.act + M * I, s.xsum16 = s.xd + M * widest, s.xsum32 = s.xsum16 + M * widest / 16;
     s.qconsts = s.xsum32 + M * widest / 16, s.codes = codes;
 
@@ -758,37 +792,56 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
                     for (int64_t k = 0; k < H; k++) s.resid[r * H + k] += s.out[r * H + k];
                 rms_norm_row(s.resid + r * H, L->input_norm, m->eps, H, s.x + r * H);
             }
-            linear(&L->qkv, M, s.x, s.qkv, &s, m->int8_activations, m->residual_groups);
-            /* q/k norm, rotary, and the new K and V into their slots */
+            if (L->linear) {
+                linear(&L->qkv, M, s.x, s.raw, &s, m->int8_activations, m->residual_groups);
+                delta_mix(dl, M, s.raw, proj_width, s.conv, s.attn, L->conv_w, L->conv_state, L->ssm_state,
+                          state_slots, L->neg_a, L->dt_bias, L->delta_norm, m->eps);
+                linear(&L->o, M, s.attn, s.out, &s, m->int8_activations, m->residual_groups);
+            } else {
+                linear(&L->qkv, M, s.x, m->attn_gate ? s.raw : s.qkv, &s, m->int8_activations, m->residual_groups);
+                /* (the gate split off,) q/k norm, rotary, and the new K and V into their slots */
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < M; r++) {
-                float *q = s.qkv + r * qkv_width, *k = q + m->heads * D, *v = k + m->kv_heads * D;
-                const float *cos = m->cos_sin + positions[r] * D;
-                const float *sin = m->cos_sin + (m->max_positions + positions[r]) * D;
-                for (int64_t h = 0; h < m->heads + m->kv_heads; h++) {
-                    float *head = q + h * D;
-                    const float *norm = h < m->heads ? L->q_norm : L->k_norm;
-                    if (norm != NULL) rms_norm_row(head, norm, m->eps, D, head);
-                    rotate(head, cos, sin, D);
+                for (int64_t r = 0; r < M; r++) {
+                    float *q = s.qkv + r * qkv_width, *k = q + m->heads * D, *v = k + m->kv_heads * D;
+                    if (m->attn_gate) {
+                        const float *raw = s.raw + r * raw_qkv_width;
+                        for (int64_t h = 0; h < m->heads; h++) {
+                            memcpy(q + h * D, raw + 2 * h * D, sizeof(float) * (size_t)D);
+                            memcpy(s.gate + (r * m->heads + h) * D, raw + (2 * h + 1) * D, sizeof(float) * (size_t)D);
+                        }
+                        memcpy(k, raw + 2 * m->heads * D, sizeof(float) * (size_t)(2 * m->kv_heads * D));
+                    }
+                    const float *cos = m->cos_sin + positions[r] * R;
+                    const float *sin = m->cos_sin + (m->max_positions + positions[r]) * R;
+                    for (int64_t h = 0; h < m->heads + m->kv_heads; h++) {
+                        float *head = q + h * D;
+                        const float *norm = h < m->heads ? L->q_norm : L->k_norm;
+                        if (norm != NULL) rms_norm_row(head, norm, m->eps, D, head);
+                        rotate(head, cos, sin, R);
+                    }
+                    const int64_t slot = slot_of(m, rows[r], positions[r]);
+                    const int64_t width = m->kv_heads * D;
+                    if (m->kv_half) {
+                        floats_to_halves(k, (uint16_t *)L->k_cache + slot * width, width);
+                        floats_to_halves(v, (uint16_t *)L->v_cache + slot * width, width);
+                    } else {
+                        memcpy((float *)L->k_cache + slot * width, k, sizeof(float) * (size_t)width);
+                        memcpy((float *)L->v_cache + slot * width, v, sizeof(float) * (size_t)width);
+                    }
                 }
-                const int64_t slot = slot_of(m, rows[r], positions[r]);
-                const int64_t width = m->kv_heads * D;
-                if (m->kv_half) {
-                    floats_to_halves(k, (uint16_t *)L->k_cache + slot * width, width);
-                    floats_to_halves(v, (uint16_t *)L->v_cache + slot * width, width);
-                } else {
-                    memcpy((float *)L->k_cache + slot * width, k, sizeof(float) * (size_t)width);
-                    memcpy((float *)L->v_cache + slot * width, v, sizeof(float) * (size_t)width);
-                }
-            }
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < num_items; i++) attend_item(m, L, rows, positions, &items[i], s.qkv, s.part, chunks);
+                for (int64_t i = 0; i < num_items; i++)
+                    attend_item(m, L, rows, positions, &items[i], s.qkv, s.part, chunks);
 #pragma omp for schedule(static)
-            for (int64_t rh = 0; rh < M * m->heads; rh++) {
-                const int64_t r = rh / m->heads, h = rh % m->heads;
-                merge_chunks(s.part, m->heads, chunks, D, r, h, positions[r] / CHUNK + 1, s.attn + rh * D);
+                for (int64_t rh = 0; rh < M * m->heads; rh++) {
+                    const int64_t r = rh / m->heads, h = rh % m->heads;
+                    float *head = s.attn + rh * D;
+                    merge_chunks(s.part, m->heads, chunks, D, r, h, positions[r] / CHUNK + 1, head);
+                    if (m->attn_gate)
+                        for (int64_t d = 0; d < D; d++) head[d] *= 1.0f / (1.0f + expf(-s.gate[rh * D + d]));
+                }
+                linear(&L->o, M, s.attn, s.out, &s, m->int8_activations, m->residual_groups);
             }
-            linear(&L->o, M, s.attn, s.out, &s, m->int8_activations, m->residual_groups);
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < M; r++) {
                 for (int64_t k = 0; k < H; k++) s.resid[r * H + k] += s.out[r * H + k];
