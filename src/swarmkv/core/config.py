@@ -50,8 +50,8 @@ class ModelOptions:
     device: str = _opt("cpu", "torch device, e.g. cpu, cuda, cuda:1")
     weights: WeightsOption = _opt(
         "auto",
-        "weights: auto (on the CPU a GGUF keeps every tensor at its own bits, gguf; on a GPU its Q4 stays int4, "
-        "other quants int8), float, int8, int4 or gguf",
+        "weights: auto (a quantized GGUF keeps every tensor at its own bits, gguf, on the CPU and on a GPU; "
+        "other checkpoints stay float), float, int8, int4 or gguf",
     )
 
 
@@ -106,11 +106,10 @@ class EngineConfig:
     cpu_prefill_bf16: PrefillBf16Mode = _opt(
         "auto",
         "on the CPU, run steps' prefill chunks through the torch modules in bfloat16 (torch.autocast: the "
-        "matmuls and attention; the LM head stays float32), dense models only. A 300-token prefill over a "
-        "cached 2,000-token head took 0.55-0.61 s in float32 and 0.28-0.33 s in bfloat16 on AMX; top-1 agreement of "
-        "prefill logits with float32 over 1,024 README tokens 98.7 percent on the embedded model, beside the "
-        "int8-activation decode step's 98.9. auto: on where decodes already run that C step on int8 "
-        "activations (a model held at its GGUF bits) and the CPU has AMX tiles; off for float checkpoints",
+        "matmuls and attention; the LM head stays float32), dense models only: faster on AMX, and about as close "
+        "to float32 as the int8-activation decode step (figures in docs/benchmarks.md). auto: on where decodes "
+        "already run that C step on int8 activations (a model held at its GGUF bits) and the CPU has AMX tiles; "
+        "off for float checkpoints",
     )
     cpu_int8_activations: bool = _opt(
         True,
@@ -122,10 +121,8 @@ class EngineConfig:
         "with int8 activations, the groups of 32 in each row of a layer's input that get a second int8 pass "
         "over what the first left (those of largest scale, where one outlier coarsens the step for the other "
         "31): 0 to 4, 0 for llama.cpp's single pass. Read by the 16-row kernel (Q4_0, Q4_1, Q8_0 on AVX-512 "
-        "VNNI). Top-1 agreement with float over 1,024 tokens on the embedded model, 0 against 3 groups: the "
-        "README 97.4 / 98.9 percent, the founding document 96.4 / 97.95, engine.py 97.95 / 98.7. An 8-row step "
-        "takes about 15 percent longer, one row 4 percent (bench/decode.py's bare loop: batch 8 against batch 1 "
-        "3.63x with 0, 3.29x with 3)",
+        "VNNI). More groups bring the step's tokens closer to float's and make each step a little longer, "
+        "most at larger batches (figures in docs/benchmarks.md)",
     )
     jump_forward: JumpForwardMode = _opt(
         "auto",
@@ -153,8 +150,8 @@ class EngineConfig:
         "one step of lookahead: the next step is scheduled and its inputs prepared while the device runs "
         "this one, whose sampled ids come back with an asynchronous copy and feed the next step on the "
         "device (vLLM's async scheduling). A step whose tokens the next step's schedule must see (drafts, "
-        "grammars, the loop guard) is waited for first. auto: on a GPU (not yet measured there); off on the "
-        "CPU, where the step is synchronous and nothing overlaps",
+        "grammars, the loop guard) is waited for first. auto: on a GPU; off on the CPU, where the step is "
+        "synchronous and nothing overlaps",
     )
     num_speculative_tokens: int = _opt(8, "draft tokens a request may verify in one step at most")
     draft_sources: tuple[DraftSource, ...] = _opt(
@@ -167,8 +164,8 @@ class EngineConfig:
     max_speculative_rows: int | Literal["auto"] = _opt(
         "auto",
         "a step's decode rows plus draft tokens at most: past it a step is compute-bound and drafts would "
-        "slow it. auto: 8 on the CPU, where bench/speculation.py measured a batch of 8 agents at 0.91x with "
-        "16 rows and 0.92x with 10 (so from 8 decodes on, none drafts), and 64 on a GPU (not measured)",
+        "slow it. auto: 8 on the CPU (so from 8 decodes on, none drafts) and 64 on a GPU (docs/benchmarks.md "
+        "has the CPU's measurement)",
         flag=False,
     )
     max_open_sessions: int = _opt(
@@ -187,9 +184,8 @@ class EngineConfig:
         "auto",
         "requests prefilled in one step at most, shortest first; a follower of a head another request was "
         "computing, and a prefill with at most a page left, take no place (0 or None: as many as the token "
-        "budget holds). auto: 2 on the CPU, where bench/partial_prefills.py measured a burst of 8 prompts of "
-        "256 tokens getting its first tokens 1.53x sooner on average and at the median (gguf weights, the C "
-        "decode step; a 0.97x wall); no limit on a GPU until a measurement there says otherwise",
+        "budget holds). auto: 2 on the CPU, so that agents returning together get their first tokens sooner "
+        "(docs/benchmarks.md has the measurement); no limit on a GPU",
     )
     cascade_min_saved_tokens: int | None = _opt(
         None,
@@ -294,7 +290,7 @@ class EngineConfig:
         """Requests one step may prefill on a `device_type` ("cpu", "cuda") device, auto resolved by the
         device; None: no limit."""
         if self.max_num_partial_prefills == "auto":
-            return 2 if device_type == "cpu" else None  # measured on the CPU only (see the help text)
+            return 2 if device_type == "cpu" else None  # measured on the CPU only (docs/benchmarks.md)
         return self.max_num_partial_prefills or None
 
     def lookahead(self, device_type: str) -> bool:
