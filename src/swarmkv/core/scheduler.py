@@ -13,10 +13,9 @@ of the head they share) is admitted beside the others once that head is computed
 a page left is never held back. A preempted request's private pages go to the host tier when copying them there
 and back costs less than computing them again.
 
-For a hybrid model a prefix hit needs a state snapshot at its end, so a prefill chunk is cut where a snapshot
-pays: where the request leaves the cached tree (a branch point, once a second request diverges there) and
-where it stops sharing tokens with another queued or running request (a cold swarm's common head, computed
-once while the followers wait for it). The state is snapshotted after such a chunk, and at each prompt's end.
+What differs between cache kinds (a hybrid's recurrent states beside the pages) is the KV manager's to answer:
+where a prefill chunk should end (`snapshot_point`), whether a waiting request waits for a running prefill
+(`prefix_in_flight`), and what to keep after a chunk the plan cut or at a prompt's end (`snapshot`).
 """
 
 from __future__ import annotations
@@ -29,8 +28,6 @@ from typing import Literal
 from swarmkv.core.sequence import Sequence, Status
 from swarmkv.core.stats import EngineCounters
 from swarmkv.kv import NO_HIT, Hit, KVCacheManager
-from swarmkv.kv.state_index import MIN_SNAPSHOT_TOKENS
-from swarmkv.prefix import common_prefix_length
 from swarmkv.spec import Drafter
 
 ChunkKind = Literal["prefill", "decode"]
@@ -190,7 +187,7 @@ class Scheduler:
                 if id(seq) in scheduled:
                     continue
                 num_tokens = min(seq.num_uncomputed_tokens, budget)
-                cut = self._snapshot_cut(
+                cut = self._cut(
                     seq, seq.num_computed_tokens, num_tokens, seq.branch_tokens, seq.snapshot_tokens
                 )
                 num_tokens = cut or num_tokens
@@ -305,31 +302,16 @@ class Scheduler:
         end = start + num_tokens
         return Chunk(seq, start, seq.token_ids[start:end], kind, end == seq.num_tokens, snapshot)
 
-    def _snapshot_cut(
-        self, seq: Sequence, start: int, num_tokens: int, branch_tokens: int, snapshot_tokens: int
+    def _cut(
+        self, seq: Sequence, start: int, num_tokens: int, branch_tokens: int, turn_tokens: int
     ) -> int | None:
-        """Hybrids: the tokens of a prefill chunk from `start` of at most `num_tokens` that ends at the first
-        point worth a state snapshot (see the module docstring); None when no such point falls in it. After a
-        turn snapshot (`snapshot_tokens`: the end of the request's own previous turn), where it leaves the tree
-        is not such a point, and another must lie `MIN_SNAPSHOT_TOKENS` past it: a turn continuing its own
-        history is not split for a snapshot nobody else would use."""
-        if not self.kv.takes_snapshots:
-            return None
-        end = start + num_tokens
-        tokens = seq.token_ids
-        # Past its own previous turn the tree holds that turn's history, re-rendered: leaving it there is no
-        # branch another request will resume from.
-        points = {branch_tokens} if not snapshot_tokens else set()
+        """The tokens of a prefill chunk from `start` of at most `num_tokens` when the KV manager has it end
+        sooner, to keep what later hits resume from (a hybrid's state snapshot); None: it is not cut."""
         others = itertools.chain(
             itertools.islice(self.waiting, self.limits.max_waiting_considered), self.running
         )
-        for other in others:
-            if other is not seq and other.cache_salt == seq.cache_salt:
-                # The other resumes at most before its last token, which it computes to sample.
-                points.add(min(common_prefix_length(tokens, other.token_ids), other.num_tokens - 1))
-        floor = max(start, snapshot_tokens + MIN_SNAPSHOT_TOKENS - 1)
-        candidates = sorted(p for p in points if floor < p <= end and p >= MIN_SNAPSHOT_TOKENS)
-        point = self.kv.first_unsnapshotted(tokens, seq.cache_salt, candidates)
+        span = (start, start + num_tokens)
+        point = self.kv.snapshot_point(seq, span, branch_tokens, turn_tokens, others)
         return None if point is None else point - start
 
     def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan, scheduled: set[int]) -> bool:
@@ -362,8 +344,7 @@ class Scheduler:
         if whole_within is not None and seq.num_tokens - hit.num_tokens > min(whole_within, budget):
             return 0
         num_tokens = min(seq.num_tokens - hit.num_tokens, budget)
-        snapshot_tokens = hit.num_tokens if hit.snapshot_kind == "turn" else 0
-        cut = self._snapshot_cut(seq, hit.num_tokens, num_tokens, hit.branch_tokens, snapshot_tokens)
+        cut = self._cut(seq, hit.num_tokens, num_tokens, hit.branch_tokens, hit.turn_tokens)
         num_tokens = cut or num_tokens
         pages = self.kv.allocate(seq, hit, num_tokens)
         if pages is None:
@@ -376,7 +357,7 @@ class Scheduler:
         self._count_hit(seq, hit)
         seq.num_computed_tokens = hit.num_tokens
         seq.branch_tokens = hit.branch_tokens
-        seq.snapshot_tokens = snapshot_tokens
+        seq.snapshot_tokens = hit.turn_tokens
         seq.status = Status.RUNNING
         self.running.append(seq)
         plan.chunks.append(self._chunk(seq, num_tokens, "prefill", snapshot=cut is not None))
@@ -402,51 +383,15 @@ class Scheduler:
         return self.kv.lookup(_uncached_head(seq), seq.cache_salt, seq.page_keys(self.kv.page_size))
 
     def _waits_for_prefix(self, seq: Sequence, hit: Hit) -> bool:
-        """Whether a waiting request waits for a running prefill of pages it could hit; if so it is marked a
+        """Whether a waiting request waits for a running prefill of what it could hit; if so it is marked a
         follower, which the prefill limit spares when it is admitted."""
-        waits = hit.partial is None and self._prefix_in_flight(seq, hit)
+        waits = hit.partial is None and self.kv.prefix_in_flight(seq, hit, self.running)
         seq.waited_for_prefix = seq.waited_for_prefix or waits
         return waits
 
-    def _prefix_in_flight(self, seq: Sequence, hit: Hit) -> bool:
-        """Whether a running prefill is about to compute pages `seq` could hit: then wait for them."""
-        if not self.kv.prefix_caching:
-            return False
-        if self.kv.has_states:
-            return self._state_in_flight(seq, hit)
-        size = self.kv.page_size
-        tokens = seq.token_ids
-        for other in self.running:
-            if other.cache_salt != seq.cache_salt or other.num_uncomputed_tokens <= 1:
-                continue
-            theirs = other.prompt_token_ids
-            shared = hit.num_tokens // size * size
-            limit = min(len(tokens) - 1, len(theirs)) // size * size
-            while shared < limit and tokens[shared : shared + size] == theirs[shared : shared + size]:
-                shared += size
-            if shared > hit.num_tokens and other.num_computed_tokens < shared:
-                return True
-        return False
-
-    def _state_in_flight(self, seq: Sequence, hit: Hit) -> bool:
-        """Hybrids: whether a running prefill shares more of `seq`'s tokens than its hit and has not computed
-        them yet: it cuts its prefill there and snapshots the state, so `seq` waits and resumes from it."""
-        limit = seq.num_tokens - 1
-        for other in self.running:
-            if other.cache_salt != seq.cache_salt or other.num_uncomputed_tokens <= 1:
-                continue
-            shared = min(common_prefix_length(seq.token_ids, other.prompt_token_ids), limit)
-            if (
-                shared >= MIN_SNAPSHOT_TOKENS
-                and shared > hit.num_tokens
-                and other.num_computed_tokens < shared
-            ):
-                return True
-        return False
-
     def commit(self, chunks: list[Chunk]) -> None:
-        """Record computed chunks: counters, progress, full pages offered to the prefix index, and the
-        hybrids' state snapshots the plan asked for."""
+        """Record computed chunks: counters, progress, full pages offered to the prefix index, and what the
+        KV manager keeps where the plan cut a prefill or a prompt ends (a hybrid's state snapshot)."""
         for chunk in chunks:
             seq = chunk.seq
             end = chunk.start + chunk.num_tokens - len(chunk.draft)  # drafts count once accepted
@@ -459,7 +404,6 @@ class Scheduler:
                 chunk.samples
                 and chunk.kind == "prefill"
                 and chunk.start < len(seq.prompt_token_ids)  # not a run of appended tokens (jump-forward)
-                and self.kv.takes_snapshots
             ):
                 # The prompt's end: the next turn always continues it, even when the reply it goes on with
                 # re-tokenizes differently from the tokens generated (the turn's end would not match then).

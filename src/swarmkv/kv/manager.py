@@ -30,14 +30,14 @@ cuts prefills at (`snapshot`).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from swarmkv.kv.host_tier import HostTier, PageMover
 from swarmkv.kv.page_pool import PagePool, pages_for
 from swarmkv.kv.radix_index import Node, PageKey, PartialHit, RadixIndex, Salt
-from swarmkv.kv.request import NO_HIT, Hit, KVRequest
+from swarmkv.kv.request import NO_HIT, Hit, KVRequest, PrefillRequest
 from swarmkv.kv.retention import Retention
 from swarmkv.kv.state_index import SnapshotKind, StateMover
 from swarmkv.kv.state_kinds import NoStates, RecurrentStates
@@ -270,6 +270,25 @@ class KVCacheManager:
         prefill is worth cutting to take one. None if every one has a snapshot."""
         return self.states.first_unsnapshotted(tokens, salt, points)
 
+    def snapshot_point(
+        self,
+        request: PrefillRequest,
+        span: tuple[int, int],
+        branch_tokens: int,
+        turn_tokens: int,
+        others: Iterable[PrefillRequest],
+    ) -> int | None:
+        """Where a prefill chunk over `span` should end instead, for the cache kind to keep what a later hit
+        resumes from (a hybrid's state snapshot); None: at its end (see `state_kinds`)."""
+        if not self.prefix_caching:
+            return None
+        return self.states.snapshot_point(request, span, branch_tokens, turn_tokens, others)
+
+    def prefix_in_flight(self, request: PrefillRequest, hit: Hit, running: Iterable[PrefillRequest]) -> bool:
+        """Whether one of the `running` prefills is about to compute what the waiting `request` could hit past
+        `hit`, so that it should wait for it rather than compute it too."""
+        return self.prefix_caching and self.states.computing(request, hit, running, self.page_size)
+
     def can_swap_out(self, num_pages: int) -> bool:
         """Whether the host tier has `num_pages` free pages now, dropping nothing."""
         return self.host.num_free >= num_pages
@@ -278,7 +297,10 @@ class KVCacheManager:
         """Keep the running request's state after its computed tokens (a point the scheduler cut its prefill
         at, a "branch", or its prompt's end, a "turn"). At a branch, also cache a copy of its partly filled last
         page when no cached page holds those tokens yet, so every request sharing them resumes there at once
-        (a turn's page is cached when the request stops). Whether a snapshot was stored."""
+        (a turn's page is cached when the request stops). Whether a snapshot was stored: never where hits
+        resume no state (a plain transformer, or no prefix caching)."""
+        if not self.takes_snapshots:
+            return False
         table = self._tables[request.request_id]
         computed = request.num_computed_tokens
         self.commit(request, computed)

@@ -28,6 +28,19 @@ class KVRequest(Protocol):
     def session_id(self) -> str | None: ...
 
 
+class PrefillRequest(KVRequest, Protocol):
+    """What a cache kind reads of the requests whose prefills it weighs: their prompts and progress too."""
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_uncomputed_tokens(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class Hit:
     """A cached prefix: full device pages, then full host pages to load, and possibly a partial page to
@@ -40,6 +53,11 @@ class Hit:
     snapshot: int | None = None  # hybrids: the state slot to resume from, after num_tokens tokens
     branch_tokens: int = 0  # hybrids: tokens the cached pages match, where the request leaves the tree
     snapshot_kind: SnapshotKind | None = None  # hybrids: what the snapshot resumed from was taken at
+
+    @property
+    def turn_tokens(self) -> int:
+        """Where the turn snapshot this hit resumes from ends (a request's own previous turn); 0 if none."""
+        return self.num_tokens if self.snapshot_kind == "turn" else 0
 
     @property
     def num_loads(self) -> int:

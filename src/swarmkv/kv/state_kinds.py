@@ -7,16 +7,24 @@ branches of its own: where a prefix hit may resume (`resume`: the deepest snapsh
 match), whether a partial page may be claimed or must be copied, whether a new request can get a slot,
 and what to do when a request starts, is cut at a snapshot point, or stops, and which snapshot a pin holds
 beside its pages. `NoStates` answers for a plain transformer: every page hit resumes, nothing is stored.
+
+The scheduler asks the kind two questions about prefills. Where may a chunk end (`snapshot_point`): a hybrid's
+prefix hit needs a state snapshot at its end, so a chunk is cut where a snapshot pays: where the request leaves
+the cached tree (a branch point, once a second request diverges there) and where it stops sharing tokens with
+another queued or running request (a cold swarm's common head, computed once while the followers wait for it).
+And whether a waiting request should wait for a running prefill of what it could hit (`computing`): pages for a
+plain transformer, the snapshot that prefill is cut to take for a hybrid.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from swarmkv.kv.radix_index import Salt
-from swarmkv.kv.request import Hit, KVRequest
+from swarmkv.kv.request import Hit, KVRequest, PrefillRequest
 from swarmkv.kv.state_index import MIN_SNAPSHOT_TOKENS, SnapshotKind, StateIndex, StateMover
+from swarmkv.prefix import common_prefix_length
 
 PageHit = Callable[[Sequence[int]], Hit]  # the pages' hit on a prefix of the request's tokens
 
@@ -50,6 +58,38 @@ class NoStates:
     def first_unsnapshotted(self, tokens: Sequence[int], salt: Salt, points: Sequence[int]) -> int | None:
         """The first of these ascending positions with no snapshot of `tokens` yet."""
         return None
+
+    def snapshot_point(
+        self,
+        request: PrefillRequest,
+        span: tuple[int, int],
+        branch_tokens: int,
+        turn_tokens: int,
+        others: Iterable[PrefillRequest],
+    ) -> int | None:
+        """Where a prefill chunk over `span` ([start, end)) should end instead, to take a snapshot there; None:
+        at its end. `branch_tokens`: where the request left the cached tree; `turn_tokens`: where the turn
+        snapshot it resumed from ends (0: none)."""
+        return None
+
+    def computing(
+        self, request: PrefillRequest, hit: Hit, running: Iterable[PrefillRequest], page_size: int
+    ) -> bool:
+        """Whether a running prefill is about to compute full pages past `request`'s hit that it could hit."""
+        tokens = request.token_ids
+        for other in running:
+            if other.cache_salt != request.cache_salt or other.num_uncomputed_tokens <= 1:
+                continue
+            theirs = other.prompt_token_ids
+            shared = hit.num_tokens // page_size * page_size
+            limit = min(len(tokens) - 1, len(theirs)) // page_size * page_size
+            while (
+                shared < limit and tokens[shared : shared + page_size] == theirs[shared : shared + page_size]
+            ):
+                shared += page_size
+            if shared > hit.num_tokens and other.num_computed_tokens < shared:
+                return True
+        return False
 
     def store(self, request: KVRequest, num_tokens: int, kind: SnapshotKind) -> bool:
         """Keep the running request's state after `num_tokens` tokens; whether one was stored."""
@@ -132,6 +172,50 @@ class RecurrentStates(NoStates):
         """The first of these ascending positions with no snapshot of `tokens` yet: where a prefill is
         worth cutting to take one."""
         return next((p for p in points if not self.index.has(tokens[:p], salt)), None)
+
+    def snapshot_point(
+        self,
+        request: PrefillRequest,
+        span: tuple[int, int],
+        branch_tokens: int,
+        turn_tokens: int,
+        others: Iterable[PrefillRequest],
+    ) -> int | None:
+        """The first point in (start, end] worth a snapshot with none there yet: where the request leaves the
+        cached tree (`branch_tokens`) or stops sharing tokens with one of `others`. After a turn snapshot
+        (`turn_tokens`: the end of the request's own previous turn), leaving the tree is no such point,
+        and another must lie `MIN_SNAPSHOT_TOKENS` past it: a turn continuing its own history is not split for
+        a snapshot nobody else would use."""
+        start, end = span
+        tokens = request.token_ids
+        # Past its own previous turn the tree holds that turn's history, re-rendered: leaving it there is no
+        # branch another request will resume from.
+        points = {branch_tokens} if not turn_tokens else set()
+        for other in others:
+            if other is not request and other.cache_salt == request.cache_salt:
+                # The other resumes at most before its last token, which it computes to sample.
+                points.add(min(common_prefix_length(tokens, other.token_ids), other.num_tokens - 1))
+        floor = max(start, turn_tokens + MIN_SNAPSHOT_TOKENS - 1)
+        candidates = sorted(p for p in points if floor < p <= end and p >= MIN_SNAPSHOT_TOKENS)
+        return self.first_unsnapshotted(tokens, request.cache_salt, candidates)
+
+    def computing(
+        self, request: PrefillRequest, hit: Hit, running: Iterable[PrefillRequest], page_size: int
+    ) -> bool:
+        """Whether a running prefill shares more of the request's tokens than its hit and has not computed
+        them yet: it cuts its prefill there and snapshots the state, so the request waits and resumes there."""
+        limit = request.num_tokens - 1
+        for other in running:
+            if other.cache_salt != request.cache_salt or other.num_uncomputed_tokens <= 1:
+                continue
+            shared = min(common_prefix_length(request.token_ids, other.prompt_token_ids), limit)
+            if (
+                shared >= MIN_SNAPSHOT_TOKENS
+                and shared > hit.num_tokens
+                and other.num_computed_tokens < shared
+            ):
+                return True
+        return False
 
     def store(self, request: KVRequest, num_tokens: int, kind: SnapshotKind) -> bool:
         """Keep the running request's state after `num_tokens` tokens (too short a prefix is not worth a
