@@ -350,11 +350,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def state_memory(loaded: LoadedModel, args: argparse.Namespace) -> int | None:
+    """A hybrid's recurrent-state bytes: a slot for each row of the largest batch and two spare (None: dense)."""
+    per_sequence = loaded.config.state_bytes_per_sequence(loaded.dtype)
+    return per_sequence * (max(args.batches) + 2) if per_sequence else None
+
+
 def kv_cache_memory(loaded: LoadedModel, args: argparse.Namespace) -> int:
-    """KV pool bytes for the largest batch's runs (or the prefill prompt), with room for page rounding."""
+    """KV pool bytes for the largest batch's runs (or the prefill prompt), with room for page rounding, and a
+    hybrid's state slots beside them (they come out of the same budget)."""
     row_tokens = args.prompt_tokens + args.decode_tokens + 2 * 16  # two pages' slack a row
     tokens = max(max(args.batches) * row_tokens, args.prefill_tokens + 2 * 16)
-    return int(tokens * loaded.config.kv_bytes_per_token(loaded.dtype) * 1.25)
+    pages = int(tokens * loaded.config.kv_bytes_per_token(loaded.dtype) * 1.25)
+    return pages + (state_memory(loaded, args) or 0)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -367,6 +375,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             loaded=m,
             prefix_caching=False,
             kv_cache_memory=kv_cache_memory(m, args),
+            state_memory=state_memory(m, args),
             max_num_seqs=max(args.batches),
             speculation="off",  # decode itself, against llama.cpp's tg128, which drafts nothing
         )
@@ -379,11 +388,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     prefill_prompt = distinct_prompts(1, args.prefill_tokens, vocab, seed=1000)
     n = args.decode_tokens
     timings = Timings()
+    # The bare loop drives a dense model's KV alone; a hybrid's steps also carry state slots, so it has none.
+    bare_loop = {fmt: not m.config.is_hybrid for fmt, m in models.items()}
     for fmt, llm in llms.items():  # warm-up: one short run of each kind
         generate_seconds(llm, prompts[1], 2)
-        bare_decode(
-            models[fmt], llm.engine.runner.kv_cache, prompts[1], 2, llm.engine.runner.cpu_decode is not None
-        )
+        if bare_loop[fmt]:
+            bare_decode(
+                models[fmt], llm.engine.runner.kv_cache, prompts[1], 2, llm.engine.runner.cpu_decode is not None
+            )
     if hf is not None:
         transformers_seconds(hf, prompts[1], 2)
     for _ in range(args.repeats):
@@ -393,6 +405,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 timings.add(f"{fmt} b{b} short", generate_seconds(llm, prompts[b], 1))
                 timings.add(f"{fmt} b{b} long", generate_seconds(llm, prompts[b], n + 1))
                 fused = llm.engine.runner.cpu_decode is not None
+                if not bare_loop[fmt]:
+                    continue
                 timings.add(f"{fmt} b{b} bare", bare_decode(models[fmt], cache, prompts[b], n, fused)[0])
                 if fused:  # the C step with llama.cpp's single int8 pass: what the residual pass costs
                     one = bare_decode(models[fmt], cache, prompts[b], n, fused, residual_groups=0)[0]
@@ -410,7 +424,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     formats: dict[str, Any] = {}
     for fmt in models:
         ours = {b: engine_rate(fmt, b) for b in args.batches}
-        bare = {b: b * n / timings.best(f"{fmt} b{b} bare") for b in args.batches}
+        bare = {
+            b: b * n / timings.best(f"{fmt} b{b} bare") if bare_loop[fmt] else None for b in args.batches
+        }
         single = {
             b: b * n / timings.best(f"{fmt} b{b} bare one pass")
             for b in args.batches

@@ -201,7 +201,11 @@ def int8_activations(x: torch.Tensor, residual_groups: int = 0) -> torch.Tensor:
     return (first + second * chosen[..., None]).view_as(x)
 
 
-INT8_KINDS = [k for k in KINDS if SPECS[k].group_size == 32 and SPECS[k].bits in (4, 5, 8)]
+INT8_KINDS = [
+    k
+    for k in KINDS
+    if (SPECS[k].group_size == 32 and SPECS[k].bits in (4, 5, 8)) or k == GGMLQuantizationType.Q6_K
+]
 
 
 @pytest.mark.parametrize("arch", list(ARCH_FLAGS))

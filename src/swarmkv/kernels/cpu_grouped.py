@@ -210,8 +210,10 @@ def has_int8_dot(library: ctypes.CDLL | None = None) -> bool:
 
 
 def reads_int8(w: GroupedQuant, library: ctypes.CDLL | None = None) -> bool:
-    """Whether `matmul_int8` (and the decode step's int8 activations) reads this layout with this build."""
-    return w.group_size == 32 and w.bits in (4, 5, 8) and has_int8_dot(library)
+    """Whether `matmul_int8` (and the decode step's int8 activations) reads this layout with this build: groups
+    of 32 at 4, 5 or 8 bits, and Q6_K's 6 bits in groups of 16 under super-groups (`kquant_int8_reads`)."""
+    six_bit_k = w.group_size == 16 and w.bits == 6 and w.scales.outer is not None
+    return (six_bit_k or (w.group_size == 32 and w.bits in (4, 5, 8))) and has_int8_dot(library)
 
 
 def reads_residual(w: GroupedQuant, library: ctypes.CDLL | None = None) -> bool:

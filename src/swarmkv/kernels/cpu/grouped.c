@@ -690,6 +690,90 @@ static inline __attribute__((always_inline)) void rows_dot_int8(const layout_t *
     for (int64_t m = 0; m < M; m++) out[m] = rest[m] + hsum256(acc[m]);
 }
 
+/* Whether rows_dot_int8_k reads this layout: the K-quants, whose constants are an integer a group times a float16 a
+ * super-group of 256 (Q4_K, Q5_K: 4 or 5 bits in groups of 32, unsigned sub-scales and minimums; Q6_K: 6 bits in
+ * groups of 16 less 32, signed sub-scales, no minimums). */
+static inline int kquant_int8_reads(const layout_t *w) {
+    if (w->s_sub == NULL) return 0;
+    if (w->group == 32 && (w->bits == 4 || w->bits == 5))
+        return w->s_per == 8 && !w->s_sub_signed && w->offset == 0 && (w->m_half == NULL || (w->m_sub != NULL && w->m_per == 8));
+    return w->group == 16 && w->bits == 6 && w->s_per == 16 && w->s_sub_signed && w->offset == 32 && w->m_half == NULL;
+}
+
+/* A group of 32's 6-bit codes (two groups of 16), even elements then odd: the nibbles, and bits 4-5 from the
+ * group's 8 bytes of high pairs (element k's are bits 2(k % 4) of byte k / 4). */
+static inline __m256i six_bit_codes(const uint8_t *lo, const uint8_t *high) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4,
+                                            5, 5, 6, 6, 7, 7);
+    const __m256i h = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadl_epi64((const __m128i *)high)), spread);
+    /* byte p of the even half is element 2p: bits 0-1 (p even) or 4-5 (p odd); of the odd half, element 2p + 1:
+     * bits 2-3 or 6-7. Each candidate is shifted to bits 4-5, then the parity of p picks one. */
+    const __m256i at_even = _mm256_blend_epi32(_mm256_slli_epi16(h, 4), _mm256_slli_epi16(h, 2), 0xF0);
+    const __m256i at_odd = _mm256_blend_epi32(h, _mm256_srli_epi16(h, 2), 0xF0);
+    const __m256i odd_p = _mm256_set1_epi16((short)0xFF00);
+    const __m256i top = _mm256_and_si256(_mm256_blendv_epi8(at_even, at_odd, odd_p), _mm256_set1_epi8(0x30));
+    return _mm256_or_si256(nibble_codes(lo, NULL), top);
+}
+
+/* Row n of a K-quant W (kquant_int8_reads) against up to FAST_ROWS rows of int8 x, a super-group of 256 at a time:
+ * each x group of 32's constant (dx times the super-group's float16, and Q4_K/Q5_K's sub-scale) is formed for the
+ * eight groups at once in a vector; Q6_K's two sub-scales a group of 32 multiply its int16 pair sums (madd), and
+ * its codes less 32 are signed, so they meet x as |c| against x with c's sign. The minimums of Q4_K/Q5_K meet x's
+ * group sums eight groups a vector. */
+static inline __attribute__((always_inline)) void rows_dot_int8_k(const layout_t *w, int64_t K, int64_t n, int64_t M,
+                                                                  const qx_t *qx, int64_t m0, float *out) {
+    const int64_t groups = K / 32, supers = K / 256;
+    const int six = w->bits == 6;
+    const __m256i pair_scales = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 0, 1, 0, 1, 0, 1, 0, 1,
+                                                 2, 3, 2, 3, 2, 3, 2, 3);
+    __m256 acc[FAST_ROWS], rest[FAST_ROWS];
+    for (int64_t m = 0; m < M; m++) acc[m] = rest[m] = _mm256_setzero_ps();
+    const int8_t *x = qx->paired + m0 * K;
+    const float *dx = qx->scale + m0 * groups, *xs = qx->sum + m0 * groups;
+    const uint8_t *lo = w->low + n * (K / 2);
+    for (int64_t sb = 0; sb < supers; sb++) {
+        float scale[FAST_ROWS][8];
+        __m256 s = _mm256_set1_ps(half_to_float(w->s_half[n * supers + sb]));
+        if (!six) {
+            const __m128i sub = _mm_loadl_epi64((const __m128i *)((const uint8_t *)w->s_sub + n * groups + sb * 8));
+            s = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sub)));
+        }
+        for (int64_t m = 0; m < M; m++) _mm256_storeu_ps(scale[m], _mm256_mul_ps(s, _mm256_loadu_ps(dx + m * groups + sb * 8)));
+        if (w->m_half != NULL) {
+            const __m128i sub = _mm_loadl_epi64((const __m128i *)(w->m_sub + n * groups + sb * 8));
+            const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(half_to_float(w->m_half[n * supers + sb])),
+                                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sub)));
+            for (int64_t m = 0; m < M; m++) rest[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xs + m * groups + sb * 8), rest[m]);
+        }
+        /* Q6_K: the super-group's 16 sub-scales as int16, a group of 32's two in each 32-bit lane */
+        const __m256i subs16 = six ? _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)((const int8_t *)w->s_sub +
+                                                                                                n * (K / 16) + sb * 16)))
+                                   : _mm256_setzero_si256();
+        for (int64_t j = 0; j < 8; j++) {
+            const int64_t g = sb * 8 + j;
+            if (six) {
+                const __m256i codes = _mm256_sub_epi8(six_bit_codes(lo + g * 16, w->high + n * (K / 4) + g * 8), _mm256_set1_epi8(32));
+                const __m256i magnitude = _mm256_sign_epi8(codes, codes);
+                /* int16 lanes of the pair sums: 0-3 and 8-11 are the first group of 16's, 4-7 and 12-15 the second's */
+                const __m256i both = _mm256_permutevar8x32_epi32(subs16, _mm256_set1_epi32((int)j));
+                const __m256i sub = _mm256_shuffle_epi8(both, pair_scales);
+                for (int64_t m = 0; m < M; m++) {
+                    const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x + m * K + g * 32)), codes);
+                    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xv), sub);
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&scale[m][j]), acc[m]);
+                }
+            } else {
+                const __m256i codes = nibble_codes(lo + g * 16, w->bits == 5 ? w->high + n * (K / 8) + g * 4 : NULL);
+                for (int64_t m = 0; m < M; m++) {
+                    const __m256i dot = dot_u8s8(codes, _mm256_loadu_si256((const __m256i *)(x + m * K + g * 32)));
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&scale[m][j]), acc[m]);
+                }
+            }
+        }
+    }
+    for (int64_t m = 0; m < M; m++) out[m] = hsum256(rest[m]) + hsum256(acc[m]);
+}
+
 /* rows_dot_int8 for the common layouts, 4- or 8-bit codes with a float16 constant per group (Q4_0, Q4_1, Q8_0),
  * for R weight rows [n, n + R) against M rows of x (R * M <= FAST_ROWS; out[r * M + m]). The offsets and
  * minimums against the groups' sums are one 8-wide FMA per 8 groups, first. The group loop is then loads, integer
@@ -705,7 +789,19 @@ static inline __attribute__((always_inline)) void rows_dot_int8(const layout_t *
 #if defined(__F16C__)
 #define HAVE_INT8_PLAIN 1
 static inline int int8_plain_reads(const layout_t *w, int64_t K) {
+    /* Q4_K too: its constants are an unsigned integer a group times a float16 a super-group of 8 groups */
+    const int q4_k = w->bits == 4 && w->s_sub != NULL && !w->s_sub_signed && w->s_per == 8 && K % 256 == 0 &&
+                     (w->m_half == NULL || (w->m_sub != NULL && w->m_per == 8));
+    if (q4_k) return 1;
     return (w->bits == 8 || (w->bits == 4 && K % 64 == 0)) && w->s_sub == NULL && (w->m_half == NULL || w->m_sub == NULL);
+}
+
+/* Eight groups' constants from g (a multiple of 8) of row n: float16 each, or (a K-quant's) eight unsigned
+ * integers times their super-group's float16, rounded as gguf's float32 product. */
+static inline __m256 octet_constants(const uint16_t *half, const uint8_t *sub, int64_t n, int64_t groups, int64_t g) {
+    if (sub == NULL) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(half + n * groups + g)));
+    const __m256 codes = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sub + n * groups + g))));
+    return _mm256_mul_ps(_mm256_set1_ps(half_to_float(half[n * (groups / 8) + g / 8])), codes);
 }
 
 static inline __attribute__((always_inline)) void rows_dot_int8_plain(const layout_t *w, int64_t K, int64_t n,
@@ -729,9 +825,9 @@ static inline __attribute__((always_inline)) void rows_dot_int8_plain(const layo
         const uint16_t *mh = w->m_half != NULL ? w->m_half + (n + r) * groups : NULL;
         int64_t g = 0;
         for (; g < octets; g += 8) {
-            const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sh + g)));
+            const __m256 sv = octet_constants(w->s_half, (const uint8_t *)w->s_sub, n + r, groups, g);
             __m256 hv = _mm256_mul_ps(sv, offset);
-            if (mh != NULL) hv = _mm256_add_ps(hv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mh + g))));
+            if (mh != NULL) hv = _mm256_add_ps(hv, octet_constants(w->m_half, w->m_sub, n + r, groups, g));
             for (int64_t m = 0; m < M; m++) {
                 const int64_t i = r * M + m;
                 if (eight) _mm256_storeu_ps(sdx + i * padded + g, _mm256_mul_ps(sv, _mm256_loadu_ps(dx + m * groups + g)));
@@ -1170,8 +1266,9 @@ TILE16_MATMUL(tile16_matmul_q8_shifted, 8, 1)
 
 /* Whether rows_matmul_int8 reads this layout. */
 static inline int int8_dot_reads(const layout_t *w) {
-    return w->group == 32 && (w->bits == 4 || w->bits == 5 || w->bits == 8);
+    return (w->group == 32 && (w->bits == 4 || w->bits == 5 || w->bits == 8)) || kquant_int8_reads(w);
 }
+
 
 /* Whether rows_matmul_int8 reads this layout with x's quad forms (quantize_x's `quads`). */
 static inline int int8_reads_quads(const layout_t *w) {
@@ -1204,11 +1301,88 @@ ROWS_MATMUL_512(rows_matmul_512_q8, 8, 0)
 ROWS_MATMUL_512(rows_matmul_512_q8_shifted, 8, 1)
 #endif
 
+#if HAVE_INT8_PLAIN
+/* Row n of a Q6_K weight against up to FAST_ROWS rows of int8 x, x's groups two at a time as quantize_x's pairs
+ * lay them out (both groups' even elements, then both groups' odd ones): one 32-byte load of the row's nibbles and
+ * one 16-byte load of its high pairs serve the two groups of 32, four groups of 16. Codes less 32 meet x as |c|
+ * against x with c's sign; the two int16 pair sums of each group of 32 take their groups of 16's sub-scales in the
+ * madd, and a super-group's float16 times x's dx (its scale4 form) in one multiply. */
+static inline __attribute__((always_inline)) void rows_dot_int8_q6k(const layout_t *w, int64_t K, int64_t n, int64_t M,
+                                                                    const qx_t *qx, int64_t m0, float *out) {
+    const int64_t groups = K / 32, supers = K / 256;
+    const int8_t *x = qx->pairs + m0 * K;
+    const float *dx4 = qx->scale4 + m0 * groups * 4;
+    const uint8_t *lo = w->low + n * (K / 2), *high = w->high + n * (K / 4);
+    const int8_t *subs = (const int8_t *)w->s_sub + n * (K / 16);
+    const __m256i low4 = _mm256_set1_epi8(0xF), mask = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+    /* high byte of element 2q (evens) or 2q + 1 (odds) of the pair's first group: byte q / 2; second: 8 + q / 2 */
+    const __m256i spread = _mm256_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12,
+                                            12, 13, 13, 14, 14, 15, 15);
+    const __m256i odd_q = _mm256_set1_epi16((short)0xFF00);
+    const __m256i pair_scales = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 0, 1, 0, 1, 0, 1, 0, 1,
+                                                 2, 3, 2, 3, 2, 3, 2, 3);
+    /* two accumulators a row, by pair: at every M, so a row's sum is the same alone or in a batch */
+    enum { CHAINS = 2 };
+    __m256 acc[FAST_ROWS][CHAINS];
+    for (int64_t m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < supers; sb++) {
+        const __m256 d = _mm256_set1_ps(half_to_float(w->s_half[n * supers + sb]));
+        const __m256i subs16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(subs + sb * 16)));
+        for (int64_t p = 0; p < 4; p++) {
+            const int64_t g = sb * 8 + 2 * p;
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(lo + g * 16));
+            const __m256i h = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(high + g * 8))), spread);
+            /* evens: bits 0-1 (q even) or 4-5 (q odd); odds: bits 2-3 or 6-7; each moved to bits 4-5 */
+            const __m256i he = _mm256_and_si256(_mm256_blendv_epi8(_mm256_slli_epi16(h, 4), h, odd_q), mask);
+            const __m256i ho = _mm256_and_si256(_mm256_blendv_epi8(_mm256_slli_epi16(h, 2), _mm256_srli_epi16(h, 2), odd_q), mask);
+            const __m256i ce = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(v, low4), he), bias);
+            const __m256i co = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), ho), bias);
+            const __m256i me = _mm256_sign_epi8(ce, ce), mo = _mm256_sign_epi8(co, co);
+            const __m256i sub = _mm256_shuffle_epi8(
+                _mm256_permutevar8x32_epi32(subs16, _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1)),
+                pair_scales);
+            const int c = (int)(p % CHAINS);
+            for (int64_t m = 0; m < M; m++) {
+                const int8_t *xm = x + m * K + g * 32;
+                const __m256i xe = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xm), ce);
+                const __m256i xo = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xm + 32)), co);
+                /* |pair sums| <= 2 * 2 * 32 * 127: the int16 add cannot saturate */
+                const __m256i sum16 = _mm256_add_epi16(_mm256_maddubs_epi16(me, xe), _mm256_maddubs_epi16(mo, xo));
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, sub));
+                acc[m][c] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_loadu_ps(dx4 + m * groups * 4 + g * 4)), acc[m][c]);
+            }
+        }
+    }
+    for (int64_t m = 0; m < M; m++) out[m] = hsum256(_mm256_add_ps(acc[m][0], acc[m][1]));
+}
+#endif
+
+/* Rows [n0, n1) of y = x W^T from int8 x for a K-quant layout (kquant_int8_reads). */
+static void rows_matmul_int8_k(const layout_t *w, int64_t M, int64_t K, const qx_t *qx, float *y, int64_t ldy,
+                               int64_t n0, int64_t n1) {
+    float out[FAST_ROWS];
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m0 = 0; m0 < M; m0 += FAST_ROWS) {
+            const int64_t rows = M - m0 < FAST_ROWS ? M - m0 : FAST_ROWS;
+#if HAVE_INT8_PLAIN
+            if (w->bits == 6) {
+                BY_ROW_COUNT(rows_dot_int8_q6k, rows)
+                for (int64_t m = 0; m < rows; m++) y[(m0 + m) * ldy + n] = out[m];
+                continue;
+            }
+#endif
+            BY_ROW_COUNT(rows_dot_int8_k, rows)
+            for (int64_t m = 0; m < rows; m++) y[(m0 + m) * ldy + n] = out[m];
+        }
+}
+
 /* Rows [n0, n1) of y = x W^T from int8 x. */
 static void rows_matmul_int8(const layout_t *w, int64_t M, int64_t K, const qx_t *qx, float *y, int64_t ldy,
                              int64_t n0, int64_t n1) {
 #if HAVE_INT8_512
-    if (tile16_reads(w))
+    if (w->bits == 6) /* Q6_K: the 256-bit kernel (the 512-bit ones read groups of 32) */
+        rows_matmul_int8_k(w, M, K, qx, y, ldy, n0, n1);
+    else if (tile16_reads(w))
         (w->bits == 4 ? tile16_matmul_q4 : w->m_half != NULL || w->offset != 0 ? tile16_matmul_q8_shifted : tile16_matmul_q8)(w, M, K, qx, y, ldy, n0, n1);
     else if (w->bits == 8)
         (w->m_half != NULL || w->offset != 0 ? rows_matmul_512_q8_shifted : rows_matmul_512_q8)(w, M, K, qx, y, ldy, n0, n1);
@@ -1244,6 +1418,10 @@ static void rows_matmul_int8(const layout_t *w, int64_t M, int64_t K, const qx_t
         return;
     }
 #endif
+    if (kquant_int8_reads(w)) {
+        rows_matmul_int8_k(w, M, K, qx, y, ldy, n0, n1);
+        return;
+    }
     for (int64_t n = n0; n < n1; n++)
         for (int64_t m0 = 0; m0 < M; m0 += FAST_ROWS) {
             const int64_t rows = M - m0 < FAST_ROWS ? M - m0 : FAST_ROWS;
