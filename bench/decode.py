@@ -394,7 +394,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         generate_seconds(llm, prompts[1], 2)
         if bare_loop[fmt]:
             bare_decode(
-                models[fmt], llm.engine.runner.kv_cache, prompts[1], 2, llm.engine.runner.cpu_decode is not None
+                models[fmt],
+                llm.engine.runner.kv_cache,
+                prompts[1],
+                2,
+                llm.engine.runner.cpu_decode is not None,
             )
     if hf is not None:
         transformers_seconds(hf, prompts[1], 2)
@@ -424,9 +428,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     formats: dict[str, Any] = {}
     for fmt in models:
         ours = {b: engine_rate(fmt, b) for b in args.batches}
-        bare = {
-            b: b * n / timings.best(f"{fmt} b{b} bare") if bare_loop[fmt] else None for b in args.batches
-        }
+        bare = {b: b * n / timings.best(f"{fmt} b{b} bare") if bare_loop[fmt] else None for b in args.batches}
         single = {
             b: b * n / timings.best(f"{fmt} b{b} bare one pass")
             for b in args.batches
