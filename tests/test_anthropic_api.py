@@ -224,7 +224,7 @@ def test_a_cache_control_pin_is_released_when_its_ttl_passes(served: Served) -> 
     engine = served.ctx.engine
 
     def with_clock(clock: Any) -> None:
-        engine.call(lambda e: setattr(e.pins, "_clock", clock)).result(timeout=TIMEOUT_S)
+        engine.call(lambda e: setattr(e.core.pins, "_clock", clock)).result(timeout=TIMEOUT_S)
 
     # A clock that moves only when the test moves it: a slow reply must not age the pin.
     start_s = time.monotonic()
@@ -232,19 +232,27 @@ def test_a_cache_control_pin_is_released_when_its_ttl_passes(served: Served) -> 
     try:
         system = [{"type": "text", "text": f"TTL test. {SYSTEM}", "cache_control": {"type": "ephemeral"}}]
         offset[0] = 3601.0  # past every earlier test's pins, an hour's included
-        before = engine.call(lambda e: (e.pins.expire(), e.kv.num_pinned)[1]).result(timeout=TIMEOUT_S)
+        before = engine.call(lambda e: (e.core.pins.expire(), e.core.kv.num_pinned)[1]).result(
+            timeout=TIMEOUT_S
+        )
         first = served.create(system=system, messages=_user("Hello."), max_tokens=1)
         assert first.usage.cache_creation_input_tokens > 0
-        held = engine.call(lambda e: e.kv.num_pinned).result(timeout=TIMEOUT_S)
+        held = engine.call(lambda e: e.core.kv.num_pinned).result(timeout=TIMEOUT_S)
         assert held > before
         offset[0] += 299.0  # inside the default 5 minutes: the pin holds
-        assert engine.call(lambda e: (e.pins.expire(), e.kv.num_pinned)[1]).result(timeout=TIMEOUT_S) == held
+        assert (
+            engine.call(lambda e: (e.core.pins.expire(), e.core.kv.num_pinned)[1]).result(timeout=TIMEOUT_S)
+            == held
+        )
         offset[0] += 2.0
-        assert engine.call(lambda e: (e.pins.expire(), e.kv.num_pinned)[1]).result(timeout=TIMEOUT_S) < held
+        assert (
+            engine.call(lambda e: (e.core.pins.expire(), e.core.kv.num_pinned)[1]).result(timeout=TIMEOUT_S)
+            < held
+        )
         again = served.create(system=system, messages=_user("Hello."), max_tokens=1)
         # Pinned anew; its pages were still cached, so the new pin read them and created nothing.
         assert again.usage.cache_read_input_tokens > 0
-        assert engine.call(lambda e: e.kv.num_pinned).result(timeout=TIMEOUT_S) > 0
+        assert engine.call(lambda e: e.core.kv.num_pinned).result(timeout=TIMEOUT_S) > 0
     finally:
         with_clock(time.monotonic)
 

@@ -62,7 +62,7 @@ def _drive(
                 reasons[delta.request_id] = delta.finish_reason
         engine.check_integrity()
     assert all(PROVISIONAL_TOKEN not in t for t in tokens.values())
-    assert engine.kv.num_in_use == 0, "every page came back"
+    assert engine.core.kv.num_in_use == 0, "every page came back"
     return {rid: (tokens[rid], reasons[rid]) for rid in tokens}
 
 
@@ -136,7 +136,9 @@ def test_an_abort_while_its_step_is_in_flight_loses_nothing() -> None:
     for i, (prompt, params) in enumerate(work):
         engine.add_request(f"r{i}", prompt, long_reply if i == 0 else params)
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
-    while engine._in_flight is None or "r0" not in {c.request_id for c in engine._in_flight.sampling}:
+    while engine.lookahead.in_flight is None or "r0" not in {
+        c.request_id for c in engine.lookahead.in_flight.sampling
+    }:
         for delta in engine.step():
             tokens[delta.request_id] += delta.new_token_ids
     aborted = engine.get_sequence("r0")
@@ -149,7 +151,7 @@ def test_an_abort_while_its_step_is_in_flight_loses_nothing() -> None:
             assert delta.request_id != "r0"
             tokens[delta.request_id] += delta.new_token_ids
         engine.check_integrity()
-    assert engine.kv.num_in_use == 0
+    assert engine.core.kv.num_in_use == 0
     assert {rid: tokens[rid] for rid in ("r1", "r2")} == {rid: expected[rid][0] for rid in ("r1", "r2")}
     assert aborted.output_token_ids == tokens["r0"], "the in-flight token, never shown, is not kept"
 
@@ -160,7 +162,7 @@ def test_a_failed_step_still_delivers_the_step_in_flight(monkeypatch: pytest.Mon
     engine = tiny_llm(async_scheduling="on", speculation="off", block_size=4).engine
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     engine.add_request("a", list(range(10, 30)), params)
-    while engine._in_flight is None:
+    while engine.lookahead.in_flight is None:
         engine.step()
     run = engine.runner.run
 
@@ -173,7 +175,7 @@ def test_a_failed_step_still_delivers_the_step_in_flight(monkeypatch: pytest.Mon
     delivered, failed = deltas  # the in-flight step's token, then the failure
     assert len(delivered.new_token_ids) == 1 and not delivered.finished
     assert failed.finished and failed.finish_reason == "error" and failed.error
-    assert not engine.has_unfinished() and engine.kv.num_in_use == 0
+    assert not engine.has_unfinished() and engine.core.kv.num_in_use == 0
     engine.check_integrity()
 
 
@@ -354,7 +356,7 @@ def test_ids_that_cannot_be_read_back_fail_their_requests_only(monkeypatch: pyte
     engine = tiny_llm(async_scheduling="on", speculation="off", block_size=4).engine
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     engine.add_request("a", list(range(10, 30)), params)
-    while engine._in_flight is None:
+    while engine.lookahead.in_flight is None:
         engine.step()
 
     def unreadable(self: InFlight) -> list[int]:
@@ -368,7 +370,7 @@ def test_ids_that_cannot_be_read_back_fail_their_requests_only(monkeypatch: pyte
     while engine.has_unfinished():
         engine.step()
     engine.check_integrity()
-    assert engine.kv.num_in_use == 0
+    assert engine.core.kv.num_in_use == 0
     (again,) = engine_outputs(engine, list(range(10, 30)), params)
     assert len(again) == 20 and engine.healthy
 

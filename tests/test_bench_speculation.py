@@ -92,7 +92,7 @@ def test_staggered_arrivals_add_each_agent_after_its_steps(tmp_path: Path) -> No
     step = llm.engine.step
 
     def counting_step() -> list:  # type: ignore[type-arg]
-        scheduler = llm.engine.scheduler
+        scheduler = llm.engine.core.scheduler
         seen.append(len(scheduler.waiting) + len(scheduler.running))
         return step()
 

@@ -49,7 +49,7 @@ def test_a_failed_step_fails_its_requests_and_leaves_no_stale_state(
     if where == "forward":
         monkeypatch.setattr(engine.runner, "run", FailOnce(engine.runner.run))
     else:
-        import swarmkv.engine.engine as engine_module
+        import swarmkv.engine.executor as engine_module
 
         monkeypatch.setattr(engine_module, "sample", FailOnce(engine_module.sample))
     deltas = engine.step()
@@ -57,7 +57,7 @@ def test_a_failed_step_fails_its_requests_and_leaves_no_stale_state(
     assert all(d.finished and d.error and d.finish_reason == "error" for d in deltas)
     assert not engine.healthy and not engine.has_unfinished()
     engine.check_integrity()
-    assert engine.kv.num_in_use == 0, "the failed requests' pages came back"
+    assert engine.core.kv.num_in_use == 0, "the failed requests' pages came back"
     assert engine.stats()["requests_failed"] == 2
     # The next request is served normally, and from the same cache: same tokens as before the fault.
     (again,) = llm.generate([prompt], GREEDY)
@@ -129,7 +129,7 @@ def test_salted_requests_leave_no_empty_roots() -> None:
     for i in range(10_000):
         engine.add_request(f"r{i}", [1, 2, 3, 4, 5, 6], GREEDY, cache_salt=f"agent-{i}")
         engine.abort(f"r{i}")
-    assert engine.kv.index.num_roots == 0 and engine.kv.index.num_pages == 0
+    assert engine.core.kv.index.num_roots == 0 and engine.core.kv.index.num_pages == 0
     engine.check_integrity()
 
 

@@ -84,7 +84,7 @@ def test_tiny_pool_streams_keep_integrity_and_outputs(actions: list, kv_pages: i
     preemptions = engine.counters.preemptions  # type: ignore[attr-defined]
     target(float(preemptions), label="preemptions")
     event("preempted" if preemptions else "no preemption")
-    kv = engine.kv  # type: ignore[attr-defined]
+    kv = engine.core.kv  # type: ignore[attr-defined]
     assert kv.num_in_use == 0, "pages still held after every request finished"
     assert kv.num_free + kv.num_cached == kv.num_pages
     # Without aborts (which depend on timing) the same requests without sharing, in a roomy pool, generate
@@ -108,6 +108,6 @@ def test_preemption_and_eviction_keep_outputs() -> None:
     ]
     small, _, engine = run(actions, 17, 40)
     assert engine.counters.preemptions > 0  # type: ignore[attr-defined]
-    assert engine.kv.num_evictions > 0  # type: ignore[attr-defined]
+    assert engine.core.kv.num_evictions > 0  # type: ignore[attr-defined]
     large, _, _ = run(actions, 4096, 4096, prefix_caching=False)
     assert small == large

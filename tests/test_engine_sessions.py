@@ -139,7 +139,7 @@ def test_a_pin_survives_pressure_until_unpinned() -> None:
     assert pin.ready and pin.num_tokens == 40 and pin.kv_bytes == 10 * llm.engine.page_bytes
     rng = random.Random(1)
     llm.generate([[rng.randrange(256) for _ in range(50)] for _ in range(8)], GREEDY)
-    assert llm.engine.kv.lookup(head, None).num_tokens == 40, "pinned pages should never be evicted"
+    assert llm.engine.core.kv.lookup(head, None).num_tokens == 40, "pinned pages should never be evicted"
     assert llm.stats()["pinned_bytes"] == pin.kv_bytes and llm.stats()["pins"] == 1
     assert llm.unpin(pin.pin_id) and not llm.unpin(pin.pin_id)
     assert llm.stats()["pinned_bytes"] == 0 and llm.stats()["kv_pages_in_use"] == 0
@@ -148,7 +148,7 @@ def test_a_pin_survives_pressure_until_unpinned() -> None:
 def test_a_pin_expires_after_its_ttl() -> None:
     llm = tiny_llm(block_size=4)
     now = [100.0]
-    llm.engine.pins._clock = lambda: now[0]
+    llm.engine.core.pins._clock = lambda: now[0]
     pin = llm.pin(list(range(1, 21)), ttl_s=5)
     assert llm.engine.get_pin(pin.pin_id) is not None
     now[0] += 5.1

@@ -65,7 +65,7 @@ def test_cold_swarm_computes_the_shared_head_once() -> None:
     while engine.has_unfinished():
         engine.step()
         engine.check_integrity()
-        live = engine.scheduler.running
+        live = engine.core.scheduler.running
         if not checked and len(live) == n and all(s.output_token_ids for s in live):
             stats = llm.stats()
             decoded = sum(len(s.output_token_ids) - 1 for s in live)  # KV written by decode steps so far
@@ -118,5 +118,5 @@ def test_without_sharing_waiting_requests_do_not_wait_for_each_other(limit: int 
     engine.step()
     # There is nothing to hit, so no reason to wait for another's prefill: without a limit all are admitted at
     # once, and under the CPU's limit of 2 the others wait for it alone, none as a follower.
-    assert len(engine.scheduler.running) == (len(PROMPTS) if limit == 0 else 2)
-    assert not any(seq.waited_for_prefix for seq in engine.scheduler.waiting)
+    assert len(engine.core.scheduler.running) == (len(PROMPTS) if limit == 0 else 2)
+    assert not any(seq.waited_for_prefix for seq in engine.core.scheduler.waiting)

@@ -272,8 +272,8 @@ def test_agent_swarm_matches_solo_runs(seed: int) -> None:
     generates what its prompt generates alone."""
     swarm = run_swarm(seed)
     engine = swarm.engine
-    assert engine.kv.num_in_use == 0, f"seed {seed}: pages still held after every request ended"
-    assert engine.kv.num_free + engine.kv.num_cached == engine.kv.num_pages
+    assert engine.core.kv.num_in_use == 0, f"seed {seed}: pages still held after every request ended"
+    assert engine.core.kv.num_free + engine.core.kv.num_cached == engine.core.kv.num_pages
     engine.check_integrity()
     for rid, request in swarm.requests.items():
         expected = solo(tuple(request.prompt), request.max_tokens)

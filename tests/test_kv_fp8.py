@@ -21,7 +21,7 @@ def test_fp8_pages_hold_four_times_the_float32_tokens(pair: tuple[LLM, LLM]) -> 
     full, fp8 = pair
     assert fp8.engine.runner.kv_cache.k.dtype == FP8
     assert fp8.stats()["kv_bytes_per_token"] * 4 == full.stats()["kv_bytes_per_token"]
-    assert fp8.engine.kv.num_pages == 4 * full.engine.kv.num_pages
+    assert fp8.engine.core.kv.num_pages == 4 * full.engine.core.kv.num_pages
 
 
 @pytest.mark.model

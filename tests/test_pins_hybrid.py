@@ -104,8 +104,8 @@ def test_a_pinned_prefix_resumes_after_traffic_dropped_every_other_state(loaded:
     pin = llm.pin(head, ttl_s=600)
     pin_id = pin.pin_id
     assert pin.ready and pin.num_tokens == 80  # whole pages
-    assert engine.kv.pinned_state(pin_id) is not None
-    assert pin.kv_bytes == 5 * engine.stats()["kv_bytes_per_token"] * BLOCK + engine.pins.state_bytes
+    assert engine.core.kv.pinned_state(pin_id) is not None
+    assert pin.kv_bytes == 5 * engine.stats()["kv_bytes_per_token"] * BLOCK + engine.core.pins.state_bytes
     run(engine, unpinned_head, greedy(1))  # the same, unpinned: traffic takes its pages and state
 
     traffic(engine, seed=100)
@@ -121,8 +121,8 @@ def test_a_pinned_prefix_resumes_after_traffic_dropped_every_other_state(loaded:
     assert [pinned_out, unpinned_out] == reference(loaded, prompts)
 
     assert llm.unpin(pin_id)
-    assert engine.kv.num_pinned == 0 and engine.kv.states.index is not None
-    assert engine.kv.states.index.num_held == 0 and engine.kv.num_pinned_states == 0
+    assert engine.core.kv.num_pinned == 0 and engine.core.kv.states.index is not None
+    assert engine.core.kv.states.index.num_held == 0 and engine.core.kv.num_pinned_states == 0
     assert llm.stats()["pinned_bytes"] == 0
     engine.check_integrity()
     traffic(engine, seed=200)  # the snapshot it held is dropped in its turn like any other
@@ -148,10 +148,10 @@ def test_a_pin_of_a_prefix_cached_with_its_state_is_held_at_once(loaded: LoadedM
         0,
     )
     assert llm.stats()["pin_prefill_tokens_computed"] == computed
-    assert engine.kv.pinned_state(again.pin_id) is not None
+    assert engine.core.kv.pinned_state(again.pin_id) is not None
     twin = llm.pin(head)  # a second pin of the same prefix shares the pages and the snapshot
-    assert engine.kv.pinned_state(twin.pin_id) == engine.kv.pinned_state(again.pin_id)
-    assert engine.kv.num_pinned_states == 1 and engine.pins.held_bytes == again.kv_bytes
+    assert engine.core.kv.pinned_state(twin.pin_id) == engine.core.kv.pinned_state(again.pin_id)
+    assert engine.core.kv.num_pinned_states == 1 and engine.core.pins.held_bytes == again.kv_bytes
     engine.check_integrity()
     assert llm.unpin(again.pin_id) and llm.unpin(twin.pin_id)
     engine.check_integrity()
@@ -161,14 +161,14 @@ def test_an_expired_pin_lets_its_pages_and_state_go(loaded: LoadedModel) -> None
     llm = small_llm(loaded)
     engine = llm.engine
     now = [0.0]
-    engine.pins._clock = lambda: now[0]
+    engine.core.pins._clock = lambda: now[0]
     pin = llm.pin(tokens(48, seed=20), ttl_s=5.0)
-    assert engine.kv.pinned_state(pin.pin_id) is not None and engine.kv.num_pinned == 3
+    assert engine.core.kv.pinned_state(pin.pin_id) is not None and engine.core.kv.num_pinned == 3
     now[0] = 4.0
-    assert engine.pins.expire() == []
+    assert engine.core.pins.expire() == []
     now[0] = 6.0
-    assert engine.pins.expire() == [pin.pin_id]
-    assert engine.kv.num_pinned == 0 and engine.kv.num_pinned_states == 0
+    assert engine.core.pins.expire() == [pin.pin_id]
+    assert engine.core.kv.num_pinned == 0 and engine.core.kv.num_pinned_states == 0
     assert engine.get_pin(pin.pin_id) is None
     engine.check_integrity()
 
@@ -177,7 +177,7 @@ def test_pins_leave_the_state_pool_two_slots(loaded: LoadedModel) -> None:
     llm = small_llm(loaded)
     engine = llm.engine
     pins = [llm.pin(tokens(32, seed=30 + i)) for i in range(NUM_SLOTS - 2)]
-    assert engine.kv.num_pinned_states == NUM_SLOTS - 2
+    assert engine.core.kv.num_pinned_states == NUM_SLOTS - 2
     with pytest.raises(PinLimitError, match="state slot"):
         llm.pin(tokens(32, seed=40))
     # Requests still run, two at a time at most, and snapshots still serve them.
@@ -274,5 +274,5 @@ def test_a_messages_mark_on_a_hybrid_spares_the_next_prefill(served: tuple[str, 
     # The marked system turn was pinned with its state: read, and the pin refreshed at once.
     assert second["cache_read_input_tokens"] >= first["cache_creation_input_tokens"] - BLOCK
     assert second["cache_creation_input_tokens"] == 0
-    held = ctx.engine.call(lambda engine: engine.kv.num_pinned_states).result(timeout=TIMEOUT_S)
+    held = ctx.engine.call(lambda engine: engine.core.kv.num_pinned_states).result(timeout=TIMEOUT_S)
     assert held == 1

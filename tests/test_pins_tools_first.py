@@ -100,10 +100,10 @@ def test_a_mark_on_the_last_tool_pins_the_tools_alone_and_a_second_system_reads_
     assert out_a.num_cached_tokens >= num_pinned  # and the tools' last, partial page the pin's prefill left
     # Other traffic evicts every unpinned page: the first agent's system text and question are gone.
     rng = random.Random(0)
-    room = (engine.kv.num_pages - engine.kv.num_pinned - 2) * BLOCK
+    room = (engine.core.kv.num_pages - engine.core.kv.num_pinned - 2) * BLOCK
     for _ in range(2):
         llm.generate([[rng.randrange(1000) for _ in range(room)]], SamplingParams(max_tokens=1))
-    assert engine.kv.lookup(prompt_a[:-1], None).num_tokens == num_pinned
+    assert engine.core.kv.lookup(prompt_a[:-1], None).num_tokens == num_pinned
 
     req_b, mark_b = _tool_mark(_body("/home/b/elsewhere"))
     ids_b = render_pin(tokenizer, req_b.pin_request(mark_b, tokenizer, "tools-first"), "tools-first")
@@ -116,7 +116,7 @@ def test_a_mark_on_the_last_tool_pins_the_tools_alone_and_a_second_system_reads_
     assert out_b.num_cached_tokens >= num_pinned  # the tool block, read from the cache
     assert prompt_b[:num_pinned] == prompt_a[:num_pinned] and prompt_b != prompt_a
     assert llm.unpin(again.pin_id)
-    assert engine.kv.num_pinned == 0
+    assert engine.core.kv.num_pinned == 0
     engine.check_integrity()
 
 

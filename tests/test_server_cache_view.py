@@ -194,4 +194,4 @@ def test_the_tree_export_is_made_again_only_when_the_tree_changed() -> None:
     llm.generate([list(range(50, 63))], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     changed = snapshots.take(llm.engine)
     assert changed.records is not first.records and len(changed.records) > len(first.records)
-    assert changed.records == llm.engine.kv.export()
+    assert changed.records == llm.engine.core.kv.export()

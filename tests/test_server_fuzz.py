@@ -117,7 +117,9 @@ def idle_stats(ctx: ServerContext, timeout_s: float = 60.0) -> tuple[dict[str, A
     """The engine's stats and pinned pages once nothing runs or waits (or `timeout_s` passed)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stats, num_pinned = ctx.engine.call(lambda engine: (engine.stats(), engine.kv.num_pinned)).result(60)
+        stats, num_pinned = ctx.engine.call(
+            lambda engine: (engine.stats(), engine.core.kv.num_pinned)
+        ).result(60)
         idle = stats["requests_running"] == 0 and stats["requests_waiting"] == 0
         if (idle and stats["kv_pages_in_use"] == num_pinned) or time.monotonic() > deadline:
             return stats, num_pinned

@@ -280,7 +280,7 @@ def test_greedy_output_is_identical_with_speculation_on(options: dict[str, objec
     assert stats.steps < stats.generated_tokens  # fewer steps than tokens
     if "kv_cache_memory" in options:
         assert stats.preemptions > 0
-    kv = llm.engine.kv
+    kv = llm.engine.core.kv
     assert kv.num_in_use == 0 and kv.num_free + kv.num_cached == kv.num_pages  # nothing leaked
 
 

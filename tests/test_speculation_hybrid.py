@@ -22,7 +22,7 @@ from swarmkv import LLM, SamplingParams
 from swarmkv.core.config import EngineConfig
 from swarmkv.core.scheduler import Chunk
 from swarmkv.core.sequence import Sequence
-from swarmkv.engine.engine import LLMEngine, RequestDelta
+from swarmkv.engine.engine import LLMEngine
 from swarmkv.models.loader import LoadedModel, load_model
 from tiny_models import lengthen_recurrent_memory, make_tiny_checkpoint
 
@@ -50,17 +50,19 @@ def random_tokens(num_tokens: int, seed: int) -> list[int]:
 
 
 class Verified:
-    """Records every verification's (accepted draft tokens, draft tokens) of one engine."""
+    """Records every verification's (accepted draft tokens, draft tokens) of one engine, at the executor's
+    verification seam."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.counts: list[tuple[int, int]] = []
-        inner = engine._append_verified
+        inner = engine.executor.verify
 
-        def record(chunk: Chunk, tokens: list[int]) -> RequestDelta:
-            self.counts.append((len(tokens) - 1, len(chunk.draft)))
-            return inner(chunk, tokens)
+        def record(sampling: list[Chunk], *args: Any) -> dict[int, list[int]]:
+            out = inner(sampling, *args)
+            self.counts += [(len(tokens) - 1, len(sampling[i].draft)) for i, tokens in out.items()]
+            return out
 
-        engine._append_verified = record  # type: ignore[method-assign]
+        engine.executor.verify = record  # type: ignore[method-assign]
 
 
 def step_all(engine: LLMEngine, prompts: list[list[int]], **kw: Any) -> list[Sequence]:
@@ -92,7 +94,7 @@ def workload(engine: LLMEngine) -> Iterator[list[int]]:
     # The next turn repeats the first's reply (a session draft source) and resumes from its state.
     (again,) = step_all(engine, [turn + answer + [3]], session_id="s")
     yield again.output_token_ids
-    if engine.kv.prefix_caching:
+    if engine.core.kv.prefix_caching:
         # The state after all but the reply's last token, left by a verification step.
         assert again.num_cached_tokens == len(turn) + len(answer) - 1
 
@@ -107,7 +109,7 @@ def hybrid_engine(loaded: LoadedModel, speculation: str, **options: Any) -> LLME
 def preempting_options(loaded: LoadedModel) -> dict[str, Any]:
     """A pool of 24 pages of 8 tokens: the eight siblings (about 16 pages each at their end) cannot all run."""
     probe = hybrid_engine(loaded, "off", block_size=8)
-    state_bytes = 6 * probe.state_bytes_per_sequence
+    state_bytes = 6 * probe.core.state_bytes_per_sequence
     return {
         "block_size": 8,
         "kv_cache_memory": 24 * probe.kv_bytes_per_token * 8 + state_bytes,
@@ -138,7 +140,7 @@ def test_greedy_output_is_identical_with_speculation_on(loaded: LoadedModel, cas
     assert any(accepted == 0 for accepted, _ in verified.counts)
     if case == "preempting":
         assert stats.preemptions > 0
-    kv = engine.kv
+    kv = engine.core.kv
     assert kv.num_in_use == 0 and kv.num_free + kv.num_cached == kv.num_pages  # no page leaked
     assert kv.states.index is not None and kv.states.index.num_running == 0  # no state slot leaked
 
@@ -149,7 +151,7 @@ def test_kept_states_equal_those_decoding_without_drafts(loaded: LoadedModel) ->
     engines = {mode: hybrid_engine(loaded, mode, kv_cache_memory="16MiB") for mode in ("off", "on")}
     outputs = {mode: list(workload(engine)) for mode, engine in engines.items()}
     assert outputs["on"] == outputs["off"]
-    off_index, on_index = (engines[m].kv.states.index for m in ("off", "on"))
+    off_index, on_index = (engines[m].core.kv.states.index for m in ("off", "on"))
     assert off_index is not None and on_index is not None
     compared = 0
     for key, snapshot in on_index._snapshots.items():
@@ -180,7 +182,7 @@ def test_a_failed_verification_leaves_the_next_requests_exact(loaded: LoadedMode
     replies = {mode: step_all(engine, [first])[0].output_token_ids for mode, engine in engines.items()}
     prompt = first + replies["off"][:COPIED_TOKENS]
     engine = engines["on"]
-    inner = engine._verify
+    inner = engine.executor.verify
     calls = {"n": 0}
 
     def fail_first(*args: Any) -> dict[int, list[int]]:
@@ -189,7 +191,7 @@ def test_a_failed_verification_leaves_the_next_requests_exact(loaded: LoadedMode
             raise RuntimeError("verification failed")
         return inner(*args)
 
-    engine._verify = fail_first  # type: ignore[method-assign]
+    engine.executor.verify = fail_first  # type: ignore[method-assign]
     step_all(engine, [prompt])
     assert engine.snapshot().failed_steps == 1
     again = {mode: step_all(e, [prompt])[0].output_token_ids for mode, e in engines.items()}

@@ -106,7 +106,7 @@ def test_triton_speculation_on_a_hybrid_is_the_torch_backends_greedy_output(load
     assert any(accepted == drafted > 1 for accepted, drafted in verified.counts)
     assert any(accepted == 0 for accepted, _ in verified.counts)
     assert graphs.replays > 0  # decode steps without a draft replayed; the verification steps ran eagerly
-    kv = engine.kv
+    kv = engine.core.kv
     assert kv.num_in_use == 0 and kv.num_free + kv.num_cached == kv.num_pages  # no page leaked
     assert kv.states.index is not None and kv.states.index.num_running == 0  # no state slot leaked
     assert engine.states is not None and not engine.states._positions  # every verification rewound
@@ -116,7 +116,7 @@ def test_triton_speculation_on_a_hybrid_is_the_torch_backends_greedy_output(load
 def _assert_same_snapshots(engine: LLMEngine, reference: LLMEngine) -> None:
     """Every state both engines snapshot for the same tokens (each reply's end) is the reference's, to
     float32 rounding: no snapshot holds a rejected draft token."""
-    index, reference_index = engine.kv.states.index, reference.kv.states.index
+    index, reference_index = engine.core.kv.states.index, reference.core.kv.states.index
     assert index is not None and reference_index is not None
     assert engine.states is not None and reference.states is not None
     compared = 0

@@ -1,8 +1,9 @@
 """Pins: prefixes whose KV pages eviction may not take, until a TTL runs out or the pin is deleted.
 
-A pin is made in two moves. `add` records it (after `check`) and the caller queues a one-token prefill of
-`prefill_prompt` under the pin's id (so a cold prefix is computed like any prompt, batched with the rest);
-when that request finishes, `hold` has the KV manager hold the prefix's cached full pages. The cap is checked
+A pin is made in two moves. `add` records it (after `check`) and the caller queues a `PinPrefill`, a
+one-token prefill of `prefill_prompt` under the pin's id (so a cold prefix is computed like any prompt,
+batched with the rest); when that request ends, its kind has `hold` make the KV manager hold the prefix's
+cached full pages (an abort or a failure drops the pin instead). The cap is checked
 on the prefix's size before anything runs, and pins never hold more than `max_bytes` between them.
 
 On a hybrid a hit resumes only where a recurrent-state snapshot is kept, so a pin also holds the snapshot at
@@ -17,8 +18,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
+from swarmkv.core.sampling_params import SamplingParams
+from swarmkv.core.sequence import Sequence
+from swarmkv.core.stats import EngineCounters
 from swarmkv.errors import InvalidRequestError, PinLimitError
 from swarmkv.kv import KVCacheManager
 from swarmkv.kv.retention import GROUP_SEP
@@ -39,6 +44,40 @@ class PinInfo:
     def num_created_tokens(self) -> int:
         """Held tokens this pin computed and put in the cache itself (none when it refreshed a cached one)."""
         return max(0, self.num_tokens - self.num_cached_tokens)
+
+
+PIN_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+@dataclass(eq=False)
+class PinPrefill(Sequence):
+    """A pin's prefill, a kind of request: its work counts under the `pin_` counters, its one token is no
+    reply, and its end holds the prefix's pages (or, aborted or failed, drops the pin)."""
+
+    pins: Pins | None = field(default=None, kw_only=True, repr=False)
+    replies: ClassVar[bool] = False
+
+    def count_hit(self, counters: EngineCounters, num_tokens: int) -> None:
+        """Count cached prefix positions under the pin counters."""
+        counters.pin_prefix_hit_tokens += num_tokens
+        counters.pin_prompt_tokens += num_tokens
+
+    def count_work(self, counters: EngineCounters, num_recomputed: int, num_first_prompt: int) -> None:
+        """Count computed prefix positions under the pin counters."""
+        counters.pin_recomputed_tokens += num_recomputed
+        counters.pin_prompt_tokens += num_first_prompt
+        counters.pin_prefill_tokens_computed += num_recomputed + num_first_prompt
+
+    def count_generated(self, counters: EngineCounters, num_tokens: int) -> None:
+        """A pin's token is dropped: nothing counts."""
+
+    def ended(self) -> None:
+        """Hold the prefix's cached pages; an aborted or failed prefill drops the pin."""
+        assert self.pins is not None
+        if self.finish_reason in ("abort", "error"):
+            self.pins.remove(self.request_id)
+        else:
+            self.pins.hold(self.request_id, self.num_cached_tokens)
 
 
 @dataclass

@@ -44,7 +44,7 @@ class Chunk:
     samples: bool  # the chunk reaches the request's last token, so a new token is sampled after it
     snapshot: bool = False  # hybrids: keep the recurrent state after this chunk
     # Speculative decoding: tokens drafted after the request's last, the tail of `token_ids`, computed to be
-    # verified. Their KV counts as computed only once accepted (`LLMEngine.append_tokens`).
+    # verified. Their KV counts as computed only once accepted (`EngineCore.update`).
     draft: tuple[int, ...] = ()
 
     @property
@@ -83,6 +83,7 @@ class StepPlan:
     new_pages: dict[str, list[int]] = field(default_factory=dict)
     freed: list[str] = field(default_factory=list)
     state_slots: dict[str, int] = field(default_factory=dict)  # hybrids: each chunk's request's state slot
+    gave_up: list[Sequence] = field(default_factory=list)  # finished ("length"): the pool cannot hold them
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,23 @@ class PreemptionCost:
     copy_bytes_per_s: float  # host <-> device copy bandwidth
     prefill_s_per_token: float  # updated by the engine from the steps it times
 
+    @classmethod
+    def guess(
+        cls,
+        page_bytes: int,
+        device_type: str,
+        copy_bytes_per_s: float | None = None,
+        prefill_s_per_token: float | None = None,
+    ) -> PreemptionCost:
+        """The given figures, else starting guesses for a `device_type` device, refined from timed steps:
+        PCIe-class copies on a GPU, memcpy on the CPU."""
+        gpu = device_type == "cuda"
+        return cls(
+            page_bytes,
+            copy_bytes_per_s or (12e9 if gpu else 4e9),
+            prefill_s_per_token or (1e-4 if gpu else 3e-3),
+        )
+
     def prefers_swap(self, num_pages: int, num_tokens: int) -> bool:
         """Whether copying `num_pages` out and back is cheaper than prefilling `num_tokens` again."""
         return 2 * num_pages * self.page_bytes / self.copy_bytes_per_s < num_tokens * self.prefill_s_per_token
@@ -136,9 +154,7 @@ class Scheduler:
         self.cost = cost or PreemptionCost(page_bytes=1, copy_bytes_per_s=1e9, prefill_s_per_token=1e-3)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.gave_up: list[
-            Sequence
-        ] = []  # requests the pool cannot hold, finished here, drained by the engine
+        self._gave_up: list[Sequence] = []  # requests the pool cannot hold, finished here; the next plan's
         self._freed: list[str] = []  # tables freed since the last plan
 
     @property
@@ -228,6 +244,7 @@ class Scheduler:
                 # limit spares it once its head is computed (the sort's hit: pages cached before this step).
                 self._waits_for_prefix(seq, hit)
         plan.freed, self._freed = self._freed, []
+        plan.gave_up, self._gave_up = self._gave_up, []
         plan.state_slots = self.kv.state_slots([c.request_id for c in plan.chunks])
         return plan
 
@@ -370,13 +387,7 @@ class Scheduler:
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = hit.num_tokens
         new = max(0, min(hit.num_tokens, len(seq.prompt_token_ids)) - seq.num_processed_tokens)
-        c = self.counters
-        if seq.is_pin:
-            c.pin_prefix_hit_tokens += new
-            c.pin_prompt_tokens += new
-        else:
-            c.prefix_hit_tokens += new
-            c.prompt_tokens += new
+        seq.count_hit(self.counters, new)
         seq.num_processed_tokens = max(seq.num_processed_tokens, hit.num_tokens)
 
     def _lookup(self, seq: Sequence) -> Hit:
@@ -411,7 +422,7 @@ class Scheduler:
 
     def accept(self, seq: Sequence, num_tokens: int) -> None:
         """A speculative chunk's first `num_tokens` draft tokens were accepted and appended: their KV, computed
-        in that chunk, is the request's (its full pages go to the prefix index)."""
+        in that chunk, is the request's (its full pages go to the prefix index). `EngineCore.update` calls it."""
         if not num_tokens:
             return
         end = seq.num_computed_tokens + num_tokens
@@ -426,15 +437,7 @@ class Scheduler:
         done = seq.num_processed_tokens
         recomputed = max(0, min(end, done) - start)
         first_prompt = max(0, min(end, len(seq.prompt_token_ids)) - max(start, done))
-        c = self.counters
-        if seq.is_pin:
-            c.pin_recomputed_tokens += recomputed
-            c.pin_prompt_tokens += first_prompt
-            c.pin_prefill_tokens_computed += recomputed + first_prompt
-        else:
-            c.recomputed_tokens += recomputed
-            c.prompt_tokens += first_prompt
-            c.prefill_tokens_computed += recomputed + first_prompt
+        seq.count_work(self.counters, recomputed, first_prompt)
         seq.num_processed_tokens = max(done, end)
 
     def preempt(self, seq: Sequence) -> None:
@@ -479,7 +482,7 @@ class Scheduler:
 
     def _give_up(self, seq: Sequence) -> None:
         self.finish(seq, "length")
-        self.gave_up.append(seq)
+        self._gave_up.append(seq)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless exactly the running requests hold page tables, and the KV books hold."""

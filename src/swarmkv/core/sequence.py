@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from swarmkv.core.sampling_params import SamplingParams
+from swarmkv.core.stats import EngineCounters
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -35,7 +36,6 @@ class Sequence:
     cache_salt: str | None = None
     arrival: int = 0
     session_id: str | None = None
-    is_pin: bool = False  # a pin's one-token prefill: counted under the pin counters, not as a request's
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
@@ -51,6 +51,10 @@ class Sequence:
 
     _token_ids: list[int] = field(default_factory=list, repr=False)  # prompt + output, kept in step
     _page_keys: list[tuple[int, ...]] = field(default_factory=list, repr=False)  # of its full pages so far
+
+    # Whether its generated tokens are a reply someone reads (drafted, guarded, counted); a kind of request
+    # that only computes KV says no.
+    replies: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self._token_ids = self.prompt_token_ids + self.output_token_ids
@@ -101,6 +105,24 @@ class Sequence:
         return len(self.output_token_ids) >= self.params.max_tokens or (
             max_model_len is not None and self.num_tokens >= max_model_len
         )
+
+    def count_hit(self, counters: EngineCounters, num_tokens: int) -> None:
+        """Count `num_tokens` prompt positions found in the prefix cache for the first time."""
+        counters.prefix_hit_tokens += num_tokens
+        counters.prompt_tokens += num_tokens
+
+    def count_work(self, counters: EngineCounters, num_recomputed: int, num_first_prompt: int) -> None:
+        """Count positions computed again and prompt positions computed for the first time."""
+        counters.recomputed_tokens += num_recomputed
+        counters.prompt_tokens += num_first_prompt
+        counters.prefill_tokens_computed += num_recomputed + num_first_prompt
+
+    def count_generated(self, counters: EngineCounters, num_tokens: int) -> None:
+        """Count tokens appended to the reply."""
+        counters.generated_tokens += num_tokens
+
+    def ended(self) -> None:
+        """The request finished, failed or was aborted, and is forgotten: what its kind does then."""
 
     @property
     def num_settled_output_tokens(self) -> int:

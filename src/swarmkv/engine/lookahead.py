@@ -3,8 +3,9 @@ step's input ids, and reach the host through a copy that the launch of that next
 
 `LLMEngine.step` then runs: schedule step n+1 (each request of step n holding a provisional last token) ->
 launch it, its provisional inputs taken from step n's ids on the device -> read step n's ids (its copy is done
-by then) and append them -> commit step n+1's chunks. So the host's scheduling and metadata for step n+1 run
-while the device computes step n, as in vLLM's async scheduling.
+by then) and update the requests with them -> commit step n+1's chunks. So the host's scheduling and metadata
+for step n+1 run while the device computes step n, as in vLLM's async scheduling. `Lookahead` is the one owner
+of provisional tokens: it appends them at launch and takes them back when the ids are read or the step fails.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from swarmkv.core.processors import Processors
 from swarmkv.core.scheduler import Chunk
-from swarmkv.core.sequence import PROVISIONAL_TOKEN
+from swarmkv.core.sequence import PROVISIONAL_TOKEN, Sequence, Status
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -88,3 +90,45 @@ class InFlight:
             self.ready.synchronize()
         ids: list[int] = self.host.tolist()
         return ids
+
+
+class Lookahead:
+    """Async scheduling's state: the step launched last whose ids are not read yet."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.in_flight: InFlight | None = None
+
+    def may_run_ahead(self, sampling: list[Chunk], processors: Processors) -> bool:
+        """Whether the next step may be scheduled before the ids `sampling` samples are read: async scheduling
+        is on, no chunk verified a draft (on the host) and no processor needs the ids first (a grammar's mask
+        and the loop guard's penalty follow the last token; so does a draft, unless drafts back off)."""
+        if not self.enabled or not sampling or any(c.draft for c in sampling):
+            return False
+        return not any(processors.needs_ids(c.request_id) for c in sampling)
+
+    def launch(self, launched: InFlight) -> None:
+        """Hold a launched step: each of its requests still running gets a provisional last token."""
+        live = [c for c in launched.sampling if c.seq.status is Status.RUNNING]
+        for chunk in live:
+            chunk.seq.append_provisional()
+        self.in_flight = launched if live else None
+
+    def take(self) -> InFlight | None:
+        """The step in flight, no longer held here: this step reads its ids."""
+        in_flight, self.in_flight = self.in_flight, None
+        return in_flight
+
+    @staticmethod
+    def settle(in_flight: InFlight) -> list[tuple[Chunk, int]]:
+        """Read a launched step's ids (this may raise) and take back the provisional tokens they replace."""
+        tokens = in_flight.tokens()
+        for chunk in in_flight.sampling:
+            Lookahead.drop(chunk.seq)
+        return list(zip(in_flight.sampling, tokens, strict=True))
+
+    @staticmethod
+    def drop(seq: Sequence) -> None:
+        """Take back a request's provisional token, if it holds one (its step failed)."""
+        if seq.num_provisional_tokens:
+            seq.drop_provisional()

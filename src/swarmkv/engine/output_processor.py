@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from swarmkv.core.processors import Ending, RequestProcessor
 from swarmkv.core.sampling_params import SamplingParams
-from swarmkv.core.sequence import FinishReason
+from swarmkv.core.sequence import FinishReason, Sequence
 from swarmkv.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -38,12 +39,35 @@ class _TextState:
     num_text_checked: int = 0  # text before this offset holds no stop string
 
 
-class OutputProcessor:
-    """Per-request text state, from `add` to the delta that finishes the request."""
+class OutputProcessor(RequestProcessor):
+    """Per-request text state, from `add` to the delta that finishes the request; as a processor, each
+    `EngineCore.update` makes one delta (`take` it), and a stop string ends the reply."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, _TextState] = {}
+        self._deltas: dict[str, RequestDelta] = {}
+
+    def added(self, seq: Sequence) -> None:
+        """Track the request's text."""
+        self.add(seq.request_id, seq.prompt_token_ids, seq.params)
+
+    def appended(self, seq: Sequence, token_ids: list[int], reason: FinishReason | None) -> Ending | None:
+        """The update's delta; an Ending where a stop string ends the reply inside `token_ids`."""
+        delta = self.process(seq.request_id, seq.output_token_ids, token_ids, reason)
+        self._deltas[seq.request_id] = delta
+        if delta.finish_reason == reason and len(delta.new_token_ids) == len(token_ids):
+            return None
+        assert delta.finish_reason is not None
+        return Ending(len(delta.new_token_ids), delta.finish_reason)
+
+    def take(self, request_id: str) -> RequestDelta:
+        """The delta of the request's latest update."""
+        return self._deltas.pop(request_id)
+
+    def ended(self, request_id: str) -> None:
+        """Forget the request (its text ends without a delta if it was aborted)."""
+        self.drop(request_id)
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Start tracking a request's text."""

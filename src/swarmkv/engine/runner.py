@@ -82,6 +82,10 @@ class ModelRunner:
             self.triton = TritonRunner(
                 model, kv_cache, page_table, buckets, max_keys, states=states, mixed_graphs=mixed_step_graphs
             )
+        # The executor's seam: each sampling row's last hidden state, kept by a forward through the modules
+        # only while a processor reads them (`hidden_states`, None otherwise).
+        self.keep_hidden_states = False
+        self.hidden_states: torch.Tensor | None = None
         self.cpu_decode: DecodeModel | None = None
         if fused_cpu_decode and backend == "torch":
             reason = cpu_decode.why_not(model, kv_cache, self.device)
@@ -107,6 +111,7 @@ class ModelRunner:
         """Compute every chunk (after `update_page_table(plan)`); return the chunks that sample, in the
         order of their rows of float32 logits [N, vocab]. A decode chunk whose last token is provisional
         (async scheduling) reads its input id from `provisional`, the previous step's ids on the device."""
+        self.hidden_states = None
         prefills = [c for c in plan.chunks if c.kind == "prefill"]
         decodes = [c for c in plan.chunks if c.kind == "decode"]
         if self.cpu_decode is None or self.states is not None:
@@ -150,8 +155,10 @@ class ModelRunner:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             hidden = self.model(input_ids, positions, backend)
         rows = torch.tensor(sampling_rows(prefills + decodes), dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[rows].to(self.dtype))
-        return sampling, logits
+        last_hidden = hidden[rows].to(self.dtype)
+        if self.keep_hidden_states:
+            self.hidden_states = last_hidden
+        return sampling, self.model.compute_logits(last_hidden)
 
     def update_page_table(self, plan: StepPlan) -> None:
         """Drop freed requests' rows, append the pages each request gained, copy the changes once."""

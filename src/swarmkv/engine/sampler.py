@@ -7,7 +7,9 @@ from collections.abc import Sequence
 import numpy
 import torch
 
+from swarmkv.core.processors import RequestProcessor
 from swarmkv.core.sampling_params import SamplingParams
+from swarmkv.core.sequence import Sequence as Request
 
 
 def sample(
@@ -29,6 +31,28 @@ def sample_on_device(
         picked = _sample_rows(logits[index], [params[i] for i in rows], [generators[i] for i in rows])
         chosen[index] = picked
     return chosen
+
+
+class SeededSampling(RequestProcessor):
+    """Seeded sampling as a per-request processor: a request with a seed draws from its own generator, so its
+    draws do not depend on its batch neighbours; the others share the engine's."""
+
+    def __init__(self, seed: int) -> None:
+        self.shared = torch.Generator().manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def added(self, seq: Request) -> None:
+        """A seeded request's own generator."""
+        if seq.params.seed is not None:
+            self._generators[seq.request_id] = torch.Generator().manual_seed(seq.params.seed)
+
+    def ended(self, request_id: str) -> None:
+        """Its generator goes."""
+        self._generators.pop(request_id, None)
+
+    def generator(self, request_id: str) -> torch.Generator:
+        """The generator the request draws from."""
+        return self._generators.get(request_id, self.shared)
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:

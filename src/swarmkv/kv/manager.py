@@ -289,6 +289,12 @@ class KVCacheManager:
         `hit`, so that it should wait for it rather than compute it too."""
         return self.prefix_caching and self.states.computing(request, hit, running, self.page_size)
 
+    def rewind(self, request_id: str, num_positions: int) -> None:
+        """A speculative chunk ran for the request: what the cache kind holds per request (a hybrid's state)
+        becomes what it was after the chunk's first `num_positions` positions (the pages need nothing: only
+        accepted positions count as computed)."""
+        self.states.rewind(request_id, num_positions)
+
     def can_swap_out(self, num_pages: int) -> bool:
         """Whether the host tier has `num_pages` free pages now, dropping nothing."""
         return self.host.num_free >= num_pages

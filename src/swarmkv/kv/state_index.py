@@ -37,6 +37,9 @@ class StateMover(Protocol):
     def reset_state(self, slot: int) -> None:
         """Zero slot `slot`: the state before any token."""
 
+    def rewind(self, slot: int, num_positions: int) -> None:
+        """Set slot `slot` to the state after the first `num_positions` positions of its speculative chunk."""
+
 
 @dataclass
 class Snapshot:

@@ -98,6 +98,9 @@ class NoStates:
     def release(self, request_id: str) -> None:
         """The request stopped running."""
 
+    def rewind(self, request_id: str, num_positions: int) -> None:
+        """A speculative chunk ran: keep what the request holds after its first `num_positions` positions."""
+
     def can_hold(self, num_pins: int) -> bool:
         """Whether `num_pins` more pins can each hold what this kind keeps at a pinned prefix's end."""
         return True
@@ -232,6 +235,12 @@ class RecurrentStates(NoStates):
     def release(self, request_id: str) -> None:
         """The request's running slot is free again."""
         self.index.release(request_id)
+
+    def rewind(self, request_id: str, num_positions: int) -> None:
+        """The request's running state becomes the one after the chunk's first `num_positions` positions (its
+        last token and the draft tokens accepted), kept per position while the chunk ran."""
+        if self._mover is not None:
+            self._mover.rewind(self.index.slot(request_id), num_positions)
 
     def can_hold(self, num_pins: int) -> bool:
         """Whether `num_pins` more pins can each hold a snapshot (they never hold the pool's last two slots)."""

@@ -179,10 +179,13 @@ class LoopGuard:
             return None
         return reply.tokens[end + 1], MULTIPLIER * BASE ** min(span - start, MAX_EXPONENT)
 
-    def apply(self, sampling: Sequence[Chunk], logits: torch.Tensor) -> None:
+    def apply(
+        self, sampling: Sequence[Chunk], logits: torch.Tensor, rows: Sequence[int] | None = None
+    ) -> None:
         """Lower, in place, each guarded row's loop continuation and raise its looped string's closing quote
-        (row i of `logits` samples `sampling[i]`)."""
-        for row, chunk in enumerate(sampling):
+        (row `rows[i]` of `logits`, or row i, samples `sampling[i]`)."""
+        for i, chunk in enumerate(sampling):
+            row = rows[i] if rows is not None else i
             found = self.penalty(chunk.request_id)
             closing = self.closing(chunk.request_id)
             with torch.inference_mode():  # the runner's logits are inference tensors

@@ -134,7 +134,7 @@ def run_long_swarm(
         policy,
         ttft_s=[[] for _ in workers],
         token_ids=[[] for _ in workers],
-        pool_bytes=engine.kv.num_pages * engine.page_bytes,
+        pool_bytes=engine.core.kv.num_pages * engine.page_bytes,
     )
     params = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0)
     index_of = {w.session_id: i for i, w in enumerate(workers)}

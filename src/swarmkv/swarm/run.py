@@ -90,7 +90,9 @@ def run_swarm(
     engine = swarm_engine(loaded, workload, config)
     tokenizer = loaded.tokenizer
     agents = workload.agents
-    result = ModeResult(mode, ttft_s=[[] for _ in agents], pool_bytes=engine.kv.num_pages * engine.page_bytes)
+    result = ModeResult(
+        mode, ttft_s=[[] for _ in agents], pool_bytes=engine.core.kv.num_pages * engine.page_bytes
+    )
     params = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0)
     messages: list[list[Message]] = [initial_messages(workload, a) for a in agents]
     replies: dict[str, list[str]] = {}

@@ -33,7 +33,7 @@ class TreeSnapshots:
 
     def take(self, engine: LLMEngine) -> CacheSnapshot:
         """The tree, the pins and the stats as they are now, between steps."""
-        kv, last = engine.kv, self._last
+        kv, last = engine.core.kv, self._last
         version = kv.tree_version
         records = last.records if last is not None and last.version == version else kv.export()
         self._last = CacheSnapshot(records, kv.all_pinned_pages(), engine.snapshot(), kv.page_size, version)

@@ -45,7 +45,7 @@ async def check_pin_share(ctx: ServerContext, num_tokens: int) -> None:
     share = ctx.num_tenants
 
     def check(engine: LLMEngine) -> None:
-        engine.pins.check_share(group, num_tokens, engine.pins.max_bytes // share)
+        engine.core.pins.check_share(group, num_tokens, engine.core.pins.max_bytes // share)
 
     await asyncio.wrap_future(ctx.engine.call(check))
 
