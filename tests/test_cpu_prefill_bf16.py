@@ -75,17 +75,22 @@ def test_auto_follows_the_decode_steps_rounding_and_the_cpu(
     tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, amx: bool
 ) -> None:
     """auto: bfloat16 prefills only where the CPU has AMX tiles and decodes run the C step on int8 activations
-    (a GGUF-held model with int8-readable layouts); float checkpoints, layouts the int8 kernel does not read
-    (Q6_K's groups of 16) and float32 decode activations keep float32 prefills. `on` forces it."""
+    (a GGUF-held model with int8-readable layouts); float checkpoints, weights the int8 kernel does not read
+    (float16 rows, held as float32) and float32 decode activations keep float32 prefills. `on` forces it."""
     monkeypatch.setattr(runner, "amx_tiles", lambda: amx)
     assert not LLM(str(tiny), dtype="float32").engine.runner.prefill_bf16
     quantised = write_tiny_gguf(tmp_path / "q4.gguf", projections=Q.Q4_1)
-    sixes = write_tiny_gguf(tmp_path / "q6_k.gguf", projections=Q.Q6_K, embedding=Q.Q6_K)
+    halves = write_tiny_gguf(
+        tmp_path / "f16.gguf",
+        projections=Q.F16,
+        embedding=Q.Q8_0,  # a quantized embedding: the file is held at its bits; its layers are float rows
+        types={f"blk.{i}.attn_output.weight": Q.F16 for i in range(2)},
+    )
     held = LLM(str(quantised), dtype="float32", kv_cache_memory="16MiB").engine.runner
     assert held.cpu_decode is not None and held.cpu_decode.reads_int8
     assert held.prefill_bf16 == amx
-    float_reads = LLM(str(sixes), dtype="float32", kv_cache_memory="16MiB").engine.runner
-    assert float_reads.cpu_decode is not None and not float_reads.cpu_decode.reads_int8  # groups of 16
+    float_reads = LLM(str(halves), dtype="float32", kv_cache_memory="16MiB").engine.runner
+    assert float_reads.cpu_decode is not None and not float_reads.cpu_decode.reads_int8  # float rows
     assert not float_reads.prefill_bf16
     exact = LLM(str(quantised), dtype="float32", kv_cache_memory="16MiB", cpu_int8_activations=False)
     assert not exact.engine.runner.prefill_bf16
