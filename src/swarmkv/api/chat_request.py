@@ -142,11 +142,13 @@ def _arguments_opening(schema: Any) -> str:
     return f"{{{json.dumps(key, ensure_ascii=False)}: {quote}"
 
 
-def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
-    """Validate a chat completions body."""
+def parse_chat_request(body: dict[str, Any], tools: list[dict[str, Any]] | None = None) -> ChatRequest:
+    """Validate a chat completions body; `tools`, when given, are its tools already validated (`parse_tools`),
+    so that a body another API's parser built is not checked twice."""
     options = parse_options(body)
     messages = parse_messages(body.get("messages"))
-    tools = parse_tools(body.get("tools"))
+    if tools is None:
+        tools = parse_tools(body.get("tools"))
     diagnostics = get_field(body, "swarmkv_diagnostics", bool, "a boolean", False)
     choice = _tool_choice(body.get("tool_choice"), tools)
     return ChatRequest(

@@ -15,16 +15,15 @@ which every prompt with those tools shares whatever its system text, as on Anthr
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+import swarmkv.resolve as resolve
 from swarmkv.choices import PromptLayout
 from swarmkv.errors import InvalidRequestError
+from swarmkv.resolve import Api, Layout
 from swarmkv.tokenizer import Tokenizer
-
-Layout = Literal["template", "tools-first"]  # a resolved PromptLayout
-Api = Literal["chat", "messages", "responses"]
 
 # Texts that no real conversation holds, for the tool-block probe.
 _PROBE_SYSTEM, _PROBE_USER = "swarmkv-layout-probe-system", "swarmkv-layout-probe-user"
@@ -34,10 +33,8 @@ _MAX_SPLITS = (
 
 
 def resolve_layout(setting: PromptLayout, api: Api) -> Layout:
-    """The layout a request on `api` gets under `--prompt-layout setting`."""
-    if setting == "auto":
-        return "tools-first" if api == "messages" else "template"
-    return setting
+    """The layout a request on `api` gets under `--prompt-layout setting` (`swarmkv.resolve.prompt_layout`)."""
+    return resolve.prompt_layout(setting, api)
 
 
 @dataclass(frozen=True)
@@ -52,6 +49,83 @@ class ToolBlock:
     def tools_head(self) -> str:
         """The prompt's opening under tools-first, up to the end of the tools: what a mark on the last tool pins."""
         return self.head + self.body
+
+    def first_in(self, head_text: str, system: str) -> str | None:
+        """`head_text` (a rendering without tools that opens with the system text `system`) with this block
+        before the system text; None where it does not open with this block's head and that text."""
+        rest = head_text[len(self.head) :]
+        if not head_text.startswith(self.head) or not rest.startswith((system, system.strip())):
+            return None
+        return self.head + self.body + self.separator + rest
+
+
+@dataclass(frozen=True)
+class PlacedBlock:
+    """A tool block found in one prompt's own template-order text, and where it sits there."""
+
+    block: ToolBlock
+    start: int  # where the block's separator starts: the end of the system text
+    end: int  # where the system turn goes on after the block
+
+    def moved(self, text: str) -> str:
+        """`text`, the prompt the block was found in, with the block moved before the system text."""
+        b = self.block
+        return b.head + b.body + b.separator + text[len(b.head) : self.start] + text[self.end :]
+
+
+def place_tool_block(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    text: str,
+    template_kwargs: Mapping[str, Any] | None = None,
+    head_texts: Sequence[str] = (),
+) -> PlacedBlock | None:
+    """The tool block in `text` (the template's rendering of `messages` with `tools`), found from one more
+    rendering: a head of the same conversation without the tools (one of `head_texts`, renderings a caller
+    has already made, such as its pins'; else the system turn alone, rendered here). The block is the text
+    between the system text and what the head renders after it; None where that text is not there exactly,
+    is empty, or leaves the system turn (a special token or a second opening in it)."""
+    template = tokenizer.template
+    if template is None or not template.supports_tools or not tools or not messages:
+        return None
+    system = messages[0].get("content")
+    if messages[0].get("role") != "system" or not isinstance(system, str) or not system:
+        return None
+    for head_text in head_texts:
+        placed = _place(tokenizer, text, system, head_text)
+        if placed is not None:
+            return placed
+    try:
+        head_text = tokenizer.apply_chat_template(
+            messages[:1], tools=None, add_generation_prompt=False, **dict(template_kwargs or {})
+        )
+    except InvalidRequestError:
+        return None
+    return _place(tokenizer, text, system, head_text)
+
+
+def _place(tokenizer: Tokenizer, text: str, system: str, head_text: str) -> PlacedBlock | None:
+    """The block `text` holds right after `system`, where `head_text` (without tools) goes on instead."""
+    assert tokenizer.template is not None
+    specials = [special for _, special in tokenizer.template.special_tokens if special]
+    for rendered in dict.fromkeys((system, system.strip())):
+        at = head_text.find(rendered)
+        if at < 0:
+            continue
+        start = at + len(rendered)
+        closing = head_text[start:]
+        # A closing with no special token could recur inside the tool block, so it cannot mark the block's end.
+        if not text.startswith(head_text[:start]) or not any(special in closing for special in specials):
+            return None
+        end = text.find(closing, start)
+        inserted = text[start:end] if end >= 0 else ""
+        body = inserted.lstrip()
+        opening = head_text[:at].strip()
+        if not body or any(special in inserted for special in specials) or (opening and opening in inserted):
+            return None
+        return PlacedBlock(ToolBlock(head_text[:at], inserted[: len(inserted) - len(body)], body), start, end)
+    return None
 
 
 def find_tool_block(

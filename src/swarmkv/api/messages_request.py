@@ -106,7 +106,7 @@ def parse_messages_request(body: dict[str, Any], needs_max_tokens: bool = True) 
         "response_format": _output_format(body),
     }
     chat_body = {key: value for key, value in chat_body.items() if value is not None}
-    chat = parse_chat_request(chat_body)
+    chat = parse_chat_request(chat_body, tools)  # the tools `_tools` validated
     if builder.loaded:  # deferred tools a tool search loaded: callable, and not in the tool block
         loaded = parse_tools([builder.deferred[name] for name in builder.loaded])
         chat = replace(chat, loaded_tools=loaded)

@@ -11,12 +11,14 @@ as `layout` says (`api/layout.py`: the template's order, or the tools first), pi
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from swarmkv.api.chat_request import ChatRequest, Message
 from swarmkv.api.errors import bad_request
-from swarmkv.api.layout import Layout, find_tool_block, tools_first
+from swarmkv.api.layout import Layout, PlacedBlock, find_tool_block, place_tool_block, tools_first
+from swarmkv.api.messages_request import Breakpoint, MessagesRequest
 from swarmkv.api.options import context_length_exceeded
 from swarmkv.api.pin_request import PinRequest
 from swarmkv.api.reasoning import prompt_opens_thinking
@@ -60,17 +62,8 @@ def render_chat(
 
     `template_kwargs` are the template's own switches (Messages' `thinking` as `enable_thinking`).
     """
-    tools = req.prompt_tools
-    messages = system_turns_in_place(tokenizer, req.messages)
-    try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, **(template_kwargs or {}))
-    except InvalidRequestError as exc:
-        raise bad_request(str(exc), param="messages") from exc
-    if layout == "tools-first":
-        text = tools_first(tokenizer, messages, tools, text, template_kwargs=template_kwargs) or text
-    text += req.forced_prefix()
-    token_ids = encode(text) if encode is not None else tokenizer.encode(text, add_special_tokens=False)
-    return RenderedPrompt(token_ids, text, messages, tools)
+    text, messages, _ = _template_text(tokenizer, req, layout, template_kwargs)
+    return _encoded(tokenizer, req, text + req.forced_prefix(), messages, encode)
 
 
 def render_request(
@@ -81,12 +74,105 @@ def render_request(
     Messages' `thinking`) apply; a forced call opens in the template's own tool-call format, and after the
     generation prompt's `<think>` block where the template opens one (Qwen3.5), never inside it."""
     req = req.for_template(tokenizer.chat_template)
-    rendered = render_chat(tokenizer, req, encode, template_kwargs=req.template_kwargs, layout=layout)
-    prefix = req.forced_prefix()
-    if prefix and prompt_opens_thinking(rendered.text.removesuffix(prefix)):
-        req = req.closing_thinking()
-        rendered = render_chat(tokenizer, req, encode, template_kwargs=req.template_kwargs, layout=layout)
-    return req, rendered
+    text, messages, _ = _template_text(tokenizer, req, layout, req.template_kwargs)
+    req = _closing_thinking(req, text)
+    return req, _encoded(tokenizer, req, text + req.forced_prefix(), messages, encode)
+
+
+def render_messages(
+    tokenizer: Tokenizer, req: MessagesRequest, layout: Layout = "template", encode: Encode | None = None
+) -> RenderedMessages:
+    """A Messages request's prompt (as `render_request` renders it) and its cache marks' pins (as `render_pin`
+    renders them), from one rendering of the prompt and one of each mark's head: under tools-first a head
+    is rendered without the tools, the block the prompt's rendering holds is moved in, and the first head
+    that finds it spares the layout its own rendering; a mark on the tools pins that block's head."""
+    chat = req.chat.for_template(tokenizer.chat_template)
+    tools = chat.prompt_tools
+    moving = layout == "tools-first" and tools is not None
+    heads: list[str | None] = []
+    for mark in req.breakpoints:
+        head_tools = None if moving else tools
+        try:
+            head = None if mark.on_tools and moving else _head_text(tokenizer, mark.messages, head_tools)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), param="messages") from exc
+        heads.append(head)
+    known = [head for head in heads if head is not None] if moving else []
+    text, messages, placed = _template_text(tokenizer, chat, layout, chat.template_kwargs, known)
+    chat = _closing_thinking(chat, text)
+    prompt = _encoded(tokenizer, chat, text + chat.forced_prefix(), messages, encode)
+    pins = []
+    for mark, head in zip(req.breakpoints, heads, strict=True):
+        pin_text = head if not moving else _moved_pin(mark, head, placed)
+        if pin_text is None:  # the tools stay where the template puts them: the pin renders as such
+            pins.append(render_pin(tokenizer, req.pin_request(mark, tokenizer, layout), layout, encode))
+        else:
+            pins.append(encode(pin_text) if encode is not None else tokenizer.encode(pin_text))
+    return RenderedMessages(chat, prompt, pins)
+
+
+@dataclass(frozen=True)
+class RenderedMessages:
+    """A rendered Messages request: the chat request as rendered, its prompt, and each cache mark's ids to pin."""
+
+    req: ChatRequest
+    prompt: RenderedPrompt
+    pins: list[list[int]]  # in the order of `MessagesRequest.breakpoints`
+
+
+def _moved_pin(mark: Breakpoint, head: str | None, placed: PlacedBlock | None) -> str | None:
+    """A mark's pin under tools-first from the prompt's placed block: the block's head for a mark on the tools,
+    else the mark's head (rendered without the tools) with the block moved in; None where neither fits."""
+    if placed is None:
+        return None
+    if mark.on_tools:
+        return placed.block.tools_head
+    system = mark.messages[0].get("content") if mark.messages else None
+    if head is None or mark.messages[0].get("role") != "system" or not isinstance(system, str) or not system:
+        return None
+    return placed.block.first_in(head, system)
+
+
+def _head_text(
+    tokenizer: Tokenizer, messages: list[Message], tools: list[dict[str, Any]] | None
+) -> str | None:
+    """A pin's messages rendered as a chat prompt's head, without the generation prompt; None for no messages."""
+    if not messages:
+        return None
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=False)
+
+
+def _template_text(
+    tokenizer: Tokenizer,
+    req: ChatRequest,
+    layout: Layout,
+    template_kwargs: Mapping[str, Any] | None,
+    head_texts: Sequence[str] = (),
+) -> tuple[str, list[Message], PlacedBlock | None]:
+    """The template's text for the request's messages and tools, laid out as `layout` says (its one rendering,
+    and under tools-first one of a head without the tools, unless `head_texts` has one that shows the block)."""
+    tools = req.prompt_tools
+    messages = system_turns_in_place(tokenizer, req.messages)
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools, **(template_kwargs or {}))
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param="messages") from exc
+    if layout != "tools-first":
+        return text, messages, None
+    placed = place_tool_block(tokenizer, messages, tools, text, template_kwargs, head_texts)
+    return (placed.moved(text) if placed is not None else text), messages, placed
+
+
+def _closing_thinking(req: ChatRequest, text: str) -> ChatRequest:
+    """The request with a forced call closing the `<think>` block the template's `text` leaves open."""
+    return req.closing_thinking() if req.forced_prefix() and prompt_opens_thinking(text) else req
+
+
+def _encoded(
+    tokenizer: Tokenizer, req: ChatRequest, text: str, messages: list[Message], encode: Encode | None
+) -> RenderedPrompt:
+    token_ids = encode(text) if encode is not None else tokenizer.encode(text, add_special_tokens=False)
+    return RenderedPrompt(token_ids, text, messages, req.prompt_tools)
 
 
 def system_turns_in_place(tokenizer: Tokenizer, messages: list[Message]) -> list[Message]:

@@ -23,6 +23,7 @@ from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.core.sequence import Sequence
 from swarmkv.core.stats import EngineStats
 from swarmkv.engine.engine import LLMEngine, RequestDelta
+from swarmkv.errors import InvalidRequestError
 from swarmkv.server.engine_loop.commands import (
     Abort,
     Add,
@@ -30,6 +31,7 @@ from swarmkv.server.engine_loop.commands import (
     Call,
     Command,
     DropPin,
+    RequestPin,
     Stop,
     fail_unapplied,
 )
@@ -100,11 +102,13 @@ class AsyncEngine:
         cache_salt: str | None = None,
         arrival_s: float | None = None,
         session_id: str | None = None,
+        pins: tuple[RequestPin, ...] = (),
     ) -> RequestStream:
-        """Queue a request; returns once the engine accepted it, or raises its InvalidRequestError."""
+        """Queue a request with its `pins`, one command; returns once the engine accepted it (its stream's
+        `num_pin_created_tokens` says what the pins computed), or raises its InvalidRequestError."""
         stream = RequestStream(request_id, time.perf_counter() if arrival_s is None else arrival_s)
         accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._put(Add(stream, prompt_token_ids, params, cache_salt, session_id, accepted))
+        self._put(Add(stream, prompt_token_ids, params, cache_salt, session_id, accepted, pins))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -204,24 +208,7 @@ class AsyncEngine:
 
     def _apply(self, command: Command) -> None:
         if isinstance(command, Add):
-            rid = command.stream.request_id
-            if not command.accepted.set_running_or_notify_cancel():
-                return  # the submitter was cancelled before the engine saw the request
-            try:
-                self.engine.add_request(
-                    rid,
-                    command.prompt_token_ids,
-                    command.params,
-                    command.cache_salt,
-                    session_id=command.session_id,
-                )
-            except Exception as exc:
-                command.accepted.set_exception(exc)
-                return
-            seq = self.engine.get_sequence(rid)
-            assert seq is not None
-            self._live[rid] = _Live(command.stream, seq)
-            command.accepted.set_result(None)
+            self._pin_then_admit(command, list(command.pins))
         elif isinstance(command, AddPin):
             self._pins.add(self.engine, command)
         elif isinstance(command, DropPin):
@@ -234,6 +221,62 @@ class AsyncEngine:
                 command.result.set_result(command.fn(self.engine))
             except Exception as exc:
                 command.result.set_exception(exc)
+
+    def _pin_then_admit(self, command: Add, pins: list[RequestPin]) -> None:
+        """Pin the request's next pin, and on its prefill's end the one after it; admit the request last.
+        Runs on the loop thread: a pin's future is resolved there, which runs its callback."""
+        if not pins:
+            self._admit(command)
+            return
+        pin, rest = pins[0], pins[1:]
+        self._pins.unpin(self.engine, pin.pin_id)
+        ready: concurrent.futures.Future[PinInfo | None] = concurrent.futures.Future()
+        try:
+            if pin.share is not None:
+                group, num_tenants = pin.share
+                share_bytes = self.engine.core.pins.max_bytes // num_tenants
+                self.engine.core.pins.check_share(group, len(pin.prompt_token_ids), share_bytes)
+        except InvalidRequestError as exc:
+            ready.set_exception(exc)
+        else:
+            self._pins.add(
+                self.engine, AddPin(pin.pin_id, pin.prompt_token_ids, pin.ttl_s, command.cache_salt, ready)
+            )
+
+        def pinned(done: concurrent.futures.Future[PinInfo | None]) -> None:
+            error = done.exception()
+            if isinstance(error, InvalidRequestError):  # over --max-pinned-memory: answer it unpinned
+                log.info("cache_control prefix of %d tokens not pinned: %s", len(pin.prompt_token_ids), error)
+            elif error is not None:  # the engine failed or is stopping: so does the request
+                if command.accepted.set_running_or_notify_cancel():
+                    command.accepted.set_exception(error)
+                return
+            info = None if error is not None else done.result()
+            command.stream.num_pin_created_tokens += 0 if info is None else info.num_created_tokens
+            self._pin_then_admit(command, rest)
+
+        ready.add_done_callback(pinned)
+
+    def _admit(self, command: Add) -> None:
+        """Admit the request, its pins held: from here its deltas go to its stream."""
+        rid = command.stream.request_id
+        if not command.accepted.set_running_or_notify_cancel():
+            return  # the submitter was cancelled before the engine saw the request
+        try:
+            self.engine.add_request(
+                rid,
+                command.prompt_token_ids,
+                command.params,
+                command.cache_salt,
+                session_id=command.session_id,
+            )
+        except Exception as exc:
+            command.accepted.set_exception(exc)
+            return
+        seq = self.engine.get_sequence(rid)
+        assert seq is not None
+        self._live[rid] = _Live(command.stream, seq)
+        command.accepted.set_result(None)
 
     def _dispatch(self, delta: RequestDelta, now: float) -> None:
         if delta.request_id in self._pins:

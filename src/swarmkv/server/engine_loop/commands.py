@@ -13,9 +13,24 @@ from swarmkv.engine.engine import LLMEngine
 from swarmkv.server.engine_loop.request_stream import RequestStream
 
 
+@dataclass(frozen=True)
+class RequestPin:
+    """A prefix its request pins before it is admitted (a Messages cache mark), under an id that follows from
+    the prefix, so a repeat refreshes the pin (drops it, pins it again) instead of adding one."""
+
+    pin_id: str
+    prompt_token_ids: list[int]
+    ttl_s: float | None
+    # The tenant and the number of tenants sharing max_pinned_memory, when its share is checked first.
+    share: tuple[str, int] | None = None
+
+
 @dataclass
 class Add:
-    """Admit a request; `accepted` resolves once the engine took it (or holds its InvalidRequestError)."""
+    """Admit a request, after pinning its `pins` one by one (each prefill finished before the next, and
+    before the request, so each reads what the one before it cached); `accepted` resolves once the engine
+    took it (or holds its InvalidRequestError). A pin the engine refuses is left out: a cache hint never
+    fails its request."""
 
     stream: RequestStream
     prompt_token_ids: list[int]
@@ -23,6 +38,7 @@ class Add:
     cache_salt: str | None
     session_id: str | None
     accepted: concurrent.futures.Future[None]
+    pins: tuple[RequestPin, ...] = ()
 
 
 @dataclass

@@ -47,6 +47,8 @@ class RequestStream:
         self._queue: asyncio.Queue[StepOutput | Exception] = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.finished = False
+        # Prompt tokens the request's own pins computed before it was admitted (set by the loop thread).
+        self.num_pin_created_tokens = 0
 
     def put(self, item: StepOutput | Exception) -> None:
         """Hand an item over from any thread."""

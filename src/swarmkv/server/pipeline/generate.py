@@ -23,6 +23,7 @@ from swarmkv.breaks.causes import Break, RenderedPrompt
 from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.errors import InvalidRequestError
 from swarmkv.server.context import ServerContext
+from swarmkv.server.engine_loop.commands import RequestPin
 from swarmkv.server.engine_loop.request_stream import RequestStream
 from swarmkv.server.http.disconnect import ClientDisconnected, unless_disconnected
 from swarmkv.server.observability.latency import Latency
@@ -54,12 +55,16 @@ async def submit(
     options: Options,
     session_id: str | None,
     arrival_s: float,
+    pins: tuple[RequestPin, ...] = (),
 ) -> RequestStream:
-    """Queue a prompt under a fresh request id, its salt and session its tenant's; the engine's refusal is a 400."""
+    """Queue a prompt, with the pins it makes first, under a fresh request id, its salt and session its
+    tenant's; the engine's refusal is a 400."""
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     salt, session = ctx.tenant.cache_salt(options.cache_salt), ctx.tenant.scope(session_id)
     try:
-        return await ctx.engine.submit(request_id, prompt_ids, params, salt, arrival_s, session_id=session)
+        return await ctx.engine.submit(
+            request_id, prompt_ids, params, salt, arrival_s, session_id=session, pins=pins
+        )
     except InvalidRequestError as exc:
         raise bad_request(str(exc)) from exc
 
@@ -113,6 +118,19 @@ async def start_chat(
 ) -> StartedChat:
     """Render (on a worker thread) and submit a chat request."""
     req, rendered = await render_in_worker(ctx, req, api)
+    return await start_rendered(ctx, req, rendered, session_id, arrival_s, id_prefix)
+
+
+async def start_rendered(
+    ctx: ServerContext,
+    req: ChatRequest,
+    rendered: RenderedPrompt,
+    session_id: str | None,
+    arrival_s: float,
+    id_prefix: str,
+    pins: tuple[RequestPin, ...] = (),
+) -> StartedChat:
+    """Submit a rendered chat request, in one command with the `pins` it makes first."""
     constraint = reply_constraint(
         req, special_markup(ctx.tokenizer), strict_only=ctx.tool_call_grammar == "strict"
     )  # a grammar is checked (and cached) when first seen: a worker's job
@@ -124,7 +142,9 @@ async def start_chat(
         ctx.max_tokens_policy,
         constraint,
     )
-    stream = await submit(ctx, id_prefix, rendered.token_ids, params, req.options, session_id, arrival_s)
+    stream = await submit(
+        ctx, id_prefix, rendered.token_ids, params, req.options, session_id, arrival_s, pins
+    )
     found = ctx.breaks.watch(ctx.tenant.scope(session_id), ctx.tenant.scope(req.options.cache_salt), rendered)
     # A forced call's reply is the rest of the call: nothing in it is reasoning.
     thinks = req.thinking_enabled and not req.forced_prefix()

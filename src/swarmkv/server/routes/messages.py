@@ -8,7 +8,6 @@ events (`api/messages_objects.py`).
 from __future__ import annotations
 
 import hashlib
-import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -30,10 +29,10 @@ from swarmkv.api.messages_objects import (
 from swarmkv.api.messages_request import Breakpoint, MessagesRequest, parse_messages_request
 from swarmkv.api.outputs import StepOutput
 from swarmkv.api.paths import CHAT_ROUTE
-from swarmkv.api.render import render_pin
+from swarmkv.api.render import render_messages
 from swarmkv.api.session_id import CLAUDE_CODE_SESSION_HEADER
-from swarmkv.errors import InvalidRequestError
 from swarmkv.server.context import ServerContext, request_context
+from swarmkv.server.engine_loop.commands import RequestPin
 from swarmkv.server.engine_loop.request_stream import EngineUnavailableError
 from swarmkv.server.http.disconnect import STATUS_CLIENT_GONE
 from swarmkv.server.http.event_stream import EventStream
@@ -46,11 +45,9 @@ from swarmkv.server.pipeline.generate import (
     prompt_encoder,
     render_in_worker,
     request_session_id,
-    start_chat,
+    start_rendered,
 )
-from swarmkv.server.routes.pins import check_pin_share, engine_pin_id
-
-log = logging.getLogger(__name__)
+from swarmkv.server.routes.pins import engine_pin_id
 
 
 async def messages(request: Request) -> Response:
@@ -64,9 +61,15 @@ async def messages(request: Request) -> Response:
     await ctx.log_request(
         CHAT_ROUTE, session_id, req.chat_body, "messages"
     )  # logged as the chat request it runs as
-    num_pinned = await _pin_breakpoints(ctx, req)
-    started = await start_chat(ctx, req.chat, session_id, arrival_s, "msg", "messages")
+    layout = resolve_layout(ctx.prompt_layout, "messages")
+    encode = prompt_encoder(ctx, "messages")
+    rendered = await in_worker(lambda: render_messages(ctx.tokenizer, req, layout, encode))
+    pins = tuple(_pin(ctx, req, mark, ids) for mark, ids in zip(req.breakpoints, rendered.pins, strict=True))
+    started = await start_rendered(ctx, rendered.req, rendered.prompt, session_id, arrival_s, "msg", pins)
     stream = started.stream
+    # What the pins computed is cache creation; what a pin found cached (a moved mark's old prefix, or a
+    # refreshed pin) is read, not created.
+    num_pinned = stream.num_pin_created_tokens
     msg_id = f"msg_{stream.request_id.removeprefix('msg-')}"
     latency = Latency(ctx.metrics, arrival_s)
     if req.chat.options.stream:
@@ -94,36 +97,15 @@ async def count_tokens(request: Request) -> Response:
     return JSONResponse({"input_tokens": len(rendered.token_ids)})
 
 
-async def _pin_breakpoints(ctx: ServerContext, req: MessagesRequest) -> int:
-    """Pin each cache_control mark's prefix; the number of prefix tokens the pins computed (cache creation):
-    what a pin found cached, a moved mark's old prefix or a refreshed pin, is read, not created."""
-    num_new_tokens = 0
-    for mark in req.breakpoints:
-        num_new_tokens += await _pin(ctx, req, mark)
-    return num_new_tokens
-
-
-async def _pin(ctx: ServerContext, req: MessagesRequest, mark: Breakpoint) -> int:
+def _pin(ctx: ServerContext, req: MessagesRequest, mark: Breakpoint, ids: list[int]) -> RequestPin:
+    """A cache_control mark's pin, made with its request: under an id that follows from the prefix and salt,
+    so a repeated request refreshes its pin instead of adding one; within its tenant's share of the pinned
+    memory where tenants share it."""
     salt = ctx.tenant.cache_salt(req.chat.options.cache_salt)
-    layout = resolve_layout(ctx.prompt_layout, "messages")
-    encode = prompt_encoder(ctx, "messages")
-
-    def render() -> list[int]:  # as the prompt is
-        return render_pin(ctx.tokenizer, req.pin_request(mark, ctx.tokenizer, layout), layout, encode)
-
-    ids = await in_worker(render)
-    # The id follows from the prefix and salt, so a repeated request refreshes its pin instead of adding one.
     digest = hashlib.sha256(f"{salt}\0{ids}".encode()).hexdigest()[:32]
-    pin_id = engine_pin_id(ctx, f"pin-msg-{digest}")
-    await ctx.engine.unpin(pin_id)
-    try:
-        await check_pin_share(ctx, len(ids))
-        info = await ctx.engine.pin(pin_id, ids, mark.ttl_s, salt)
-    except InvalidRequestError as exc:  # over --max-pinned-memory, or a concurrent twin holds the id
-        # A cache hint must not fail the message: answer it unpinned.
-        log.info("cache_control prefix of %d tokens not pinned: %s", len(ids), exc)
-        return 0
-    return 0 if info is None else info.num_created_tokens
+    group = ctx.tenant.name
+    share = (group, ctx.num_tenants) if group is not None and ctx.num_tenants > 1 else None
+    return RequestPin(engine_pin_id(ctx, f"pin-msg-{digest}"), ids, mark.ttl_s, share)
 
 
 async def _events(
