@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import torch
 
+import swarmkv.resolve as resolve
 from swarmkv.errors import ModelLoadError, UnsupportedModelError
 
 Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_5"]
@@ -426,11 +427,7 @@ def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
 
 
 def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """Turn "auto" or a dtype name into a torch dtype valid on `device`."""
+    """A dtype name (auto resolved by `swarmkv.resolve.model_dtype`) as a torch dtype on `device`."""
     if isinstance(name, torch.dtype):
         return name
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+    return DTYPES[resolve.model_dtype(name, device.type)]

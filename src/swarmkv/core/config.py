@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import swarmkv.resolve as resolve
 from swarmkv.choices import (
     ASYNC_SCHEDULING_MODES,
     ATTENTION_BACKENDS,
@@ -287,23 +288,17 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
     def partial_prefill_limit(self, device_type: str) -> int | None:
-        """Requests one step may prefill on a `device_type` ("cpu", "cuda") device, auto resolved by the
-        device; None: no limit."""
-        if self.max_num_partial_prefills == "auto":
-            return 2 if device_type == "cpu" else None  # measured on the CPU only (docs/benchmarks.md)
-        return self.max_num_partial_prefills or None
+        """Requests one step may prefill on a `device_type` ("cpu", "cuda") device (`swarmkv.resolve`); None:
+        no limit."""
+        return resolve.partial_prefills(self.max_num_partial_prefills, device_type)
 
     def lookahead(self, device_type: str) -> bool:
-        """Whether steps on a `device_type` device are scheduled one ahead (`async_scheduling`, auto resolved)."""
-        if self.async_scheduling == "auto":
-            return device_type != "cpu"
-        return self.async_scheduling == "on"
+        """Whether steps on a `device_type` device are scheduled one ahead (`swarmkv.resolve`)."""
+        return resolve.async_scheduling(self.async_scheduling, device_type)
 
     def speculative_rows(self, device_type: str) -> int:
-        """A step's decode rows plus draft tokens at most on a `device_type` device, auto resolved by it."""
-        if self.max_speculative_rows == "auto":
-            return 8 if device_type == "cpu" else 64
-        return self.max_speculative_rows
+        """A step's decode rows plus draft tokens at most on a `device_type` device (`swarmkv.resolve`)."""
+        return resolve.speculative_rows(self.max_speculative_rows, device_type)
 
     @property
     def kv_cache_bytes(self) -> int:

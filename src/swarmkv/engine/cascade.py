@@ -14,12 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from swarmkv.choices import CascadeMode
+from swarmkv.resolve import TORCH_MIN_SAVED_TOKENS
 
 # `auto` groups when the prefix reads it saves, (members - 1) x shared tokens, reach this. Measured on the
 # CPU with bench/cascade.py (SmolLM2-135M's heads, one layer): the extra pass and merge cost about 0.5 ms,
 # 2 x 2,048 shared tokens still lose (0.68x), 4 x 1,024 win (4.1x), 8 x 512 break even (0.94x to 1.5x).
-# This is the torch backend's point; the triton backend has its own (engine/runner.py).
-AUTO_MIN_SAVED_TOKENS = 3072
+# This is the torch backend's point; the triton backend has its own (both in swarmkv/resolve.py).
+AUTO_MIN_SAVED_TOKENS = TORCH_MIN_SAVED_TOKENS
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Any
 
+import swarmkv.resolve as resolve
 from swarmkv.core.config import EngineConfig
 from swarmkv.core.core import EngineCore, TokenUpdate
 from swarmkv.core.drafts import Drafts
@@ -30,6 +31,7 @@ from swarmkv.engine.kv_budget import KVBudget
 from swarmkv.engine.lookahead import InFlight, Lookahead
 from swarmkv.engine.output_processor import OutputProcessor, RequestDelta
 from swarmkv.engine.sampler import SeededSampling
+from swarmkv.engine.settings import engine_settings
 from swarmkv.errors import InvalidRequestError
 from swarmkv.models.loader import LoadedModel
 from swarmkv.structured.decoding import StructuredDecoding
@@ -57,7 +59,7 @@ class LLMEngine:
         self.attention_backend = resolve_attention_backend(config.attention_backend, device)
         # The processors, text first: it may end a reply inside a step's tokens, which the others then follow.
         self.outputs = OutputProcessor(self.tokenizer)
-        jump = config.jump_forward == "on" or (config.jump_forward == "auto" and device.type != "cpu")
+        jump = resolve.jump_forward(config.jump_forward, device.type)
         self.grammars = Grammars(self.tokenizer, loaded.config.vocab_size, jump)
         self.seeded = SeededSampling(config.seed)
         self.guard = Guard(config.loop_guard, self.grammars) if config.loop_guard != "off" else None
@@ -94,12 +96,22 @@ class LLMEngine:
             loaded, config, kv_tensors, self.states, self.counters, self.attention_backend, self.max_model_len
         )
         self.executor = Executor(self.runner, self.processors, self.seeded, drafts, self.lookahead)
+        self.settings = engine_settings(
+            loaded,
+            budget,
+            self.runner,
+            self.core.scheduler.limits,
+            jump_forward=jump,
+            speculation=drafts is not None,
+            async_scheduling=self.lookahead.enabled,
+        )
+        log.info("engine settings: %s", self.settings.describe())
         self.last_step_error: str | None = None  # set while the latest step failed
 
     @staticmethod
     def _speculates(config: EngineConfig) -> bool:
-        """Whether drafts are verified: `speculation` is not off (verification is exact everywhere)."""
-        return config.speculation != "off"
+        """Whether drafts are verified (`swarmkv.resolve.speculation`)."""
+        return resolve.speculation(config.speculation)
 
     @property
     def healthy(self) -> bool:
@@ -292,8 +304,10 @@ class LLMEngine:
         )
 
     def stats(self) -> dict[str, Any]:
-        """`snapshot()` as a flat dict (the public API), with a GGUF's weights per type as held."""
+        """`snapshot()` as a flat dict (the public API), with the resolved settings and a GGUF's weights per
+        type as held."""
         out = self.snapshot().to_dict()
+        out["settings"] = self.settings.to_dict()
         report = self.loaded.weight_report
         if report is not None:
             out["weights"] = report.to_json()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+import swarmkv.resolve as resolve
 from swarmkv.core.config import EngineConfig
 from swarmkv.core.drafts import Drafts
 from swarmkv.core.processors import LogitRows, Processors
@@ -81,10 +82,11 @@ class Executor:
             kv,
             PageTable(config.max_num_seqs, max_pages, config.block_size, loaded.device),
             counters,
-            config.cascade_attention,
-            cascade_min_saved_tokens=config.cascade_min_saved_tokens,
+            cascade_min_saved_tokens=resolve.cascade_min_saved_tokens(
+                config.cascade_attention, backend, config.cascade_min_saved_tokens
+            ),
             backend=backend,
-            cuda_graphs=loaded.device.type == "cuda" and not config.enforce_eager,
+            cuda_graphs=resolve.cuda_graphs(loaded.device.type, backend, config.enforce_eager),
             mixed_step_graphs=config.mixed_step_graphs,
             max_num_seqs=config.max_num_seqs,
             max_model_len=max_model_len,

@@ -8,14 +8,29 @@ from dataclasses import dataclass
 
 import torch
 
+import swarmkv.resolve as resolve
 from swarmkv.core.config import EngineConfig
 from swarmkv.engine import cpu_decode
 from swarmkv.engine.host_kv import HostKV
-from swarmkv.engine.kv_cache import KVCache, kv_storage_dtype
+from swarmkv.engine.kv_cache import FP8, KVCache, kv_storage_dtype
 from swarmkv.engine.kv_calibration import calibrate_kv_scales
 from swarmkv.engine.state_cache import StateCache
 from swarmkv.errors import CapacityError
 from swarmkv.models.loader import LoadedModel
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype as settings name it ("float32", "fp8_e4m3")."""
+    return "fp8_e4m3" if dtype == FP8 else str(dtype).removeprefix("torch.")
+
+
+def kv_page_dtype(loaded: LoadedModel, config: EngineConfig) -> str:
+    """The dtype `config`'s pages hold for `loaded` (`swarmkv.resolve.kv_cache_dtype`): whether the CPU's C
+    decode step will run and read float16 pages is the fact it takes from here."""
+    half_kv = config.fused_cpu_decode and (
+        cpu_decode.auto_kv_dtype(loaded.model, loaded.dtype, loaded.device) is not None
+    )
+    return resolve.kv_cache_dtype(config.kv_cache_dtype, dtype_name(loaded.dtype), half_kv)
 
 
 @dataclass(frozen=True)
@@ -34,9 +49,7 @@ class KVBudget:
     @classmethod
     def of(cls, loaded: LoadedModel, config: EngineConfig) -> KVBudget:
         """The split of `config`'s memory for `loaded`; CapacityError if it cannot hold one request."""
-        kv_dtype = kv_storage_dtype(config.kv_cache_dtype, loaded.dtype)
-        if config.kv_cache_dtype == "auto" and config.fused_cpu_decode:
-            kv_dtype = cpu_decode.auto_kv_dtype(loaded.model, loaded.dtype, loaded.device) or kv_dtype
+        kv_dtype = kv_storage_dtype(kv_page_dtype(loaded, config))
         kv_bytes_per_token = loaded.config.kv_bytes_per_token(kv_dtype)
         page_bytes = kv_bytes_per_token * config.block_size
         # A hybrid's recurrent states (running and snapshots) come out of the same budget as the pages.

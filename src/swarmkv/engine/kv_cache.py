@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from swarmkv.choices import KVCacheDtype
 from swarmkv.config import ModelConfig
 from swarmkv.kernels.huge_pages import huge_zeros
 
@@ -17,10 +16,8 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
 
 
-def kv_storage_dtype(name: KVCacheDtype, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype KV pages are stored in: the model's for "auto"."""
-    if name == "auto":
-        return model_dtype
+def kv_storage_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a resolved `kv_cache_dtype` name (`swarmkv.resolve.kv_cache_dtype`)."""
     return FP8 if name == "fp8_e4m3" else getattr(torch, name)
 
 

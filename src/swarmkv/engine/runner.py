@@ -6,13 +6,14 @@ import logging
 
 import torch
 
+import swarmkv.resolve as resolve
 from swarmkv.choices import CPU_INT8_RESIDUAL_GROUPS, CascadeMode, PrefillBf16Mode
 from swarmkv.core.scheduler import Chunk, StepPlan, sampling_rows
 from swarmkv.core.sequence import PROVISIONAL_TOKEN
 from swarmkv.core.stats import EngineCounters
 from swarmkv.engine import cpu_decode
 from swarmkv.engine.backend import Backend
-from swarmkv.engine.cascade import AUTO_MIN_SAVED_TOKENS, plan_groups
+from swarmkv.engine.cascade import plan_groups
 from swarmkv.engine.kv_cache import KVCache
 from swarmkv.engine.lookahead import ProvisionalInputs
 from swarmkv.engine.page_table import PageTable
@@ -23,9 +24,6 @@ from swarmkv.kernels.cpu_decode import DecodeModel
 from swarmkv.models.attention import AttentionBackend
 from swarmkv.models.decoder import DecoderForCausalLM
 
-# The triton backend's decode already splits and merges, so a group costs only its prefix tiles: it pays
-# from a few pages saved. Not yet measured on a GPU; bench/gpu.py compares cascade on and off.
-TRITON_AUTO_MIN_SAVED_TOKENS = 256
 log = logging.getLogger(__name__)
 
 
@@ -38,7 +36,6 @@ class ModelRunner:
         kv_cache: KVCache,
         page_table: PageTable,
         counters: EngineCounters,
-        cascade: CascadeMode = "auto",
         cascade_min_saved_tokens: int | None = None,
         backend: Backend = "torch",
         cuda_graphs: bool = False,
@@ -54,25 +51,24 @@ class ModelRunner:
         """With the triton backend, `cuda_graphs` replays decode steps of up to `max_num_seqs` rows, and with
         `mixed_step_graphs` steps with a few prefill chunks beside them (dense models). A hybrid
         model's linear-attention layers run over `states`, on either backend. `cascade_min_saved_tokens`:
-        the reads a shared-prefix group must spare under `cascade="auto"` (None: the backend's default).
+        the reads a shared-prefix group must spare (`swarmkv.resolve.cascade_min_saved_tokens`; None: cascade off).
         `fused_cpu_decode`: run each step's decodes as one C call where the model allows (engine/cpu_decode.py),
         its projections on int8 activations if `cpu_int8_activations` (with the residual pass over
         `cpu_int8_residual_groups` groups a row). `cpu_prefill_bf16`: a CPU step's
-        prefill chunks (no decode rows beside them in the modules) run under bfloat16 autocast, dense models;
-        auto: where the C step decodes on int8 activations and the CPU has AMX tiles."""
+        prefill chunks (no decode rows beside them in the modules) run under bfloat16 autocast, dense models
+        (`swarmkv.resolve.cpu_prefill_bf16`, given whether the C step reads int8 activations and the CPU has AMX)."""
         self.model = model
         self.states = states
         self.kv_cache = kv_cache
         self.page_table = page_table
         self.counters = counters
-        self.cascade = cascade
         self.backend = backend
         self.page_size = kv_cache.block_size
         self.device = page_table.device
         self.dtype = kv_cache.dtype  # the model's, whatever the pages hold
-        default_saved = TRITON_AUTO_MIN_SAVED_TOKENS if backend == "triton" else AUTO_MIN_SAVED_TOKENS
-        self.min_saved_tokens = cascade_min_saved_tokens or default_saved
+        self.min_saved_tokens = cascade_min_saved_tokens
         self.triton = None
+        self.cuda_graphs = cuda_graphs and backend == "triton"
         if backend == "triton":
             from swarmkv.engine.cuda_graphs import batch_buckets  # these import triton: only when asked for
             from swarmkv.engine.triton_runner import TritonRunner
@@ -98,10 +94,8 @@ class ModelRunner:
         # Where decodes already read int8 activations, bfloat16 prefills round less than they do and, on AMX, take
         # half the time (EngineConfig.cpu_prefill_bf16's help has the measurements).
         rounded_decodes = self.cpu_decode is not None and self.cpu_decode.reads_int8
-        self.prefill_bf16 = (
-            self.device.type == "cpu"
-            and states is None
-            and (cpu_prefill_bf16 == "on" or (cpu_prefill_bf16 == "auto" and rounded_decodes and amx_tiles()))
+        self.prefill_bf16 = resolve.cpu_prefill_bf16(
+            cpu_prefill_bf16, self.device.type, states is not None, rounded_decodes, amx_tiles()
         )
 
     @torch.inference_mode()
@@ -183,7 +177,9 @@ class ModelRunner:
         items = [(c, j) for c in decodes for j in range(c.num_tokens)]
         table_rows = [self.page_table.row(c.request_id) for c, _ in items]
         positions = [c.start + j for c, j in items]
-        groups, order = self._group_rows(table_rows, positions, 1)
+        groups, order = self._group_rows(
+            table_rows, positions, 1 if self.min_saved_tokens is not None else None
+        )
         sizes = [size for size, _ in groups]
         sizes += [1] * (len(order) - sum(sizes))
         shared = [pages * self.page_size for _, pages in groups]
@@ -211,7 +207,7 @@ class ModelRunner:
         return decodes, logits
 
     def _group_decodes(
-        self, decodes: list[Chunk], min_saved_tokens: int
+        self, decodes: list[Chunk], min_saved_tokens: int | None
     ) -> tuple[list[tuple[int, int]], list[Chunk]]:
         """Cascade groups as (number of decodes, shared pages), grouped decodes first, in group order."""
         rows = [self.page_table.row(c.request_id) for c in decodes]
@@ -219,13 +215,16 @@ class ModelRunner:
         return groups, [decodes[i] for i in order]
 
     def _group_rows(
-        self, rows: list[int], positions: list[int], min_saved_tokens: int
+        self, rows: list[int], positions: list[int], min_saved_tokens: int | None
     ) -> tuple[list[tuple[int, int]], list[int]]:
         """Cascade groups of decode rows (page-table `rows`, each decoding at its position) as (members,
-        shared pages), and the rows' order: grouped rows first, in group order."""
+        shared pages), and the rows' order: grouped rows first, in group order. `min_saved_tokens`: the reads a
+        group must spare (None: no groups)."""
         shareable = [position // self.page_size for position in positions]
+        # plan_groups' threshold mode: a group forms where it spares `min_saved_tokens` reads.
+        mode: CascadeMode = "off" if min_saved_tokens is None else "auto"
         groups = plan_groups(
-            self.page_table.host, rows, shareable, self.page_size, self.cascade, min_saved_tokens
+            self.page_table.host, rows, shareable, self.page_size, mode, min_saved_tokens or 1
         )
         order = [i for g in groups for i in g.members]
         rest = sorted(set(range(len(rows))) - set(order))

@@ -17,6 +17,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+import swarmkv.resolve as resolve
 from swarmkv.config import ModelConfig
 from swarmkv.errors import ModelLoadError
 from swarmkv.kernels.reference import pack_int4
@@ -25,6 +26,7 @@ from swarmkv.models.gguf_held import CONVERT_TO, held_kind, rows_cols
 from swarmkv.models.gguf_quants import SPECS, GroupedQuant, parse_blocks
 from swarmkv.models.gguf_qwen35 import needs_float, qwen35_hf_name, qwen35_tensor
 from swarmkv.models.quantized import INT4_GROUP_SIZE, QuantizedWeight, WeightFormat
+from swarmkv.resolve import Checkpoint
 
 log = logging.getLogger(__name__)
 Keep = Literal["float", "int4", "gguf"]
@@ -37,12 +39,16 @@ _PROJECTION = re.compile(
 )
 
 
+def checkpoint_kind(file: GGUFFile) -> Checkpoint:
+    """What `weights=auto` looks at: whether the file holds any quantized tensor (every quantized format runs on
+    the grouped layout's kernels or on Triton, so a device without them gets no better choice than its own bits:
+    the loader asks for triton there)."""
+    return "gguf-float" if {t.tensor_type for t in file.reader.tensors} <= _FLOAT else "gguf-quantized"
+
+
 def auto_weight_format(file: GGUFFile) -> WeightFormat:
-    """The format that keeps a file's weights at their precision: "gguf", every tensor at its own bits, or float
-    when the file holds none quantized. (Every quantized format runs on the grouped layout's kernels or on
-    Triton, so a device without them gets no better choice: the loader asks for triton there.)"""
-    every = {t.tensor_type for t in file.reader.tensors}
-    return "float" if every <= _FLOAT else "gguf"
+    """The format `weights=auto` keeps a file's weights in (`swarmkv.resolve.weight_format`)."""
+    return resolve.weight_format("auto", checkpoint_kind(file))
 
 
 @dataclass

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import SafetensorError, safe_open
 
+import swarmkv.resolve as resolve
 from swarmkv.choices import WeightsOption
 from swarmkv.config import ModelConfig, resolve_dtype
 from swarmkv.errors import ConfigError, ModelLoadError
@@ -86,7 +87,7 @@ def load_model(
         raise ConfigError(
             f"--weights gguf keeps a GGUF file's own blocks; {resolved} is a safetensors checkpoint"
         )
-    return _load_hf_dir(resolved, compute_dtype, device, "float" if weights == "auto" else weights)
+    return _load_hf_dir(resolved, compute_dtype, device, resolve.weight_format(weights, "safetensors"))
 
 
 def instantiate_model(
@@ -105,12 +106,12 @@ def instantiate_model(
 def _load_gguf(
     file: GGUFFile, dtype: torch.dtype, device: torch.device, weights: WeightsOption
 ) -> LoadedModel:
-    from swarmkv.models.gguf_weights import Keep, WeightReport, auto_weight_format, gguf_tensors
+    from swarmkv.models.gguf_weights import Keep, WeightReport, checkpoint_kind, gguf_tensors
 
     names = {t.name for t in file.reader.tensors}
     config = ModelConfig.from_gguf_metadata(file.metadata, num_output_tensors=int("output.weight" in names))
     config.require_runnable()
-    fmt: WeightFormat = auto_weight_format(file) if weights == "auto" else weights
+    fmt = resolve.weight_format(weights, checkpoint_kind(file))
     _require_grouped_kernels(fmt, device)
     model = instantiate_model(config, dtype, device, fmt)
     report = WeightReport() if fmt == "gguf" else None

@@ -18,12 +18,13 @@ from typing import Literal
 import torch
 from torch import nn
 
+import swarmkv.resolve as resolve
 from swarmkv.errors import ConfigError
 from swarmkv.kernels.reference import pack_int4, unpack_int4
 from swarmkv.models.gguf_quants import INT8_GROUP_SIZE
 
 # "gguf": every tensor as a GGUF file holds it, at its own bits (models/gguf_linear.py).
-WeightFormat = Literal["float", "int8", "int4", "gguf"]
+WeightFormat = resolve.WeightFormat  # the layers' formats; written once, in swarmkv/resolve.py
 INT4_GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1 block
 
 

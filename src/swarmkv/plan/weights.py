@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import torch
 
+import swarmkv.resolve as resolve
+from swarmkv.choices import KVCacheDtype
 from swarmkv.config import DTYPES, ModelConfig
 from swarmkv.errors import UnsupportedModelError
 from swarmkv.models.gguf_quants import INT8_GROUP_SIZE
@@ -35,7 +37,7 @@ class Precision:
         """`option` as the flag gives it, "auto" meaning the checkpoint's own format `auto`."""
         if option not in WEIGHT_FORMATS:
             raise ValueError(f"unknown weight format {option!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
-        return cls(auto if option == "auto" else cast(ResolvedFormat, option))
+        return cls(cast(ResolvedFormat, resolve.planned_weight_format(option, auto)))
 
     @property
     def layer_format(self) -> WeightFormat:
@@ -55,8 +57,9 @@ class Precision:
         return DTYPES[self.dtype]
 
     def kv_dtype(self, option: str) -> str:
-        """The KV dtype `option` names, "auto" meaning this precision's float dtype (the engine's KV dtype)."""
-        return self.dtype if option == "auto" else option
+        """The KV dtype `option` names on a GPU (`swarmkv.resolve.kv_cache_dtype`: auto is this precision's float
+        dtype; the CPU's C decode step, which halves a float32 model's pages, never runs there)."""
+        return resolve.kv_cache_dtype(cast(KVCacheDtype, option), self.dtype)
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,7 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> Starlette:
         Route(RESPONSES_ROUTE + "/{response_id}", responses.get_response, methods=["GET"]),
         Route(RESPONSES_ROUTE + "/{response_id}", responses.delete_response, methods=["DELETE"]),
         Route("/v1/models", service.models, methods=["GET"]),
+        Route("/v1/engine", service.engine_settings, methods=["GET"]),
         # `path`: a session id may hold "/" (sent percent-encoded).
         Route("/v1/sessions/{session_id:path}/release", sessions.release_session, methods=["POST"]),
         Route("/v1/cache/pin", pins.create_pin, methods=["POST"]),

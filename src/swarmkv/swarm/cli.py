@@ -13,6 +13,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from swarmkv.core.config import EngineConfig
+from swarmkv.engine.kv_budget import kv_page_dtype
+from swarmkv.engine.kv_cache import kv_storage_dtype
 from swarmkv.models.default import default_model_path
 from swarmkv.models.loader import load_model
 from swarmkv.options import add_engine_arguments, add_model_arguments, engine_kwargs
@@ -142,6 +144,9 @@ def run(args: argparse.Namespace) -> int:
             workload, first_prompt + 256 * workload.turns, kv_per_token
         )
     engine_config = EngineConfig.from_kwargs(**options)
+    # What the pages hold (float16 under a float32 model the CPU's C step decodes), not the pool's sizing above.
+    page_dtype = kv_page_dtype(loaded, engine_config)
+    page_bytes_per_token = loaded.config.kv_bytes_per_token(kv_storage_dtype(page_dtype))
     config: dict[str, Any] = {
         "model": loaded.name,
         "agents": args.agents,
@@ -152,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
         "max_num_batched_tokens": engine_config.max_num_batched_tokens,
         "max_model_len": engine_config.max_model_len,
         "cascade_attention": engine_config.cascade_attention,
-        "kv_bytes_per_token": kv_per_token,
+        "kv_bytes_per_token": page_bytes_per_token,
+        "kv_cache_dtype": page_dtype,
         "kv_cache_memory": engine_config.kv_cache_bytes,
         "shared_prefix_tokens": shared_prefix,
         "tools": len(workload.tools),
@@ -160,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     }
     console.print(
         f"[bold]{loaded.name}[/]: {args.agents} agents, {args.turns} turns, shared head "
-        f"{shared_prefix} tokens ({len(workload.tools)} tools), KV {kv_per_token:,} B/token"
+        f"{shared_prefix} tokens ({len(workload.tools)} tools), KV {page_bytes_per_token:,} B/token ({page_dtype})"
     )
     warm_up(loaded, workload, engine_config)
     results: dict[str, ModeResult] = {}

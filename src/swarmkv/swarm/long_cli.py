@@ -9,7 +9,9 @@ from typing import Any, cast
 
 from rich.console import Console
 
+import swarmkv.resolve as resolve
 from swarmkv.core.config import EngineConfig
+from swarmkv.engine.kv_budget import dtype_name
 from swarmkv.engine.kv_cache import kv_storage_dtype
 from swarmkv.models.loader import LoadedModel, load_model
 from swarmkv.options import engine_kwargs
@@ -66,7 +68,9 @@ def run_long(args: argparse.Namespace) -> int:
     options.pop("offload_memory", None)  # each policy sets its own
     options.pop("kv_cache_memory")  # sized from the workload below unless --kv-cache-memory says otherwise
     base = EngineConfig.from_kwargs(**options)
-    kv_per_token = loaded.config.kv_bytes_per_token(kv_storage_dtype(base.kv_cache_dtype, loaded.dtype))
+    # The pool is sized at the model's width (the C step's float16 pages hold twice the tokens of it).
+    sizing = resolve.kv_cache_dtype(base.kv_cache_dtype, dtype_name(loaded.dtype))
+    kv_per_token = loaded.config.kv_bytes_per_token(kv_storage_dtype(sizing))
     max_context = base.max_model_len or loaded.config.max_position_embeddings
     long = build_long_workload(
         loaded.tokenizer,

@@ -1,13 +1,15 @@
-"""GET /, /v1/models, /health and /metrics: what this server is, its model, whether its engine works, its counters."""
+"""GET /, /v1/models, /v1/engine (the resolved settings), /health and /metrics: what this server is, its model, whether its engine works, its counters."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from swarmkv.resolve import PromptLayouts
 from swarmkv.server.context import ServerContext
 
 
@@ -45,6 +47,16 @@ async def health(request: Request) -> Response:
     if error is not None:
         return JSONResponse({"status": "engine step failed", "error": error}, status_code=503)
     return JSONResponse({"status": "ok"})
+
+
+async def engine_settings(request: Request) -> Response:
+    """GET /v1/engine: the settings the engine runs with, every `auto` resolved (`swarmkv.resolve`), and the
+    prompt layout each API gets."""
+    ctx: ServerContext = request.app.state.ctx
+    layouts = PromptLayouts.of(ctx.prompt_layout)
+    return JSONResponse(
+        {**ctx.engine.engine.settings.to_dict(), "prompt_layout": dataclasses.asdict(layouts)}
+    )
 
 
 async def metrics(request: Request) -> Response:
