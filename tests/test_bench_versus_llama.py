@@ -86,4 +86,4 @@ def test_a_run_without_llama_cpp_reports_swarmkv_alone(tmp_path: Path) -> None:
     assert file["c_decode_step"] and file["kv_dtype"] == "torch.float16"
     assert all(file["swarmkv"][k]["median"] > 0 for k in ("prefill", "decode", "batch2"))
     assert file["llama.cpp"] == {} and file["ratios"]["decode_vs_tg"] is None
-    assert record["copy_gb_s"] > 0
+    assert record["copy_gb_s"] > 0 and record["read_gb_s"] > 0
