@@ -383,7 +383,7 @@ class KVReads:
 def kv_reads(engine: LLMEngine) -> KVReads:
     """What the next step (every running request decoding) reads, from the page tables decodes are grouped by."""
     table, size = engine.runner.page_table, engine.config.block_size
-    seqs = engine.scheduler.running
+    seqs = engine.core.scheduler.running
     rows = [table.row(s.request_id) for s in seqs]
     starts = [s.num_computed_tokens for s in seqs]  # a decode writes position `start`, attends to [0, start]
     per_slot = sum(starts) + len(starts)
@@ -737,7 +737,7 @@ def decoding_engine(loaded: LoadedModel, options: dict[str, Any], batch: int, **
         engine.add_request(f"launch-{i}", random_ids(24, high, seed=200 + i), params)
     for _ in range(8):
         engine.step()
-        if all(s.num_computed_tokens >= len(s.prompt_token_ids) for s in engine.scheduler.running):
+        if all(s.num_computed_tokens >= len(s.prompt_token_ids) for s in engine.core.scheduler.running):
             break
     engine.step()  # a first decode step: graphs captured, kernels compiled
     return engine

@@ -145,7 +145,9 @@ def test_auto_is_two_on_the_cpu_and_no_limit_elsewhere() -> None:
     assert EngineConfig(max_num_partial_prefills=3).partial_prefill_limit("cuda") == 3
     assert EngineCore(auto, 64).scheduler.limits.max_num_partial_prefills == 2
     assert EngineCore(auto, 64, device_type="cuda").scheduler.limits.max_num_partial_prefills is None
-    assert tiny_llm().engine.scheduler.limits.max_num_partial_prefills == 2  # the engine passes its device
+    assert (
+        tiny_llm().engine.core.scheduler.limits.max_num_partial_prefills == 2
+    )  # the engine passes its device
 
 
 def test_the_flag_takes_auto_or_a_number() -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+import swarmkv.resolve as resolve
 from swarmkv import LLM, SamplingParams
 from swarmkv.core.config import EngineConfig
 from swarmkv.core.scheduler import Chunk
@@ -169,9 +170,9 @@ def test_kept_states_equal_those_decoding_without_drafts(loaded: LoadedModel) ->
 def test_speculation_is_on_for_hybrids_on_either_backend() -> None:
     """auto and on verify drafts on every model and backend (the triton backend's recurrent kernels keep
     the state after each drafted position too: tests/test_triton_speculation_hybrid.py); off does not."""
-    assert LLMEngine._speculates(EngineConfig())
-    assert LLMEngine._speculates(EngineConfig(speculation="on"))
-    assert not LLMEngine._speculates(EngineConfig(speculation="off"))
+    assert resolve.speculation(EngineConfig().speculation)
+    assert resolve.speculation("on")
+    assert not resolve.speculation("off")
 
 
 def test_a_failed_verification_leaves_the_next_requests_exact(loaded: LoadedModel) -> None:

@@ -22,7 +22,7 @@ from swarmkv.core.drafts import Drafts
 from swarmkv.core.pins import PinInfo
 from swarmkv.core.processors import Processors
 from swarmkv.core.sampling_params import SamplingParams
-from swarmkv.core.scheduler import Chunk, PreemptionCost, Scheduler, StepPlan
+from swarmkv.core.scheduler import Chunk, PreemptionCost, StepPlan
 from swarmkv.core.sequence import Sequence, Status
 from swarmkv.core.stats import EngineCounters, EngineStats
 from swarmkv.engine.backend import resolve_attention_backend
@@ -69,7 +69,7 @@ class LLMEngine:
         self.lookahead = Lookahead(config.lookahead(device.type))
         self.counters = EngineCounters()  # the core's, and the step's own counts (failures, lookahead)
         drafts = None
-        if self._speculates(config):
+        if resolve.speculation(config.speculation):
             drafts = Drafts.of(config, self.counters, self.processors.draft_limit, self.lookahead.enabled)
             self.processors.register(drafts)
         self.drafter = drafts.drafter if drafts is not None else None
@@ -96,32 +96,17 @@ class LLMEngine:
             loaded, config, kv_tensors, self.states, self.counters, self.attention_backend, self.max_model_len
         )
         self.executor = Executor(self.runner, self.processors, self.seeded, drafts, self.lookahead)
+        limits = self.core.scheduler.limits
         self.settings = engine_settings(
-            loaded,
-            budget,
-            self.runner,
-            self.core.scheduler.limits,
-            jump_forward=jump,
-            speculation=drafts is not None,
-            async_scheduling=self.lookahead.enabled,
+            loaded, budget, self.runner, limits, jump, drafts is not None, self.lookahead.enabled
         )
         log.info("engine settings: %s", self.settings.describe())
         self.last_step_error: str | None = None  # set while the latest step failed
-
-    @staticmethod
-    def _speculates(config: EngineConfig) -> bool:
-        """Whether drafts are verified (`swarmkv.resolve.speculation`)."""
-        return resolve.speculation(config.speculation)
 
     @property
     def healthy(self) -> bool:
         """False while the latest step failed: the engine may be unusable until a step succeeds."""
         return self.last_step_error is None
-
-    @property
-    def scheduler(self) -> Scheduler:
-        """The core's scheduler, read-only (bench/gpu.py reads its running requests)."""
-        return self.core.scheduler
 
     @property
     def structured(self) -> StructuredDecoding:

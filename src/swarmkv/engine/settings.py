@@ -15,7 +15,6 @@ def engine_settings(
     budget: KVBudget,
     runner: ModelRunner,
     limits: SchedulerLimits,
-    *,
     jump_forward: bool,
     speculation: bool,
     async_scheduling: bool,
