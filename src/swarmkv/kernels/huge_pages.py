@@ -7,7 +7,7 @@ anonymous mapping huge pages when `transparent_hugepage/enabled` is `always`, or
 `pack_tensors` copies the tensors into one such mapping and re-points each at its copy: every holder of a tensor
 object sees the move, views keep their offsets, and the old memory goes. The KV slabs (`huge_zeros`) get their own
 mapping. Where the OS gives no huge pages (another OS, THP `never`) nothing moves. Measured on the embedded model
-(the C decode step, 2 threads, bench/decode.py): see the README's decode section.
+(the C decode step, 2 threads, bench/decode.py): see docs/benchmarks.md (Decode on the CPU).
 """
 
 from __future__ import annotations
