@@ -697,35 +697,20 @@ static inline int kquant_int8_reads(const layout_t *w) {
     if (w->s_sub == NULL) return 0;
     if (w->group == 32 && (w->bits == 4 || w->bits == 5))
         return w->s_per == 8 && !w->s_sub_signed && w->offset == 0 && (w->m_half == NULL || (w->m_sub != NULL && w->m_per == 8));
+#if defined(__F16C__) /* rows_dot_int8_q6k is built with the F16C paths (HAVE_INT8_PLAIN) */
     return w->group == 16 && w->bits == 6 && w->s_per == 16 && w->s_sub_signed && w->offset == 32 && w->m_half == NULL;
+#else
+    return 0;
+#endif
 }
 
-/* A group of 32's 6-bit codes (two groups of 16), even elements then odd: the nibbles, and bits 4-5 from the
- * group's 8 bytes of high pairs (element k's are bits 2(k % 4) of byte k / 4). */
-static inline __m256i six_bit_codes(const uint8_t *lo, const uint8_t *high) {
-    const __m256i spread = _mm256_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4,
-                                            5, 5, 6, 6, 7, 7);
-    const __m256i h = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadl_epi64((const __m128i *)high)), spread);
-    /* byte p of the even half is element 2p: bits 0-1 (p even) or 4-5 (p odd); of the odd half, element 2p + 1:
-     * bits 2-3 or 6-7. Each candidate is shifted to bits 4-5, then the parity of p picks one. */
-    const __m256i at_even = _mm256_blend_epi32(_mm256_slli_epi16(h, 4), _mm256_slli_epi16(h, 2), 0xF0);
-    const __m256i at_odd = _mm256_blend_epi32(h, _mm256_srli_epi16(h, 2), 0xF0);
-    const __m256i odd_p = _mm256_set1_epi16((short)0xFF00);
-    const __m256i top = _mm256_and_si256(_mm256_blendv_epi8(at_even, at_odd, odd_p), _mm256_set1_epi8(0x30));
-    return _mm256_or_si256(nibble_codes(lo, NULL), top);
-}
-
-/* Row n of a K-quant W (kquant_int8_reads) against up to FAST_ROWS rows of int8 x, a super-group of 256 at a time:
- * each x group of 32's constant (dx times the super-group's float16, and Q4_K/Q5_K's sub-scale) is formed for the
- * eight groups at once in a vector; Q6_K's two sub-scales a group of 32 multiply its int16 pair sums (madd), and
- * its codes less 32 are signed, so they meet x as |c| against x with c's sign. The minimums of Q4_K/Q5_K meet x's
- * group sums eight groups a vector. */
+/* Row n of a 4- or 5-bit K-quant W (Q4_K, Q5_K) against up to FAST_ROWS rows of int8 x, a super-group of 256 at a
+ * time: each x group of 32's constant (dx times the group's sub-scale times the super-group's float16) is formed
+ * for the eight groups at once in a vector, and the minimums meet x's group sums eight groups a vector. Q4_K takes
+ * rows_dot_int8_plain where it is built and Q6_K rows_dot_int8_q6k: this reads Q5_K, and Q4_K elsewhere. */
 static inline __attribute__((always_inline)) void rows_dot_int8_k(const layout_t *w, int64_t K, int64_t n, int64_t M,
                                                                   const qx_t *qx, int64_t m0, float *out) {
     const int64_t groups = K / 32, supers = K / 256;
-    const int six = w->bits == 6;
-    const __m256i pair_scales = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 0, 1, 0, 1, 0, 1, 0, 1,
-                                                 2, 3, 2, 3, 2, 3, 2, 3);
     __m256 acc[FAST_ROWS], rest[FAST_ROWS];
     for (int64_t m = 0; m < M; m++) acc[m] = rest[m] = _mm256_setzero_ps();
     const int8_t *x = qx->paired + m0 * K;
@@ -733,41 +718,22 @@ static inline __attribute__((always_inline)) void rows_dot_int8_k(const layout_t
     const uint8_t *lo = w->low + n * (K / 2);
     for (int64_t sb = 0; sb < supers; sb++) {
         float scale[FAST_ROWS][8];
-        __m256 s = _mm256_set1_ps(half_to_float(w->s_half[n * supers + sb]));
-        if (!six) {
-            const __m128i sub = _mm_loadl_epi64((const __m128i *)((const uint8_t *)w->s_sub + n * groups + sb * 8));
-            s = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sub)));
-        }
+        const __m128i sub = _mm_loadl_epi64((const __m128i *)((const uint8_t *)w->s_sub + n * groups + sb * 8));
+        const __m256 s = _mm256_mul_ps(_mm256_set1_ps(half_to_float(w->s_half[n * supers + sb])),
+                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sub)));
         for (int64_t m = 0; m < M; m++) _mm256_storeu_ps(scale[m], _mm256_mul_ps(s, _mm256_loadu_ps(dx + m * groups + sb * 8)));
         if (w->m_half != NULL) {
-            const __m128i sub = _mm_loadl_epi64((const __m128i *)(w->m_sub + n * groups + sb * 8));
+            const __m128i msub = _mm_loadl_epi64((const __m128i *)(w->m_sub + n * groups + sb * 8));
             const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(half_to_float(w->m_half[n * supers + sb])),
-                                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sub)));
+                                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(msub)));
             for (int64_t m = 0; m < M; m++) rest[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xs + m * groups + sb * 8), rest[m]);
         }
-        /* Q6_K: the super-group's 16 sub-scales as int16, a group of 32's two in each 32-bit lane */
-        const __m256i subs16 = six ? _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)((const int8_t *)w->s_sub +
-                                                                                                n * (K / 16) + sb * 16)))
-                                   : _mm256_setzero_si256();
         for (int64_t j = 0; j < 8; j++) {
             const int64_t g = sb * 8 + j;
-            if (six) {
-                const __m256i codes = _mm256_sub_epi8(six_bit_codes(lo + g * 16, w->high + n * (K / 4) + g * 8), _mm256_set1_epi8(32));
-                const __m256i magnitude = _mm256_sign_epi8(codes, codes);
-                /* int16 lanes of the pair sums: 0-3 and 8-11 are the first group of 16's, 4-7 and 12-15 the second's */
-                const __m256i both = _mm256_permutevar8x32_epi32(subs16, _mm256_set1_epi32((int)j));
-                const __m256i sub = _mm256_shuffle_epi8(both, pair_scales);
-                for (int64_t m = 0; m < M; m++) {
-                    const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x + m * K + g * 32)), codes);
-                    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xv), sub);
-                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&scale[m][j]), acc[m]);
-                }
-            } else {
-                const __m256i codes = nibble_codes(lo + g * 16, w->bits == 5 ? w->high + n * (K / 8) + g * 4 : NULL);
-                for (int64_t m = 0; m < M; m++) {
-                    const __m256i dot = dot_u8s8(codes, _mm256_loadu_si256((const __m256i *)(x + m * K + g * 32)));
-                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&scale[m][j]), acc[m]);
-                }
+            const __m256i codes = nibble_codes(lo + g * 16, w->bits == 5 ? w->high + n * (K / 8) + g * 4 : NULL);
+            for (int64_t m = 0; m < M; m++) {
+                const __m256i dot = dot_u8s8(codes, _mm256_loadu_si256((const __m256i *)(x + m * K + g * 32)));
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&scale[m][j]), acc[m]);
             }
         }
     }
