@@ -39,6 +39,7 @@ class PinInfo:
     expires_in_s: float | None
     ready: bool  # False while its prefix is still being computed
     num_cached_tokens: int = 0  # of its prefix, found in the prefix cache when its prefill ran
+    holders: int = 1  # the requests that pinned it (`Pins.share`)
 
     @property
     def num_created_tokens(self) -> int:
@@ -89,6 +90,7 @@ class _Pin:
     num_tokens: int = 0
     num_cached_tokens: int = 0
     ready: bool = False
+    holders: int = 1
 
 
 class Pins:
@@ -193,6 +195,16 @@ class Pins:
         """Record a checked pin whose prefix is being computed (or is cached: `hold` it now)."""
         self._pins[pin_id] = _Pin(list(token_ids), cache_salt, ttl_s)
 
+    def share(self, pin_id: str, ttl_s: float | None) -> None:
+        """One more holder of a pin, held or still computing: it expires at the later of its own expiry and
+        `ttl_s` from now (no TTL, on either side, holds it until it is deleted)."""
+        pin = self._pins[pin_id]
+        pin.holders += 1
+        if not pin.ready:
+            pin.ttl_s = None if ttl_s is None or pin.ttl_s is None else max(pin.ttl_s, ttl_s)
+        elif pin.expires_at is not None:
+            pin.expires_at = None if ttl_s is None else max(pin.expires_at, self._clock() + ttl_s)
+
     def hold(self, pin_id: str, num_cached_tokens: int) -> None:
         """The pin's prefill finished (`num_cached_tokens` of its prefix were found cached): hold its cached
         pages, within the cap (a pin past it holds fewer)."""
@@ -237,4 +249,4 @@ class Pins:
         if self.kv.pinned_state(pin_id) is not None:
             kv_bytes += self.state_bytes
         cached = min(pin.num_tokens, pin.num_cached_tokens)
-        return PinInfo(pin_id, pin.num_tokens, kv_bytes, left, pin.ready, cached)
+        return PinInfo(pin_id, pin.num_tokens, kv_bytes, left, pin.ready, cached, pin.holders)

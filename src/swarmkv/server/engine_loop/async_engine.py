@@ -229,19 +229,16 @@ class AsyncEngine:
             self._admit(command)
             return
         pin, rest = pins[0], pins[1:]
-        self._pins.unpin(self.engine, pin.pin_id)
         ready: concurrent.futures.Future[PinInfo | None] = concurrent.futures.Future()
-        try:
-            if pin.share is not None:
-                group, num_tenants = pin.share
-                share_bytes = self.engine.core.pins.max_bytes // num_tenants
-                self.engine.core.pins.check_share(group, len(pin.prompt_token_ids), share_bytes)
-        except InvalidRequestError as exc:
-            ready.set_exception(exc)
+        pinned_already = self.engine.core.pins
+        if pin.pin_id in pinned_already:
+            # The same prefix under the same salt, pinned by an earlier request (a repeat, or another agent
+            # at the same moment): share that pin, and wait for its prefill if it is still running, so this
+            # request reads the prefix instead of computing it beside it.
+            pinned_already.share(pin.pin_id, pin.ttl_s)
+            self._pins.after(pin.pin_id, ready)
         else:
-            self._pins.add(
-                self.engine, AddPin(pin.pin_id, pin.prompt_token_ids, pin.ttl_s, command.cache_salt, ready)
-            )
+            self._add_request_pin(command, pin, ready)
 
         def pinned(done: concurrent.futures.Future[PinInfo | None]) -> None:
             error = done.exception()
@@ -256,6 +253,23 @@ class AsyncEngine:
             self._pin_then_admit(command, rest)
 
         ready.add_done_callback(pinned)
+
+    def _add_request_pin(
+        self, command: Add, pin: RequestPin, ready: concurrent.futures.Future[PinInfo | None]
+    ) -> None:
+        """Pin a request's prefix anew, within its tenant's share of the pinned memory where tenants share it;
+        `ready` holds the refusal."""
+        try:
+            if pin.share is not None:
+                group, num_tenants = pin.share
+                share_bytes = self.engine.core.pins.max_bytes // num_tenants
+                self.engine.core.pins.check_share(group, len(pin.prompt_token_ids), share_bytes)
+        except InvalidRequestError as exc:
+            ready.set_exception(exc)
+        else:
+            self._pins.add(
+                self.engine, AddPin(pin.pin_id, pin.prompt_token_ids, pin.ttl_s, command.cache_salt, ready)
+            )
 
     def _admit(self, command: Add) -> None:
         """Admit the request, its pins held: from here its deltas go to its stream."""

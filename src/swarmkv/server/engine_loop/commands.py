@@ -16,7 +16,8 @@ from swarmkv.server.engine_loop.request_stream import RequestStream
 @dataclass(frozen=True)
 class RequestPin:
     """A prefix its request pins before it is admitted (a Messages cache mark), under an id that follows from
-    the prefix, so a repeat refreshes the pin (drops it, pins it again) instead of adding one."""
+    the prefix and salt, so a repeat, or another request at the same moment, shares the pin (`Pins.share`)
+    instead of adding one."""
 
     pin_id: str
     prompt_token_ids: list[int]

@@ -41,6 +41,15 @@ class PendingPins:
             return
         self._ready[command.pin_id] = command.ready
 
+    def after(self, pin_id: str, ready: concurrent.futures.Future[PinInfo | None]) -> None:
+        """Resolve `ready` with None (nothing computed for its caller) once the pin's prefill in flight
+        ends, however it ends, or at once when none is."""
+        pending = self._ready.get(pin_id)
+        if pending is None:
+            ready.set_result(None)
+        else:
+            pending.add_done_callback(lambda _: ready.set_result(None))
+
     def settle(self, engine: LLMEngine, delta: RequestDelta) -> None:
         """Hand the caller its pin once the prefill's finished delta arrives (its one token is dropped)."""
         if not delta.finished:

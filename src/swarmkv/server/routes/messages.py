@@ -99,7 +99,7 @@ async def count_tokens(request: Request) -> Response:
 
 def _pin(ctx: ServerContext, req: MessagesRequest, mark: Breakpoint, ids: list[int]) -> RequestPin:
     """A cache_control mark's pin, made with its request: under an id that follows from the prefix and salt,
-    so a repeated request refreshes its pin instead of adding one; within its tenant's share of the pinned
+    so a repeated or concurrent request shares its pin instead of adding one; within its tenant's share of the pinned
     memory where tenants share it."""
     salt = ctx.tenant.cache_salt(req.chat.options.cache_salt)
     digest = hashlib.sha256(f"{salt}\0{ids}".encode()).hexdigest()[:32]
