@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from swarmkv.api.errors import bad_request, get_field, type_name
+from swarmkv.api.limits import SchemaBudget, check_num_tools
 from swarmkv.api.options import Options, parse_options
 from swarmkv.api.reasoning import CLOSE_THINK, THINKING_SWITCH
 from swarmkv.api.structured_request import ResponseFormat, parse_response_format
@@ -278,7 +279,7 @@ def _history_call(where: str, call: Any) -> dict[str, Any]:
     if isinstance(arguments, str):
         # Templates expect a mapping (transformers' convention); OpenAI clients send a JSON string. Arguments
         # a model wrote that are not JSON come back as they were written, and templates render the string.
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, RecursionError):  # the decoder recurses once per nesting level
             arguments = json.loads(arguments) if arguments.strip() else {}
     out: dict[str, Any] = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
     if isinstance(call.get("id"), str):
@@ -286,12 +287,15 @@ def _history_call(where: str, call: Any) -> dict[str, Any]:
     return out
 
 
-def parse_tools(tools: Any) -> list[dict[str, Any]] | None:
-    """Validate `tools`: function definitions, each with a name and a JSON-schema `parameters` object."""
+def parse_tools(tools: Any, budget: SchemaBudget | None = None) -> list[dict[str, Any]] | None:
+    """Validate `tools`: function definitions, each with a name and a JSON-schema `parameters` object, within
+    the request's bounds (`api/limits.py`; their schemas spend from `budget`, a fresh one when None)."""
     if tools is None:
         return None
     if not isinstance(tools, list):
         raise bad_request("'tools' must be an array", param="tools")
+    check_num_tools(len(tools))
+    budget = budget if budget is not None else SchemaBudget()
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if (
@@ -308,6 +312,7 @@ def parse_tools(tools: Any) -> list[dict[str, Any]] | None:
             raise bad_request(
                 f"tools[{i}].function.parameters must be a JSON schema object", param=f"tools[{i}]"
             )
+        budget.check(function.get("parameters", {}), f"tools[{i}]")
     return tools or None
 
 

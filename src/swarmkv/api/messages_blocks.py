@@ -50,7 +50,8 @@ class MessagesBuilder:
         self.marks: list[tuple[list[Message], float]] = []
         # Deferred tools (`defer_loading`) by name, as OpenAI function tools, and those a tool_reference loaded.
         self.deferred: dict[str, dict[str, Any]] = {}
-        self.loaded: list[str] = []
+        # Deferred tools a tool_reference loaded, in the order they were loaded (a dict as an ordered set).
+        self.loaded: dict[str, None] = {}
 
     def done(self) -> list[Message]:
         """Every message, the pending one included."""
@@ -60,8 +61,8 @@ class MessagesBuilder:
     def _result_part(self, where: str, block: Any) -> str:
         """One block of a tool_result's content as text: a text block's text, or a `tool_reference` (what a
         tool search returns, e.g. Claude Code's ToolSearch), which Anthropic's API expands into the named
-        deferred tool's definition: here a line naming the tool and its definition as JSON. The tool is then
-        callable, and the prompt's tool block stays as it was."""
+        deferred tool's definition: here a line naming the tool and, where the request first loads it, its
+        definition as JSON. The tool is then callable, and the prompt's tool block stays as it was."""
         part = _block(where, block, ("text", "tool_reference"))
         if part["type"] == "text":
             return str(part.get("text", ""))
@@ -71,8 +72,10 @@ class MessagesBuilder:
         tool = self.deferred.get(name)
         if tool is None:
             return f"Tool loaded: {name}"  # offered in full already, or unknown: nothing to expand
-        if name not in self.loaded:
-            self.loaded.append(name)
+        if name in self.loaded:
+            # Defined where it was first loaded: a body repeating a reference cannot multiply the prompt.
+            return f"Tool loaded: {name}"
+        self.loaded[name] = None
         return f"Tool loaded: {name}\n{json.dumps(tool['function'], ensure_ascii=False)}"
 
     def mark(self, where: str, block: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from swarmkv.api.chat_request import ChatRequest, Message, parse_chat_request, parse_messages, parse_tools
 from swarmkv.api.errors import APIError, bad_request, get_field
 from swarmkv.api.layout import Layout, tools_lead
+from swarmkv.api.limits import SchemaBudget, check_num_tools
 from swarmkv.api.messages_blocks import MessagesBuilder
 from swarmkv.api.pin_request import PinRequest
 from swarmkv.api.session_id import MAX_SESSION_ID_CHARS, check_session_id
@@ -78,6 +79,7 @@ def parse_messages_request(body: dict[str, Any], needs_max_tokens: bool = True) 
             details={"error_code": THREAD_UNSUPPORTED, "unsupported": ["thread"]},
         )
     _refuse_unsupported(body)
+    check_num_tools(len(get_field(body, "tools", list, "an array") or ()))  # before any tool is read
     _check_num_marks(body)  # before any block is read: each mark snapshots the conversation
     template_kwargs = _thinking(body.get("thinking"))
     metadata = get_field(body, "metadata", dict, "an object", {})
@@ -193,7 +195,7 @@ def json_session_id(user_id: Any) -> str | None:
         return None
     try:
         fields = json.loads(user_id)
-    except ValueError:
+    except (ValueError, RecursionError):  # the decoder recurses once per nesting level
         return None
     session_id = fields.get("session_id") if isinstance(fields, dict) else None
     return session_id if isinstance(session_id, str) and session_id else None
@@ -203,6 +205,7 @@ def _tools(tools: list[Any] | None, builder: MessagesBuilder) -> list[dict[str, 
     """Anthropic tools as OpenAI function tools; a cache mark on a tool pins the tools alone."""
     if tools is None:
         return None
+    budget = SchemaBudget()  # deferred tools' schemas and the offered ones' (`parse_tools`) spend from one
     out = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
@@ -226,11 +229,12 @@ def _tools(tools: list[Any] | None, builder: MessagesBuilder) -> list[dict[str, 
         if tool.get("defer_loading") is True:
             # As Anthropic's API defers it: out of the prompt's tool block (so loading one never changes the
             # cached head), its definition where a tool search's `tool_reference` names it.
+            budget.check(tool["input_schema"], where)
             builder.deferred[tool["name"]] = {"type": "function", "function": function}
             continue
         out.append({"type": "function", "function": function})
         builder.mark(where, tool)
-    return parse_tools(out) if out or not builder.deferred else None
+    return parse_tools(out, budget) if out or not builder.deferred else None
 
 
 def _tool_choice(choice: Any) -> Any:

@@ -29,26 +29,56 @@ from swarmkv.tokenizer import Tokenizer
 # Text -> token ids without special tokens: the tokenizer's `encode`, or an equal one that caches (lint's)
 # or refuses a text too long to tokenize (`bounded_encode`).
 Encode = Callable[[str], list[int]]
-# A text's characters per token can exceed the longest token's once a normalizer composes characters (NFC
-# makes one of a Hangul syllable's three jamo); this bounds that, so the length check never refuses a fit.
-_NORMALIZED_CHARS_PER_CHAR = 4
+# A text longer than this is counted chunk by chunk before it is tokenized whole, so a refused prompt costs
+# at most a chunk's tokens in memory (32K characters of emoji: 96K tokens, about 10 MB) and time up to the
+# context, whatever its size.
+_COUNT_CHUNK_CHARS = 32_768
+# A chunk ends at its last whitespace in its last quarter, where a pre-tokenizer splits anyway; a cut inside
+# a word can give its two halves more tokens than the word has, so each cut is allowed this many before the
+# count refuses.
+_CUT_SLACK_TOKENS = 16
 
 
 def bounded_encode(
     tokenizer: Tokenizer, max_model_len: int, prompt_param: str, text_prompt: bool = False
 ) -> Encode:
-    """The tokenizer's `encode` (`encode_text_prompt` for a `text_prompt`), after a check that needs no tokens:
-    a text with more characters than `max_model_len` tokens could spell is a 400 at once, not after the
-    seconds tokenizing it takes (a minute for 21 MB)."""
-    max_chars = max_model_len * tokenizer.max_token_chars * _NORMALIZED_CHARS_PER_CHAR
+    """The tokenizer's `encode` (`encode_text_prompt` for a `text_prompt`), refusing (400) a text that cannot
+    fit `max_model_len` before it tokenizes all of it: at once when its bytes alone need more tokens than
+    the context has (`Tokenizer.min_num_tokens`), else once counting it chunk by chunk passes the context.
+    Neither refuses a text that fits; what passes is encoded whole, as `encode` would."""
 
     def encode(text: str) -> list[int]:
-        if len(text) > max_chars:
-            num_tokens = f"more than {max_model_len} (its {len(text)} characters)"
+        min_tokens = tokenizer.min_num_tokens(text)
+        if min_tokens > max_model_len:
+            num_tokens = f"at least {min_tokens} (its {len(text)} characters)"
             raise context_length_exceeded(max_model_len, num_tokens, prompt_param)
+        if len(text) > _COUNT_CHUNK_CHARS:
+            counted = count_up_to(tokenizer, text, max_model_len)
+            if counted is not None:
+                raise context_length_exceeded(max_model_len, f"more than {counted}", prompt_param)
         return tokenizer.encode_text_prompt(text) if text_prompt else tokenizer.encode(text)
 
     return encode
+
+
+def count_up_to(tokenizer: Tokenizer, text: str, max_tokens: int) -> int | None:
+    """None when `text` may fit `max_tokens`; else the tokens counted, chunk by chunk, once past them (and past
+    the slack its cuts are allowed): a long text is never tokenized further than the bound."""
+    num_tokens, num_cuts, start = 0, 0, 0
+    while start < len(text):
+        end = min(start + _COUNT_CHUNK_CHARS, len(text))
+        if end < len(text):
+            space = max(
+                text.rfind(" ", end - _COUNT_CHUNK_CHARS // 4, end),
+                text.rfind("\n", end - _COUNT_CHUNK_CHARS // 4, end),
+            )
+            end = space if space > start else end
+            num_cuts += 1
+        num_tokens += len(tokenizer.encode(text[start:end]))
+        if num_tokens > max_tokens + num_cuts * _CUT_SLACK_TOKENS:
+            return num_tokens
+        start = end
+    return None
 
 
 def render_chat(

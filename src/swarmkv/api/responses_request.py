@@ -14,6 +14,7 @@ from typing import Any
 
 from swarmkv.api.chat_request import ChatRequest, Message, parse_chat_request
 from swarmkv.api.errors import bad_request, get_field, type_name
+from swarmkv.api.limits import check_num_tools
 from swarmkv.api.reasoning import THINKING_SWITCH
 from swarmkv.api.structured_request import response_format_body
 from swarmkv.choices import HostedToolsPolicy
@@ -297,12 +298,14 @@ def _tools(tools: list[Any] | None, hosted_tools: HostedToolsPolicy) -> OfferedT
     """Responses tools as chat function tools: functions as they are, a namespace's functions under their own
     names (the model writes plain names; the call comes back with its namespace); hosted tools dropped or
     refused. Two functions offered under one name are a 400, since a call could not say which it meant."""
+    check_num_tools(len(tools or ()))
     offered = OfferedTools([], {}, [])
+    names: set[str] = set()  # the functions offered so far, for the check of duplicates
     for i, tool in enumerate(tools or []):
         where = f"tools[{i}]"
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind == _FUNCTION:
-            _offer(offered, where, tool, None)
+            _offer(offered, names, where, tool, None)
         elif kind == _NAMESPACE:
             name = tool.get("name")
             if not isinstance(name, str) or not name:
@@ -310,11 +313,12 @@ def _tools(tools: list[Any] | None, hosted_tools: HostedToolsPolicy) -> OfferedT
             members = tool.get("tools")
             if not isinstance(members, list):
                 raise bad_request(f"{where}.tools must be an array of function tools", param=where)
+            check_num_tools(len(offered.tools) + len(members), where)  # each member is a tool of its own
             for j, member in enumerate(members):
                 member_where = f"{where}.tools[{j}]"
                 if not isinstance(member, dict) or member.get("type", _FUNCTION) != _FUNCTION:
                     raise bad_request(f"{member_where} must be a function tool", param=member_where)
-                _offer(offered, member_where, member, name)
+                _offer(offered, names, member_where, member, name)
         elif isinstance(kind, str) and hosted_tools == "drop":
             offered.dropped.append(f"{where}: {kind}")
         else:
@@ -326,12 +330,14 @@ def _tools(tools: list[Any] | None, hosted_tools: HostedToolsPolicy) -> OfferedT
     return offered
 
 
-def _offer(offered: OfferedTools, where: str, tool: dict[str, Any], namespace: str | None) -> None:
-    """Add one function tool, offered under its own name, to `offered`."""
+def _offer(
+    offered: OfferedTools, names: set[str], where: str, tool: dict[str, Any], namespace: str | None
+) -> None:
+    """Add one function tool, offered under its own name, to `offered` (whose function names are `names`)."""
     name = tool.get("name")
     if not isinstance(name, str) or not name:
         raise bad_request(f"{where}.name must be a non-empty string", param=where)
-    if any(t["function"]["name"] == name for t in offered.tools):
+    if name in names:
         raise bad_request(
             f"{where}: a second function named {name!r}; the model calls functions by name, so names must "
             "be unique across the tools and their namespaces",
@@ -343,6 +349,7 @@ def _offer(offered: OfferedTools, where: str, tool: dict[str, Any], namespace: s
     if tool.get("strict") is True:  # asked for outright: schema keywords the grammar cannot enforce are a 400
         function["strict"] = True
     offered.tools.append({"type": "function", "function": function})
+    names.add(name)
     if namespace is not None:
         offered.namespaces[name] = namespace
 

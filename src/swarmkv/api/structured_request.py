@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from swarmkv.api.errors import APIError, bad_request, get_field
+from swarmkv.api.limits import SchemaBudget
 from swarmkv.structured.grammars import (
     CLOSE_TAG,
     OPEN_TAG,
@@ -63,6 +64,7 @@ def parse_response_format(body: dict[str, Any], param: str = "response_format") 
         schema = spec.get("schema", {"type": "object"})
         if not isinstance(schema, dict):
             raise bad_request(f"{param}.json_schema.schema must be a JSON schema object", param=param)
+        SchemaBudget().check(schema, f"{param}.json_schema.schema")
         strict = get_field(spec, "strict", bool, "a boolean", False)
         name = get_field(spec, "name", str, "a string")
         return ResponseFormat("json_schema", schema, strict, name)

@@ -68,6 +68,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+def _first_reasons(reasons: list[str], shown: int = 3) -> str:
+    """The first few reasons, for an error that stops the lint: ": line 1: ...; line 2: ... (and 6 more)"."""
+    if not reasons:
+        return ""
+    more = f" (and {len(reasons) - shown} more)" if len(reasons) > shown else ""
+    return ": " + "; ".join(reasons[:shown]) + more
+
+
 def run(args: argparse.Namespace) -> int:
     """Lint the log; 0 when clean, 1 under --fail-under, errors (exit 2) raised to the caller."""
     from swarmkv.lint.model import load_lint_model
@@ -79,9 +87,15 @@ def run(args: argparse.Namespace) -> int:
     log = read_log_file(args.file, strict=args.strict)
     requests, problems = log.requests, log.problems
     if not requests:
+        refusals = [f"line {r.line}: {r.status} {r.error}" for r in log.refused]
         raise LintInputError(
             f"{args.file} holds no requests ({len(problems)} malformed lines, {len(log.refused)} refused)"
+            + _first_reasons(refusals)
         )
+    for request in requests:
+        note = request.capped_note()
+        if note is not None:
+            print(f"swarmkv lint: warning: {args.file}:{request.line}: {note}", file=sys.stderr)
     model = load_lint_model(args.model)
     page_bytes = model.page_bytes(args.page_size)
     result = lint_log(
@@ -96,7 +110,10 @@ def run(args: argparse.Namespace) -> int:
         refused=log.refused,
     )
     if not result.requests:
-        raise LintInputError(f"none of the {len(requests)} requests in {args.file} could be rendered")
+        reasons = [f"line {p.line}: {p.message}" for p in result.skipped]
+        raise LintInputError(
+            f"none of the {len(requests)} requests in {args.file} could be rendered" + _first_reasons(reasons)
+        )
     if args.fix is not None:
         write_log(args.fix, result.fixed)
     if args.json:

@@ -3,7 +3,9 @@
 A line is `{"time": unix seconds, "session_id": str | null, "route": "/v1/chat/completions" |
 "/v1/completions", "body": {...}}`, or a bare request body (no "body" key), whose route follows from its
 fields ("messages": chat, "prompt": completions). A line with a "status" is a request the server refused
-(`{"time", "session_id", "route", "status", "error", "body"}`): not replayed, counted per route.
+(`{"time", "session_id", "route", "status", "error", "body"}`): not replayed, counted per route. A line's
+`"capped"` lists the body's strings the server cut to their head (`{"path", "chars", "kept_chars", "sha256"}`):
+such a request is replayed from what was kept, and lint says so.
 """
 
 from __future__ import annotations
@@ -40,6 +42,19 @@ class LoggedRequest:
     bare: bool = False  # the line was the body alone
     api: Api = "chat"  # the API it came in on: a Messages or Responses request is logged as its chat body
     tenant: str | None = None  # the key's tenant (`--api-keys`): tenants share no cache, sessions or salts
+    # The strings the server's log cut to their head, as the line lists them ({"path", "chars", ...}).
+    capped: tuple[dict[str, Any], ...] = ()
+
+    def capped_note(self) -> str | None:
+        """What the log cut of this request, in words; None when nothing was."""
+        if not self.capped:
+            return None
+        fields = ", ".join(
+            f"{c.get('path')} ({c.get('chars')} characters, {c.get('kept_chars')} kept)"
+            for c in self.capped[:3]
+        )
+        more = f" and {len(self.capped) - 3} more" if len(self.capped) > 3 else ""
+        return f"the server's log cut {fields}{more}: its prompt is replayed from what was kept"
 
     @property
     def is_chat(self) -> bool:
@@ -54,11 +69,18 @@ class LoggedRequest:
         """The line as the server writes it (the body alone when it was read so)."""
         if self.bare:
             return self.body
-        record = {"time": self.time, "session_id": self.session_id, "route": self.route, "body": self.body}
+        record: dict[str, Any] = {
+            "time": self.time,
+            "session_id": self.session_id,
+            "route": self.route,
+            "body": self.body,
+        }
         if self.api != "chat":
             record["api"] = self.api
         if self.tenant is not None:
             record["tenant"] = self.tenant
+        if self.capped:
+            record["capped"] = list(self.capped)
         return record
 
 
@@ -154,8 +176,13 @@ def _parse_line(raw: str, index: int, line: int) -> LoggedRequest | RefusedReque
     tenant = record.get("tenant")
     if tenant is not None and not isinstance(tenant, str):
         raise ValueError("'tenant' must be a string or null")
+    capped = record.get("capped", [])
+    if not isinstance(capped, list) or not all(isinstance(c, dict) for c in capped):
+        raise ValueError("'capped' must be an array of objects")
     when_s = None if when is None else float(when)
-    return LoggedRequest(index, line, route, body, session_id, when_s, api=api, tenant=tenant)
+    return LoggedRequest(
+        index, line, route, body, session_id, when_s, api=api, tenant=tenant, capped=tuple(capped)
+    )
 
 
 def _refused(record: dict[str, Any], line: int) -> RefusedRequest:

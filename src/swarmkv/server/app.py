@@ -65,7 +65,7 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> Starlette:
         max_model_len=llm.engine.max_model_len,
         metrics=metrics,
         breaks=CacheBreaks(llm.tokenizer, metrics.cache_breaks),
-        request_log=RequestLog(log) if log is not None else None,
+        request_log=RequestLog(log, config.log_requests_max_bytes) if log is not None else None,
         max_request_bytes=config.max_request_bytes,
         responses=ResponseStore(config.responses_store_max, num_tenants=tenants.num_tenants),
         num_tenants=tenants.num_tenants,

@@ -75,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
 
     config = prepare(args)
     llm = LLM(**model_kwargs(args), **engine_kwargs(args))
+    context_warning = short_context_warning(llm.engine.max_model_len)
+    if context_warning is not None:
+        print(f"swarmkv serve: warning: {context_warning}", file=sys.stderr)
     app = create_app(llm, config)
     # What is loaded by now (torch, the model) lives as long as the server: kept out of the collector's
     # reach, a full collection (a body of thousands of messages sets one off) takes milliseconds, not 0.5 s.
@@ -114,6 +117,22 @@ def config_warnings(config: ServerConfig) -> list[str]:
             "use this server"
         )
     return warnings
+
+
+# Coding harnesses' first requests (system prompt and tools) are 9K to 27K tokens; a context under this
+# refuses some of them outright.
+HARNESS_CONTEXT_TOKENS = 32_768
+
+
+def short_context_warning(max_model_len: int) -> str | None:
+    """Why a model with a short context will refuse coding harnesses' first requests; None when it will not."""
+    if max_model_len >= HARNESS_CONTEXT_TOKENS:
+        return None
+    return (
+        f"this model's context is {max_model_len} tokens: coding harnesses (Claude Code, Codex, Qwen Code) send "
+        f"first requests of 9K to 27K tokens, which are refused as longer than the context; serve a model "
+        f"with at least {HARNESS_CONTEXT_TOKENS} tokens of context (--model) for them"
+    )
 
 
 def _show_swarmkv_logs(level: str) -> None:

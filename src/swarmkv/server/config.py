@@ -106,6 +106,11 @@ class ServerConfig:
     metrics_public: bool = _opt(
         False, "answer /metrics without the API key when --api-key is set (default: /metrics needs the key)"
     )
+    log_requests_max_bytes: int = _opt(
+        256 * 1024 * 1024,
+        "rotate the --log-requests file past this size: FILE becomes FILE.1, FILE.1 FILE.2, and 3 files are "
+        "kept (default %(default)s, 256 MiB)",
+    )
 
     @property
     def allowed_host_names(self) -> frozenset[str] | None:
@@ -132,6 +137,8 @@ class ServerConfig:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if self.max_request_bytes < 1:
             raise ValueError(f"--max-request-bytes must be positive, got {self.max_request_bytes}")
+        if self.log_requests_max_bytes < 1:
+            raise ValueError(f"--log-requests-max-bytes must be positive, got {self.log_requests_max_bytes}")
         if self.responses_store_max < 0:
             raise ValueError(f"--responses-store-max must be at least 0, got {self.responses_store_max}")
         for name in _comma_list(self.allowed_hosts):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,12 +20,14 @@ from swarmkv.server.engine_loop.async_engine import AsyncEngine
 from swarmkv.server.http.body import read_json_body
 from swarmkv.server.observability.cache_breaks import CacheBreaks
 from swarmkv.server.observability.cache_snapshot import TreeSnapshots
+from swarmkv.server.observability.log_entry import MIN_LOGGED_FIELD_CHARS
 from swarmkv.server.observability.metrics import ServerMetrics
 from swarmkv.server.observability.request_log import RequestLog
 from swarmkv.server.responses_store import ResponseStore
 from swarmkv.server.tenants import TENANT_SCOPE_KEY, Tenant
 from swarmkv.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
 ANY_MODEL = "*"  # as a served model name: answer whatever `model` a request names
 
 
@@ -65,13 +68,25 @@ class ServerContext:
         return await read_json_body(request, self.max_request_bytes)
 
     async def log_request(
-        self, route: str, session_id: str | None, body: dict[str, Any], api: str | None = None
+        self,
+        route: str,
+        session_id: str | None,
+        body: dict[str, Any],
+        prompt_text: str,
+        api: str | None = None,
     ) -> None:
-        """Append the request's body to the request log, when there is one; encoding and writing a large
-        body takes a while, so it runs on a worker thread, never on the event loop."""
+        """Append a request the server runs to the request log, when there is one, its strings cut at the
+        length of the `prompt_text` it rendered into (none longer is in it whole); encoding and writing a
+        large body takes a while, so it runs on a worker thread, never on the event loop."""
         if self.request_log is not None:
             tenant = self.request_tenant.name if self.request_tenant is not None else None
-            await asyncio.to_thread(self.request_log.write, route, session_id, body, api, tenant)
+            max_chars = max(len(prompt_text), MIN_LOGGED_FIELD_CHARS)
+            try:
+                await asyncio.to_thread(
+                    self.request_log.write, route, session_id, body, api, tenant, max_chars
+                )
+            except OSError:  # the request is queued by now: a full disk loses its line, not its answer
+                log.exception("the request log could not record a request to %s", route)
 
     @property
     def listed_model_names(self) -> tuple[str, ...]:

@@ -28,6 +28,9 @@ END_OF_TURN_TOKENS = (
     "<|end|>",
 )
 
+# Normalizers after which a text has at least a third of its UTF-8 bytes (`Tokenizer.normalized_shrink`).
+_SHRINKING_AT_MOST_3 = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend"})
+
 # Texts past this many characters are encoded in a batch of one, which releases the GIL while it runs.
 _LONG_TEXT_CHARS = 100_000
 
@@ -118,10 +121,40 @@ class Tokenizer:
         return self.template.source if self.template is not None else None
 
     @cached_property
-    def max_token_chars(self) -> int:
-        """The most characters one token spells: its vocabulary entry's length, which for a byte-level entry
-        is its bytes, so a text of N characters has at least about N / max_token_chars tokens."""
-        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token stands for: a byte-level entry's length (one character a
+        byte), an added token's or any other entry's UTF-8 length (SentencePiece's "▁" counts 3 for its 1)."""
+        byte_level = type(self.backend.decoder).__name__ == "ByteLevel"
+        added = {token.content for token in self.backend.get_added_tokens_decoder().values()}
+        entries = self.backend.get_vocab(with_added_tokens=True)
+        return max(
+            (
+                len(e) if byte_level and e not in added else len(e.encode("utf-8", "surrogatepass"))
+                for e in entries
+            ),
+            default=1,
+        )
+
+    @cached_property
+    def normalized_shrink(self) -> int | None:
+        """How many times fewer UTF-8 bytes a text can have once the tokenizer's normalizer ran: 1 without one,
+        3 under Unicode normal forms and lower-casing (three Hangul jamo compose into one syllable, a
+        fullwidth "Ａ" becomes "A", the Kelvin sign "k"); None for a normalizer that can remove text
+        (StripAccents, Replace, ...), under which a text's bytes bound its tokens not at all."""
+        if self.backend.normalizer is None:
+            return 1
+        spec = json.loads(self.backend.normalizer.__getstate__())
+        kinds = [n.get("type") for n in spec.get("normalizers", [spec])] if isinstance(spec, dict) else [None]
+        return 3 if all(kind in _SHRINKING_AT_MOST_3 for kind in kinds) else None
+
+    def min_num_tokens(self, text: str) -> int:
+        """The fewest tokens `text` can encode to: its UTF-8 bytes over what one token can stand for (0 when
+        the normalizer leaves no bound); no tokenizing, so it costs one pass over the text."""
+        if self.normalized_shrink is None:
+            return 0
+        num_bytes = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        per_token = self.max_token_bytes * self.normalized_shrink
+        return -(-num_bytes // per_token)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written in it (e.g. "<|im_start|>") become their single ids."""

@@ -28,8 +28,11 @@ async def read_json_body(request: Request, max_request_bytes: int) -> dict[str, 
     raw = b"".join(chunks)
     request.state.raw_body = raw  # for the request log, should the request be refused
     if len(raw) > LARGE_BODY_BYTES:  # decoding megabytes takes a while: off the event loop
-        return await asyncio.to_thread(parse_json_body, raw)
-    return parse_json_body(raw)
+        body = await asyncio.to_thread(parse_json_body, raw)
+    else:
+        body = parse_json_body(raw)
+    request.state.json_body = body  # the log of a refusal reads it, rather than decoding the body again
+    return body
 
 
 def _too_large(max_request_bytes: int) -> Exception:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any
@@ -20,7 +21,9 @@ from swarmkv.api.paths import (
     is_messages_route,
 )
 from swarmkv.server.engine_loop.request_stream import EngineUnavailableError
+from swarmkv.server.http.body import LARGE_BODY_BYTES
 from swarmkv.server.http.disconnect import STATUS_CLIENT_GONE
+from swarmkv.server.tenants import TENANT_SCOPE_KEY
 
 log = logging.getLogger(__name__)
 # The generation routes, whose refusals the request log records (`swarmkv lint` counts them).
@@ -39,27 +42,44 @@ def error_response(error: APIError, path: str) -> JSONResponse:
 async def api_error(request: Request, exc: Exception) -> Response:
     """A client mistake (a 4xx the routes raised)."""
     assert isinstance(exc, APIError)
-    _log_refused(request, exc)
+    try:
+        await _log_refused(request, exc)
+    except Exception:  # nothing in logging a refusal may turn the client's 4xx into a 500
+        log.exception("the request log could not record a refused request to %s", request.url.path)
     return error_response(exc, request.url.path)
 
 
-def _log_refused(request: Request, error: APIError) -> None:
-    """Record a refused generation request in the request log, when there is one."""
+async def _log_refused(request: Request, error: APIError) -> None:
+    """Record a refused generation request in the request log, when there is one: on a worker thread, as
+    capping and encoding a large body takes a while."""
     ctx = getattr(request.app.state, "ctx", None)
     path = request.url.path
     if ctx is None or ctx.request_log is None or request.method != "POST" or path not in _LOGGED_ROUTES:
         return
-    ctx.request_log.write_refused(path, error.status, error.message, _logged_body(request))
-
-
-def _logged_body(request: Request) -> Any:
-    """The body as JSON, as text when it is not JSON, or None when it was never read (too large)."""
     raw: bytes | None = getattr(request.state, "raw_body", None)
-    if raw is None:
+    body = getattr(request.state, "json_body", None)
+    tenant = request.scope.get(TENANT_SCOPE_KEY)
+    tenant_name = tenant.name if tenant is not None else None
+    await asyncio.to_thread(
+        lambda: ctx.request_log.write_refused(
+            path,
+            error.status,
+            error.message,
+            body if body is not None else _logged_body(raw),
+            tenant_name,
+            raw,
+        )
+    )
+
+
+def _logged_body(raw: bytes | None) -> Any:
+    """A body the parse refused, for the log: as JSON, as text when it is not JSON, or None when it was never
+    read (too large) or is too large to decode again (the log names it by its size and digest)."""
+    if raw is None or len(raw) > LARGE_BODY_BYTES:
         return None
     try:
         return json.loads(raw)
-    except ValueError:  # not JSON, or not UTF-8 (UnicodeDecodeError)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8 (UnicodeDecodeError), or nested too deeply
         return raw.decode("utf-8", errors="replace")
 
 

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from swarmkv.api.chat_request import ChatRequest
 from swarmkv.api.errors import bad_request
 from swarmkv.api.layout import Api, resolve_layout
-from swarmkv.api.options import Options
+from swarmkv.api.options import Options, context_length_exceeded
 from swarmkv.api.outputs import StepOutput
 from swarmkv.api.reasoning import ReasoningSplitter, reasoning_splitter
 from swarmkv.api.render import Encode, bounded_encode, render_request
@@ -106,6 +106,16 @@ async def render_in_worker(
     """`render_for_model` on a worker thread, a prompt too long for the context refused before it tokenizes."""
     encode = prompt_encoder(ctx, _PROMPT_PARAMS[api])
     return await in_worker(lambda: render_for_model(ctx, req, api, encode))
+
+
+async def count_prompt(ctx: ServerContext, req: ChatRequest, api: Api) -> int:
+    """The tokens of a chat request's prompt (the count routes), rendered as `start_chat` renders it; a 400
+    past the context, as what the server could never run it does not count to the end."""
+    _, rendered = await render_in_worker(ctx, req, api)
+    num_tokens = len(rendered.token_ids)
+    if num_tokens > ctx.max_model_len:
+        raise context_length_exceeded(ctx.max_model_len, str(num_tokens), _PROMPT_PARAMS[api])
+    return num_tokens
 
 
 async def start_chat(

@@ -35,8 +35,9 @@ async def chat_completions(request: Request) -> Response:
     req = parse_chat_request(payload)
     ctx.check_model(req.options.model)
     session_id = request_session_id(request, req.options.session_id, req.options.prompt_cache_key)
-    await ctx.log_request(CHAT_ROUTE, session_id, payload)
     started = await start_chat(ctx, req, session_id, arrival_s, "chatcmpl")
+    # Logged once it runs: a refused request is logged as refused instead (`http/errors.py`), once.
+    await ctx.log_request(CHAT_ROUTE, session_id, payload, started.rendered.text)
     req, stream, found, reasoning = started.req, started.stream, started.found, started.reasoning
     env = Envelope(stream.request_id, int(time.time()), ctx.model_name)
     latency = Latency(ctx.metrics, arrival_s)

@@ -37,7 +37,6 @@ async def completions(request: Request) -> Response:
     req = parse_completion_request(body)
     ctx.check_model(req.options.model)
     session_id = request_session_id(request, req.options.session_id)
-    await ctx.log_request(COMPLETIONS_ROUTE, session_id, body)
     encode = prompt_encoder(ctx, "prompt", text_prompt=True)
     prompt_ids = await in_worker(lambda: render_completion(ctx.tokenizer, req.prompt, encode))
     constraint = format_constraint(parse_response_format(body))
@@ -49,6 +48,9 @@ async def completions(request: Request) -> Response:
         constraint=constraint,
     )
     stream = await submit(ctx, "cmpl", prompt_ids, params, req.options, session_id, arrival_s)
+    # Logged once it runs; a prompt of token ids is cut at no length of text.
+    prompt_text = req.prompt if isinstance(req.prompt, str) else ""
+    await ctx.log_request(COMPLETIONS_ROUTE, session_id, body, prompt_text)
     env = Envelope(stream.request_id, int(time.time()), ctx.model_name)
     latency = Latency(ctx.metrics, arrival_s)
     if req.options.stream:

@@ -41,9 +41,9 @@ from swarmkv.server.pipeline.chat_stream import chat_deltas, parse_whole_reply
 from swarmkv.server.pipeline.generate import (
     StartedChat,
     collect_unless_disconnected,
+    count_prompt,
     in_worker,
     prompt_encoder,
-    render_in_worker,
     request_session_id,
     start_rendered,
 )
@@ -58,14 +58,13 @@ async def messages(request: Request) -> Response:
     req = parse_messages_request(payload)
     ctx.check_model(req.chat.options.model)
     session_id = request_session_id(request, req.user_id, client_header=CLAUDE_CODE_SESSION_HEADER)
-    await ctx.log_request(
-        CHAT_ROUTE, session_id, req.chat_body, "messages"
-    )  # logged as the chat request it runs as
     layout = resolve_layout(ctx.prompt_layout, "messages")
     encode = prompt_encoder(ctx, "messages")
     rendered = await in_worker(lambda: render_messages(ctx.tokenizer, req, layout, encode))
     pins = tuple(_pin(ctx, req, mark, ids) for mark, ids in zip(req.breakpoints, rendered.pins, strict=True))
     started = await start_rendered(ctx, rendered.req, rendered.prompt, session_id, arrival_s, "msg", pins)
+    # Logged once it runs, as the chat request it runs as.
+    await ctx.log_request(CHAT_ROUTE, session_id, req.chat_body, rendered.prompt.text, "messages")
     stream = started.stream
     # What the pins computed is cache creation; what a pin found cached (a moved mark's old prefix, or a
     # refreshed pin) is read, not created.
@@ -93,8 +92,7 @@ async def count_tokens(request: Request) -> Response:
     ctx = request_context(request)
     req = parse_messages_request(await ctx.read_body(request), needs_max_tokens=False)
     ctx.check_model(req.chat.options.model)
-    _, rendered = await render_in_worker(ctx, req.chat, "messages")
-    return JSONResponse({"input_tokens": len(rendered.token_ids)})
+    return JSONResponse({"input_tokens": await count_prompt(ctx, req.chat, "messages")})
 
 
 def _pin(ctx: ServerContext, req: MessagesRequest, mark: Breakpoint, ids: list[int]) -> RequestPin:

@@ -47,7 +47,7 @@ from swarmkv.server.pipeline.chat_stream import chat_deltas, parse_whole_reply
 from swarmkv.server.pipeline.generate import (
     StartedChat,
     collect_unless_disconnected,
-    render_in_worker,
+    count_prompt,
     request_session_id,
     start_chat,
 )
@@ -67,10 +67,9 @@ async def create_response(request: Request) -> Response:
     # A chain is one session, named by its first response (unless the X-Session-Id header or the
     # prompt_cache_key names one), so its KV is kept between turns.
     session_id = previous.session_id if previous else named or (response_id if req.store else None)
-    await ctx.log_request(
-        CHAT_ROUTE, session_id, req.chat_body, "responses"
-    )  # logged as the chat request it runs as
     started = await start_chat(ctx, req.chat, session_id, arrival_s, "resp", "responses")
+    # Logged once it runs, as the chat request it runs as.
+    await ctx.log_request(CHAT_ROUTE, session_id, req.chat_body, started.rendered.text, "responses")
     stream = started.stream
     head = ResponseHead(response_id, int(time.time()), ctx.model_name, req.previous_response_id, req.echo)
     latency = Latency(ctx.metrics, arrival_s)
@@ -110,7 +109,7 @@ async def count_input_tokens(request: Request) -> Response:
     """POST /v1/responses/input_tokens: the prompt's length as /v1/responses would render it, nothing generated."""
     ctx = request_context(request)
     req, _ = await _parse(ctx, request)
-    num_tokens = len((await render_in_worker(ctx, req.chat, "responses"))[1].token_ids)
+    num_tokens = await count_prompt(ctx, req.chat, "responses")
     return JSONResponse({"object": "response.input_tokens", "input_tokens": num_tokens})
 
 
