@@ -27,6 +27,7 @@ from swarmkv.server.engine_loop.async_engine import AsyncEngine
 from swarmkv.server.engine_loop.request_stream import EngineUnavailableError
 from swarmkv.server.http import errors
 from swarmkv.server.http.browsers import BrowserChecks
+from swarmkv.server.http.disconnect import CancelOnDisconnect
 from swarmkv.server.http.gate import Gate
 from swarmkv.server.observability.cache_breaks import CacheBreaks
 from swarmkv.server.observability.metrics import ServerMetrics
@@ -64,7 +65,7 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> Starlette:
         model_names=config.model_names,
         max_model_len=llm.engine.max_model_len,
         metrics=metrics,
-        breaks=CacheBreaks(llm.tokenizer, metrics.cache_breaks),
+        breaks=CacheBreaks(llm.tokenizer, metrics.cache_breaks, log_text=config.log_cache_break_text),
         request_log=RequestLog(log, config.log_requests_max_bytes) if log is not None else None,
         max_request_bytes=config.max_request_bytes,
         responses=ResponseStore(config.responses_store_max, num_tenants=tenants.num_tenants),
@@ -120,7 +121,8 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> Starlette:
         routes=routes,
         lifespan=lifespan,
         # CORS outside the gate, so its refusals (a 401, a 415) reach a listed origin's page readable.
-        middleware=[*browsers.cors_middleware(), gate],
+        # Inside the gate, so that a route cancelled for its client's leaving is counted as a 499.
+        middleware=[*browsers.cors_middleware(), gate, Middleware(CancelOnDisconnect, abort=engine.abort)],
         exception_handlers={
             APIError: errors.api_error,
             HTTPException: errors.http_error,

@@ -10,11 +10,21 @@ from types import TracebackType
 import uvicorn
 from starlette.types import ASGIApp
 
+from swarmkv.server.config import ServerConfig
+from swarmkv.server.http.protocol import uvicorn_options
+
 
 class BackgroundServer:
     """`with BackgroundServer(app) as server:` serves `app` at `server.url` until the block ends."""
 
-    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", startup_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        host: str = "127.0.0.1",
+        startup_timeout_s: float = 30.0,
+        limits: ServerConfig | None = None,
+    ) -> None:
+        """`limits`: the config whose HTTP limits the server keeps (None: the defaults)."""
         self.host = host
         self._startup_timeout_s = startup_timeout_s
         # Bound here, before uvicorn starts, so the port is known and cannot be taken in between.
@@ -22,7 +32,8 @@ class BackgroundServer:
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, 0))
         self.port: int = self._socket.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        http = uvicorn_options(limits if limits is not None else ServerConfig())
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5, **http)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run,

@@ -50,6 +50,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
             options["choices"] = typing.get_args(kind)
         elif kind is int:
             options["type"] = int
+        elif kind is float:
+            options["type"] = float
         elif Path in typing.get_args(kind):
             options["type"] = Path
         parser.add_argument("--" + f.name.replace("_", "-"), **options)
@@ -72,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
     from swarmkv.engine.llm import LLM
     from swarmkv.server.app import create_app
+    from swarmkv.server.http.protocol import uvicorn_options
 
     config = prepare(args)
     llm = LLM(**model_kwargs(args), **engine_kwargs(args))
@@ -83,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
     # reach, a full collection (a body of thousands of messages sets one off) takes milliseconds, not 0.5 s.
     gc.collect()
     gc.freeze()
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+    # The server's own HTTP protocol: header and body deadlines and bounds uvicorn lacks (http/protocol.py).
+    http = uvicorn_options(config)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, **http)
     return 0
 
 

@@ -106,6 +106,37 @@ class ServerConfig:
     metrics_public: bool = _opt(
         False, "answer /metrics without the API key when --api-key is set (default: /metrics needs the key)"
     )
+    # HTTP hygiene (`http/protocol.py`): no client holds a socket by sending slowly, or a header without end.
+    header_timeout_s: float = _opt(
+        10.0,
+        "answer a 408 and close a connection whose request line and headers have not all arrived this many "
+        "seconds after it opened (or after the request's first byte, on a kept-alive one) (default %(default)s)",
+    )
+    body_timeout_s: float = _opt(
+        30.0,
+        "answer a 408 and close a connection whose request body has not all arrived this many seconds after "
+        "its headers (default %(default)s)",
+    )
+    max_header_bytes: int = _opt(
+        64 * 1024,
+        "answer a 431 to a request whose request line and headers exceed this many bytes (default %(default)s)",
+    )
+    max_headers: int = _opt(
+        100, "answer a 431 to a request with more header fields than this (default %(default)s)"
+    )
+    keep_alive_timeout_s: float = _opt(
+        5.0, "close a kept-alive connection idle this many seconds between requests (default %(default)s)"
+    )
+    max_requests_per_connection: int = _opt(
+        1000,
+        "answer at most this many requests on one kept-alive connection; the last says `connection: close` "
+        "(default %(default)s)",
+    )
+    log_cache_break_text: bool = _opt(
+        False,
+        "with each cache break's log line (tenant, session, offset, cause), write up to 160 characters of the "
+        "prompt text where it diverged (default: the text is in no log)",
+    )
     log_requests_max_bytes: int = _opt(
         256 * 1024 * 1024,
         "rotate the --log-requests file past this size: FILE becomes FILE.1, FILE.1 FILE.2, and 3 files are "
@@ -139,6 +170,10 @@ class ServerConfig:
             raise ValueError(f"--max-request-bytes must be positive, got {self.max_request_bytes}")
         if self.log_requests_max_bytes < 1:
             raise ValueError(f"--log-requests-max-bytes must be positive, got {self.log_requests_max_bytes}")
+        for name in ("header_timeout_s", "body_timeout_s", "max_header_bytes", "max_headers",
+                     "keep_alive_timeout_s", "max_requests_per_connection"):  # fmt: skip
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.responses_store_max < 0:
             raise ValueError(f"--responses-store-max must be at least 0, got {self.responses_store_max}")
         for name in _comma_list(self.allowed_hosts):

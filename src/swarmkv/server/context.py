@@ -18,6 +18,7 @@ from swarmkv.api.errors import APIError
 from swarmkv.choices import HostedToolsPolicy, MaxTokensPolicy, PromptLayout, ToolCallGrammar
 from swarmkv.server.engine_loop.async_engine import AsyncEngine
 from swarmkv.server.http.body import read_json_body
+from swarmkv.server.http.disconnect import submitted
 from swarmkv.server.observability.cache_breaks import CacheBreaks
 from swarmkv.server.observability.cache_snapshot import TreeSnapshots
 from swarmkv.server.observability.log_entry import MIN_LOGGED_FIELD_CHARS
@@ -56,6 +57,8 @@ class ServerContext:
     num_tenants: int = 1  # the tenants the keys name; each gets this share of the pinned memory
     # Set on a request's copy only (`request_context`), so that no route can act for no one by mistake.
     request_tenant: Tenant | None = None
+    # The engine requests this request submitted, aborted when it ends (`http/disconnect.py`); its copy only.
+    submitted: list[str] | None = None
 
     @property
     def tenant(self) -> Tenant:
@@ -115,4 +118,6 @@ class ServerContext:
 def request_context(request: Request) -> ServerContext:
     """The app's context for one request, carrying the tenant the gate found for its key."""
     ctx: ServerContext = request.app.state.ctx
-    return dataclasses.replace(ctx, request_tenant=request.scope[TENANT_SCOPE_KEY])
+    return dataclasses.replace(
+        ctx, request_tenant=request.scope[TENANT_SCOPE_KEY], submitted=submitted(request.scope)
+    )

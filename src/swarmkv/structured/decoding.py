@@ -9,8 +9,9 @@ next step computes them as one chunk).
 With jump-forward off, forced tokens are queued and appended one a step instead of a sampled token, so
 the two ways give the same tokens. A speculative chunk's rows are masked along its draft (llguidance's masks
 with draft tokens); `draftable` keeps a draft to what the grammar allows before any forced run, so the rows
-verified are the rows a decode without drafts would have sampled. Compiled grammars are cached by text
-(`GrammarCache`): agents that share their tools compile them once.
+verified are the rows a decode without drafts would have sampled. Compiled grammars are cached by text within
+a scope, the root of the request's cache salt (a tenant's name under `--api-keys`) (`GrammarCache`): agents
+that share their tools compile them once, and no tenant's hit, count or timing tells of another's schema.
 """
 
 from __future__ import annotations
@@ -34,31 +35,35 @@ MAX_CACHED_GRAMMARS = 512
 
 
 class GrammarCache:
-    """Compiled grammars of one tokenizer, by grammar text; each request gets a copy of the compiled one."""
+    """Compiled grammars of one tokenizer, by scope and grammar text; each request gets a copy of the compiled
+    one. The scope is the boundary the prefix cache keeps too (the salt's root), so a grammar another scope
+    compiled is compiled again, as if unseen."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         # The vocabulary is the logits' width (a model's embedding rows may outnumber the tokenizer's ids).
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=sorted(tokenizer.eos_token_ids)
         )
-        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str | None, str], llguidance.LLMatcher] = OrderedDict()
         self.num_compiled = 0
         self.num_hits = 0
 
-    def matcher(self, grammar: str) -> llguidance.LLMatcher:
-        """A fresh matcher at the grammar's start; UnsupportedSchemaError if the grammar does not compile."""
-        compiled = self._compiled.get(grammar)
+    def matcher(self, grammar: str, scope: str | None = None) -> llguidance.LLMatcher:
+        """A fresh matcher at the grammar's start, compiled once in `scope`; UnsupportedSchemaError if the
+        grammar does not compile."""
+        key = (scope, grammar)
+        compiled = self._compiled.get(key)
         if compiled is None:
             compiled = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
             if compiled.is_error():
                 raise UnsupportedSchemaError(f"the grammar does not compile: {compiled.get_error()}")
             self.num_compiled += 1
-            self._compiled[grammar] = compiled
+            self._compiled[key] = compiled
             if len(self._compiled) > MAX_CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
         else:
             self.num_hits += 1
-            self._compiled.move_to_end(grammar)
+            self._compiled.move_to_end(key)
         return compiled.deep_copy()
 
 
@@ -104,11 +109,11 @@ class StructuredDecoding:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._rows
 
-    def start(self, grammar: str, prefix: str = "") -> GrammarState:
-        """A matcher past `prefix` (grammar text the prompt already holds), the tokens it forces next queued;
-        UnsupportedSchemaError if the grammar does not compile or refuses the prefix (nothing is added: `add`
-        does that once the request is queued)."""
-        matcher = self.grammars.matcher(grammar)
+    def start(self, grammar: str, prefix: str = "", scope: str | None = None) -> GrammarState:
+        """A matcher past `prefix` (grammar text the prompt already holds), the tokens it forces next queued,
+        its compiled grammar shared within `scope` only; UnsupportedSchemaError if the grammar does not compile
+        or refuses the prefix (nothing is added: `add` does that once the request is queued)."""
+        matcher = self.grammars.matcher(grammar, scope)
         if prefix:
             # The parser reads bytes, so the prefix's own tokenization is as good as the prompt's.
             matcher.consume_tokens(self.grammars.tokenizer.tokenize_str(prefix, parse_special=True))

@@ -8,9 +8,16 @@ from swarmkv.choices import LoopGuardMode
 from swarmkv.core.processors import Ending, LogitRows, RequestProcessor
 from swarmkv.core.scheduler import Chunk
 from swarmkv.core.sequence import FinishReason, Sequence
+from swarmkv.kv.retention import GROUP_SEP
 from swarmkv.structured.decoding import MaskJob, StructuredDecoding
 from swarmkv.structured.loop_guard import LoopGuard
 from swarmkv.tokenizer import Tokenizer
+
+
+def salt_root(cache_salt: str | None) -> str | None:
+    """The scope a request's compiled grammar is shared in: its salt's root, the tenant's name under
+    `--api-keys` (whose salts are `TENANT` or `TENANT\\0SALT`), a client's own salt without keys."""
+    return None if cache_salt is None else cache_salt.partition(GROUP_SEP)[0]
 
 
 class Grammars(RequestProcessor):
@@ -31,7 +38,8 @@ class Grammars(RequestProcessor):
     def added(self, seq: Sequence) -> None:
         """A grammar's matcher past its prefix; UnsupportedSchemaError if it does not compile."""
         if seq.params.grammar is not None:
-            state = self.decoding.start(seq.params.grammar, seq.params.grammar_prefix)
+            scope = salt_root(seq.cache_salt)
+            state = self.decoding.start(seq.params.grammar, seq.params.grammar_prefix, scope)
             self.decoding.add(seq.request_id, state)
 
     def draft_limit(self, request_id: str, draft: tuple[int, ...]) -> int:

@@ -16,7 +16,8 @@ from swarmkv.server.tenants import TENANT_SCOPE_KEY, TenantKeys
 class Gate:
     """Counts every answer by route and status. Refuses, in order: a Host it does not answer (400); on /v1/
     routes, and on /metrics unless `metrics_public`, a request without `Authorization: Bearer KEY` or
-    Anthropic's `x-api-key: KEY` (401); a POST whose body is not JSON (415); a write from another site (403).
+    Anthropic's `x-api-key: KEY` (401); under `--api-keys`, /metrics with a tenant's key that is not an
+    admin's, unless `metrics_public` (403); a POST whose body is not JSON (415); a write from another site (403).
     A request's key leaves its tenant in the scope (`tenants.py`)."""
 
     def __init__(
@@ -84,5 +85,13 @@ def refusal(
             401,
             "a valid API key is required: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
             code="invalid_api_key",
+        )
+    if path == "/metrics" and not metrics_public and tenant is not None and not tenant.sees_all:
+        # Server-wide counters would show one tenant another's traffic (its prompt tokens, its grammars).
+        return APIError(
+            403,
+            "under --api-keys, /metrics shows every tenant's traffic and needs an admin key (a third word "
+            "'admin' on its line of the key file)",
+            code="admin_key_required",
         )
     return browsers.write_refusal(scope["method"], path, headers)

@@ -4,10 +4,12 @@ A session's next turn should continue its previous prompt, so the prefix cache s
 prompt instead diverges from the most similar earlier prompt of its session or cache salt before that
 prompt's end, the KV after the divergence is computed again: a cache break. `swarmkv lint`'s classifier
 names the cause (a timestamp, a random id, reordered tools, an edited system prompt...). Each break is
-counted in `swarmkv_cache_breaks_total{cause}`, logged at INFO, and returned to a client that asks for
-`swarmkv_diagnostics`. A request with neither a session nor a salt is compared with nothing: unrelated
-agents sharing a system prompt diverge by design. Under `--api-keys` the session and salt arrive scoped to
-their tenant (`tenants.py`), so a prompt is only ever compared with its own tenant's.
+counted in `swarmkv_cache_breaks_total{cause}`, logged at INFO with its tenant, session, offset and cause (the
+prompt text where it diverged only with `--log-cache-break-text`: a log is no place for prompts by default),
+and returned to a client that asks for `swarmkv_diagnostics`. A request with neither a session nor a salt
+is compared with nothing: unrelated agents sharing a system prompt diverge by design. Under `--api-keys` the
+session and salt arrive scoped to their tenant (`tenants.py`), so a prompt is only ever compared with its own
+tenant's.
 
 The prompts are remembered on the event loop, in request order; the comparison and the classifier run on
 a worker thread, never on the engine's thread, while the request generates.
@@ -37,17 +39,26 @@ EVIDENCE_CHARS = 160  # of a break's evidence text, in the log line
 class CacheBreaks:
     """Compares each chat prompt with its session's and salt's earlier prompts; counts and logs breaks."""
 
-    def __init__(self, tokenizer: Tokenizer, counter: Counter, history: PromptHistory | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        counter: Counter,
+        history: PromptHistory | None = None,
+        log_text: bool = False,
+    ) -> None:
+        """`log_text`: each break's log line carries the prompt text where it diverged."""
         self.tokenizer = tokenizer
+        self.log_text = log_text
         self.counter = counter  # labelled by cause
         for cause in CAUSES:  # every cause shows in /metrics from the start, at 0
             counter.labels(cause=cause)
         self.history = history or PromptHistory()
 
     def watch(
-        self, session_id: str | None, salt: str | None, prompt: RenderedPrompt
+        self, session_id: str | None, salt: str | None, prompt: RenderedPrompt, tenant: str | None = None
     ) -> Awaitable[Break | None]:
         """Remember `prompt` now; the returned awaitable gives its break (None: it continues, or is first).
+        `session_id` and `salt` are the engine's (scoped to `tenant`, the tenant's name, which the log names).
 
         Call it on the event loop once the engine accepted the request, so that prompts are remembered
         in the order their requests arrived. The awaitable never raises: a classifier failure is logged.
@@ -65,19 +76,29 @@ class CacheBreaks:
         ids = array("I", prompt.token_ids)
         earlier = self.history.earlier(keys)
         self.history.add(keys, StoredPrompt(ids, prompt.text, prompt.messages, prompt.tools))
-        return loop.run_in_executor(None, self._find_break, earlier, ids, prompt, session_id)
+        return loop.run_in_executor(None, self._find_break, earlier, ids, prompt, session_id, tenant)
 
     def _find_break(
-        self, earlier: list[StoredPrompt], ids: array, prompt: RenderedPrompt, session_id: str | None
+        self,
+        earlier: list[StoredPrompt],
+        ids: array,
+        prompt: RenderedPrompt,
+        session_id: str | None,
+        tenant: str | None,
     ) -> Break | None:
         try:
-            return self._classify(earlier, ids, prompt, session_id)
+            return self._classify(earlier, ids, prompt, session_id, tenant)
         except Exception:
-            log.exception("classifying a cache break failed (session %s)", session_id)
+            log.exception("classifying a cache break failed (tenant %s)", tenant)
             return None
 
     def _classify(
-        self, earlier: list[StoredPrompt], ids: array, prompt: RenderedPrompt, session_id: str | None
+        self,
+        earlier: list[StoredPrompt],
+        ids: array,
+        prompt: RenderedPrompt,
+        session_id: str | None,
+        tenant: str | None,
     ) -> Break | None:
         # The newest of the most similar prompts: `earlier` is newest first, and max keeps the first.
         best = max(earlier, key=lambda p: common_prefix_length(p.token_ids, ids), default=None)
@@ -89,13 +110,13 @@ class CacheBreaks:
             return None  # it continues the earlier prompt: everything cached before is reused
         found = classify(before, prompt, offset, self.tokenizer)
         self.counter.labels(cause=found.cause).inc()
-        log.info(
-            "cache break: session=%s offset=%d cause=%s evidence=%r",
-            session_id.replace(GROUP_SEP, "/") if session_id is not None else None,  # a tenant's: TENANT/ID
-            found.offset,
-            found.cause,
-            found.text[:EVIDENCE_CHARS],
-        )
+        # The session as the client sent it (the engine's is scoped: TENANT\0ID).
+        session = session_id.rpartition(GROUP_SEP)[2] if session_id is not None else None
+        line = "cache break: tenant=%s session=%s offset=%d cause=%s"
+        args: tuple[object, ...] = (tenant, session, found.offset, found.cause)
+        if self.log_text:
+            line, args = line + " evidence=%r", (*args, found.text[:EVIDENCE_CHARS])
+        log.info(line, *args)
         return found
 
 

@@ -101,7 +101,8 @@ function drawPool(pool) {
   const stats = [
     ["pages", pool.pages_total], ["in use", pool.pages_in_use], ["cached", pool.pages_cached],
     ["free", pool.pages_free], ["offloaded", size(pool.offloaded_bytes)], ["pinned", size(pool.pinned_bytes)],
-    ["hit rate", rate + " (" + pool.prefix_hit_tokens + " of " + pool.prompt_tokens + " prompt tokens)"],
+    ["hit rate", pool.prompt_tokens === null ? rate
+      : rate + " (" + pool.prefix_hit_tokens + " of " + pool.prompt_tokens + " prompt tokens)"],
   ];
   for (const [name, value] of stats) {
     const s = document.createElement("span");

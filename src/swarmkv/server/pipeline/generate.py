@@ -58,9 +58,12 @@ async def submit(
     pins: tuple[RequestPin, ...] = (),
 ) -> RequestStream:
     """Queue a prompt, with the pins it makes first, under a fresh request id, its salt and session its
-    tenant's; the engine's refusal is a 400."""
+    tenant's; the engine's refusal is a 400. The request is aborted once its HTTP request ends (a no-op if it
+    finished), so no route has to abort it on each way out."""
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     salt, session = ctx.tenant.cache_salt(options.cache_salt), ctx.tenant.scope(session_id)
+    if ctx.submitted is not None:
+        ctx.submitted.append(request_id)  # aborted when the HTTP request ends, however it ends
     try:
         return await ctx.engine.submit(
             request_id, prompt_ids, params, salt, arrival_s, session_id=session, pins=pins
@@ -155,7 +158,8 @@ async def start_rendered(
     stream = await submit(
         ctx, id_prefix, rendered.token_ids, params, req.options, session_id, arrival_s, pins
     )
-    found = ctx.breaks.watch(ctx.tenant.scope(session_id), ctx.tenant.scope(req.options.cache_salt), rendered)
+    session, salt = ctx.tenant.scope(session_id), ctx.tenant.scope(req.options.cache_salt)
+    found = ctx.breaks.watch(session, salt, rendered, ctx.tenant.name)
     # A forced call's reply is the rest of the call: nothing in it is reasoning.
     thinks = req.thinking_enabled and not req.forced_prefix()
     splitter = reasoning_splitter(ctx.tokenizer.chat_template, rendered.text, thinks)
@@ -179,3 +183,6 @@ async def collect_unless_disconnected(
     except ClientDisconnected:
         ctx.engine.abort(stream.request_id)
         return None
+    except asyncio.CancelledError:  # the route was cancelled: its client left (http/disconnect.py)
+        ctx.engine.abort(stream.request_id)
+        raise

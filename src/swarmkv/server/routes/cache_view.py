@@ -5,7 +5,8 @@ pages in the nodes (both tiers), "pool": {...}, "nodes": [...]}`. `nodes` are th
 first (schema in `observability/cache_tree.py`), of the caller's tenant only (an admin key's: every tenant's). `pool`: `page_size`, `pages_total`, `pages_in_use` (held
 by a request or a pin), `pages_cached` (indexed, unheld), `pages_free`, `offloaded_bytes` (host tier),
 `pinned_bytes`, `prompt_tokens`, `prefix_hit_tokens` and `hit_rate` = prefix_hit_tokens / prompt_tokens
-(None before any prompt). The tree, the pins and the counters are read together on the engine's thread, between
+(None before any prompt; the three are None for a tenant's key under `--api-keys`, as they count every tenant's
+prompts). The tree, the pins and the counters are read together on the engine's thread, between
 steps, so they agree. The tree's export is made there only when the tree or its pages' holders changed since the
 last poll (`KVCacheManager.tree_version`); collapsing it for the view happens on a worker thread.
 """
@@ -26,9 +27,11 @@ from swarmkv.server.observability.cache_tree import build_view
 from swarmkv.server.tenants import Tenant
 
 
-def pool_json(stats: EngineStats, page_size: int) -> dict[str, Any]:
-    """The pool's occupancy and the prefix cache's hit rate, from the engine's stats."""
-    return {
+def pool_json(stats: EngineStats, page_size: int, traffic: bool = True) -> dict[str, Any]:
+    """The pool's occupancy and the prefix cache's hit rate, from the engine's stats. Without `traffic` (a
+    tenant's view under `--api-keys`), the server-wide token counts and hit rate, which would show it other
+    tenants' prompts arriving, are None."""
+    pool = {
         "page_size": page_size,
         "pages_total": stats.kv_pages_total,
         "pages_in_use": stats.kv_pages_in_use,
@@ -40,6 +43,9 @@ def pool_json(stats: EngineStats, page_size: int) -> dict[str, Any]:
         "prefix_hit_tokens": stats.prefix_hit_tokens,
         "hit_rate": stats.hit_rate,
     }
+    if not traffic:
+        pool.update(prompt_tokens=None, prefix_hit_tokens=None, hit_rate=None)
+    return pool
 
 
 def tree_json(snapshot: CacheSnapshot, viewer: Tenant) -> dict[str, Any]:
@@ -49,7 +55,7 @@ def tree_json(snapshot: CacheSnapshot, viewer: Tenant) -> dict[str, Any]:
         "object": "cache.tree",
         "page_size": snapshot.page_size,
         "num_indexed_pages": sum(node["pages"] for node in nodes),
-        "pool": pool_json(snapshot.stats, snapshot.page_size),
+        "pool": pool_json(snapshot.stats, snapshot.page_size, traffic=viewer.sees_all),
         "nodes": nodes,
     }
 

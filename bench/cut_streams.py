@@ -1,0 +1,79 @@
+"""Streams cut before their first byte: how soon the server aborts them (issue 53).
+
+Serves the embedded default model on loopback, opens N raw sockets, sends each a streamed chat request with a
+long prompt and closes it before reading a byte, then reads `requests_aborted` and the pages held every 0.25 s.
+The figure: seconds until every cut stream counts as aborted and the KV pages are back to their baseline.
+
+    .venv/bin/python bench/cut_streams.py [--streams 16] [--prompt-words 1500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import time
+
+from swarmkv import LLM
+from swarmkv.models.loader import load_model
+from swarmkv.server import create_app
+from swarmkv.server.background import BackgroundServer
+
+
+def main() -> None:
+    """Cut N streams and print when each was counted aborted."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--prompt-words", type=int, default=1500, help="about 2,000 tokens at 1500")
+    parser.add_argument("--wait-s", type=float, default=30.0)
+    parser.add_argument("--cut-after-s", type=float, default=1.0, help="close the sockets this long after")
+    parser.add_argument("--min-s", type=float, default=3.0, help="watch at least this long")
+    args = parser.parse_args()
+    llm = LLM(loaded=load_model(), max_model_len=4096)
+    app = create_app(llm)
+    ctx = app.state.ctx
+    with BackgroundServer(app) as server:
+        baseline = ctx.engine.stats()["kv_pages_in_use"]
+        socks = []
+        for i in range(args.streams):
+            words = " ".join(f"w{(i * 7919 + j) % 10007}" for j in range(args.prompt_words))
+            body = json.dumps(
+                {"messages": [{"role": "user", "content": words}], "max_tokens": 64, "stream": True}
+            ).encode()
+            sock = socket.create_connection(("127.0.0.1", server.port))
+            head = (
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\n\r\n"
+            ).encode()
+            sock.sendall(head + body)
+            socks.append(sock)
+        time.sleep(args.cut_after_s)
+        cut_s = time.perf_counter()
+        for sock in socks:
+            sock.close()  # before the first byte of the answer was read
+        registry = ctx.metrics.registry
+        ended = 0
+        while ended < args.streams and time.perf_counter() - cut_s < args.wait_s:
+            ended = sum(
+                int(registry.get_sample_value(
+                    "swarmkv_http_requests_total", {"route": "/v1/chat/completions", "status": status}
+                ) or 0)
+                for status in ("200", "499")
+            )  # fmt: skip
+            time.sleep(0.05)
+        ended_s = time.perf_counter() - cut_s
+        # The engine's own view, from its thread between two steps.
+        stats = ctx.engine.call(lambda engine: engine.stats()).result(120)
+        settled_s = time.perf_counter() - cut_s
+        print(
+            f"{args.streams} streams cut {args.cut_after_s} s after sending, before their first byte: "
+            f"{ended} HTTP requests ended {ended_s:.2f} s after the cut; at the engine's next step boundary "
+            f"({settled_s:.2f} s): {ctx.engine.num_aborted} counted aborted, {stats['requests_finished']} "
+            f"finished, {stats['requests_running'] + stats['requests_waiting']} running or waiting, "
+            f"{stats['kv_pages_in_use'] - baseline} pages held above the baseline, "
+            f"{stats['prefill_tokens_computed']} prompt tokens computed in all"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Slow-loris clients against `swarmkv serve`'s HTTP protocol (issue 53): are their sockets closed, does /health answer?
+
+Serves the embedded default model on loopback with the default limits (`ServerConfig`), opens N sockets that
+trickle a byte every `--interval-s` (half of them in the header, half in the body, after a complete header
+announcing a 1 KB body), and times /health meanwhile. Prints when the server closed each socket, what it
+answered, and /health's latency percentiles.
+
+    .venv/bin/python bench/slow_loris.py [--sockets 12] [--interval-s 2] [--duration-s 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import threading
+import time
+
+import httpx
+
+from swarmkv import LLM
+from swarmkv.models.loader import load_model
+from swarmkv.server import create_app
+from swarmkv.server.background import BackgroundServer
+
+HEADER_START = b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+BODY_HEAD = HEADER_START + b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+
+
+def trickle(
+    port: int, in_body: bool, interval_s: float, duration_s: float, closed: list[tuple[float, bytes]]
+) -> None:
+    """Send a byte every `interval_s` until the server closes the socket (or `duration_s` passes)."""
+    start_s = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(BODY_HEAD if in_body else HEADER_START)
+        sock.settimeout(interval_s)
+        answer = b""
+        while time.monotonic() - start_s < duration_s:
+            try:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    closed.append((time.monotonic() - start_s, answer))
+                    return
+                answer += chunk
+            except TimeoutError:
+                pass
+            except OSError:  # reset: the server closed it while our bytes were in flight
+                closed.append((time.monotonic() - start_s, answer))
+                return
+            try:
+                sock.send(b"x" if not in_body else b" ")
+            except OSError:
+                closed.append((time.monotonic() - start_s, answer))
+                return
+    closed.append((float("inf"), b"still open"))
+
+
+def main() -> None:
+    """Run the trickling sockets and /health's probe; print what happened."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sockets", type=int, default=12)
+    parser.add_argument("--interval-s", type=float, default=2.0)
+    parser.add_argument("--duration-s", type=float, default=60.0)
+    args = parser.parse_args()
+    app = create_app(LLM(loaded=load_model()))
+    with BackgroundServer(app) as server:
+        closed: dict[str, list[tuple[float, bytes]]] = {"header": [], "body": []}
+        threads = [
+            threading.Thread(
+                target=trickle,
+                args=(
+                    server.port,
+                    i % 2 == 1,
+                    args.interval_s,
+                    args.duration_s,
+                    closed["body" if i % 2 else "header"],
+                ),
+            )
+            for i in range(args.sockets)
+        ]
+        for thread in threads:
+            thread.start()
+        latencies_ms = []
+        with httpx.Client(timeout=30) as client:
+            while any(thread.is_alive() for thread in threads):
+                start_s = time.perf_counter()
+                assert client.get(f"{server.url}/health").status_code == 200
+                latencies_ms.append(1000 * (time.perf_counter() - start_s))
+                time.sleep(0.5)
+        for thread in threads:
+            thread.join()
+    for part, ends in closed.items():
+        times = sorted(t for t, _ in ends)
+        statuses = sorted(
+            {answer.split(b" ")[1].decode() if answer.startswith(b"HTTP/") else "none" for _, answer in ends}
+        )
+        print(
+            f"{len(ends)} sockets trickling in the {part}: closed after {times[0]:.1f} to {times[-1]:.1f} s, answered {statuses}"
+        )
+    ordered = sorted(latencies_ms)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    print(
+        f"/health meanwhile: {len(ordered)} probes, p50 {statistics.median(ordered):.1f} ms, p99 {p99:.1f} ms, "
+        f"max {ordered[-1]:.1f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()
