@@ -12,6 +12,7 @@ import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -23,7 +24,7 @@ from swarmkv.api.chat_request import parse_chat_request
 from swarmkv.api.errors import APIError
 from swarmkv.api.limits import LIMITS, count_json_values
 from swarmkv.api.messages_request import parse_messages_request
-from swarmkv.api.render import bounded_encode
+from swarmkv.api.render import bounded_encode, system_turns_in_place
 from swarmkv.api.responses_request import parse_responses_request
 from swarmkv.cli import main
 from swarmkv.config import ModelConfig
@@ -189,6 +190,23 @@ def test_deeply_nested_arguments_or_user_ids_are_text_not_a_crash() -> None:
         "metadata": {"user_id": "{" + deep},
     }
     assert parse_messages_request(body).user_id is not None
+
+
+def test_system_turns_folded_into_a_user_turn_are_joined_once() -> None:
+    """A template without mid-conversation system turns gets them as reminders in the user turn: 20,000 of them
+    join in one pass (joined one at a time, the turn's text was copied 20,000 times)."""
+    tokenizer = SimpleNamespace(template=SimpleNamespace(renders_system_in_place=False))
+    messages = [{"role": "system", "content": "head"}, {"role": "user", "content": "u"}]
+    messages += [{"role": "system", "content": f"s{i}"} for i in range(20_000)]
+    messages += [{"role": "assistant", "content": "a"}, {"role": "system", "content": "late"}]
+    messages += [{"role": "user", "content": "v"}]
+    out = system_turns_in_place(tokenizer, messages)  # type: ignore[arg-type]
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert out[1]["content"].startswith(
+        "u\n\n<system-reminder>\ns0\n</system-reminder>\n\n<system-reminder>\ns1"
+    )
+    assert out[1]["content"].count("<system-reminder>") == 20_000
+    assert out[3]["content"] == "<system-reminder>\nlate\n</system-reminder>\n\nv"
 
 
 # ---- 2. refused before it is tokenized whole -------------------------------------------------------------

@@ -99,9 +99,9 @@ def test_a_messages_requests_tools_are_parsed_once(monkeypatch: pytest.MonkeyPat
     calls: list[Any] = []
     parse_tools = chat_request.parse_tools
 
-    def counted(tools: Any) -> Any:
+    def counted(tools: Any, *rest: Any) -> Any:
         calls.append(tools)
-        return parse_tools(tools)
+        return parse_tools(tools, *rest)
 
     monkeypatch.setattr(chat_request, "parse_tools", counted)
     monkeypatch.setattr(messages_request, "parse_tools", counted)

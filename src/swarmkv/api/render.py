@@ -187,6 +187,8 @@ def _template_text(
         text = tokenizer.apply_chat_template(messages, tools=tools, **(template_kwargs or {}))
     except InvalidRequestError as exc:
         raise bad_request(str(exc), param="messages") from exc
+    except RecursionError as exc:  # a value nested past what the template's `tojson` reaches
+        raise bad_request("the messages are nested too deeply to render", param="messages") from exc
     if layout != "tools-first":
         return text, messages, None
     placed = place_tool_block(tokenizer, messages, tools, text, template_kwargs, head_texts)
@@ -219,24 +221,37 @@ def system_turns_in_place(tokenizer: Tokenizer, messages: list[Message]) -> list
     if template is None or template.renders_system_in_place:
         return messages
     out = list(messages[:start])
-    reminder: str | None = None  # waiting for the next user turn when none came just before
+    # Texts are joined once each turn is complete: joining them one system message at a time would copy a
+    # turn's text once per message.
+    joining: list[str] = []  # the texts of out[-1], a user turn that system messages joined
+    reminders: list[str] = []  # waiting for the next user turn when none came just before
+
+    def close_joining() -> None:
+        if joining:
+            out[-1] = {**out[-1], "content": "\n\n".join(joining)}
+            joining.clear()
+
     for m in messages[start:]:
         if m["role"] == "system":
             text = f"<system-reminder>\n{_text_of(m)}\n</system-reminder>"
-            if reminder is None and out and out[-1]["role"] == "user":
-                out[-1] = {**out[-1], "content": f"{_text_of(out[-1])}\n\n{text}"}
+            if not reminders and out and out[-1]["role"] == "user":
+                if not joining:
+                    joining.append(_text_of(out[-1]))
+                joining.append(text)
             else:
-                reminder = f"{reminder}\n\n{text}" if reminder is not None else text
-        elif reminder is not None and m["role"] == "user":
-            out.append({**m, "content": f"{reminder}\n\n{_text_of(m)}"})
-            reminder = None
+                reminders.append(text)
+            continue
+        close_joining()
+        if reminders and m["role"] == "user":
+            out.append({**m, "content": "\n\n".join([*reminders, _text_of(m)])})
         else:
-            if reminder is not None:
-                out.append({"role": "user", "content": reminder})
-                reminder = None
+            if reminders:
+                out.append({"role": "user", "content": "\n\n".join(reminders)})
             out.append(m)
-    if reminder is not None:
-        out.append({"role": "user", "content": reminder})
+        reminders.clear()
+    close_joining()
+    if reminders:
+        out.append({"role": "user", "content": "\n\n".join(reminders)})
     return out
 
 
