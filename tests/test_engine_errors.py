@@ -52,8 +52,8 @@ def test_bad_sampling_values_are_typed_errors(fields: dict) -> None:
 
 
 def test_unknown_sampling_field_is_an_error() -> None:
-    with pytest.raises(InvalidRequestError, match="frequency_penalty"):
-        SamplingParams.from_dict({"max_tokens": 3, "frequency_penalty": 0.5})
+    with pytest.raises(InvalidRequestError, match="best_of"):
+        SamplingParams.from_dict({"max_tokens": 3, "best_of": 2})
 
 
 @pytest.mark.parametrize("prompt", [[], [10**9], [-1]])

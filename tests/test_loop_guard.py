@@ -286,7 +286,8 @@ def variant_loaded() -> LoadedModel:
 
 
 def test_a_loop_resumed_in_variants_is_ended_by_closing_its_string(monkeypatch: pytest.MonkeyPatch) -> None:
-    llm = LLM(loaded=variant_loaded(), kv_cache_memory=16 * 2**20)
+    # Without closing at the length, so the second reply shows where the cut falls.
+    llm = LLM(loaded=variant_loaded(), kv_cache_memory=16 * 2**20, close_at_length=False)
     params = SamplingParams(max_tokens=128, temperature=0, grammar=GRAMMAR)
     before = llm.engine.stats()
     (out,) = llm.generate([_prompt()], params)

@@ -54,7 +54,7 @@ def test_error_object_has_the_openai_shape() -> None:
         ({"messages": USER, "stream": "yes"}, "stream"),
         ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": USER, "n": 2}, "n"),
-        ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
+        ({"messages": USER, "presence_penalty": 2.5}, "presence_penalty"),
         ({"messages": USER, "logprobs": True}, "logprobs"),
         ({"messages": USER, "cache_salt": ""}, "cache_salt"),
         ({"messages": USER, "tools": [{"type": "function"}]}, "tools[0]"),

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from swarmkv.api.errors import bad_request, get_field
 from swarmkv.api.options import Options, parse_options
+
+# OpenAI's legacy completions default: a body without max_tokens gets 16 tokens, not the context's room.
+DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,8 @@ class CompletionRequest:
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     """Validate a completions body."""
     options = parse_options(body)
+    if options.max_tokens is None:
+        options = replace(options, max_tokens=DEFAULT_MAX_TOKENS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one

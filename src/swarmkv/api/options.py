@@ -6,6 +6,7 @@ into a chat completions body first, so every protocol's sampling is validated he
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,21 @@ from swarmkv.errors import InvalidRequestError
 # Every decoding step looks for each stop string in the new text, so a body of a million one-character
 # stops would stall the engine for every request. OpenAI allows 4; 64 leaves room for any client's.
 MAX_STOP_SEQUENCES = 64
+
+
+# A bound of ours (OpenAI documents none): each entry is one more index the sampler writes every step.
+MAX_LOGIT_BIAS = 1024
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """The fields that change the logits or cut the distribution beyond temperature, top-p and top-k."""
+
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -39,6 +55,7 @@ class Options:
     session_id: str | None  # the body's; see resolve_session_id for the header
     # OpenAI's `prompt_cache_key` (chat completions and Responses): the session when nothing else names one.
     prompt_cache_key: str | None = None
+    penalties: Penalties = Penalties()
 
     def sampling_params(
         self,
@@ -73,6 +90,11 @@ class Options:
                 temperature=self.temperature,
                 top_p=self.top_p,
                 top_k=self.top_k,
+                min_p=self.penalties.min_p,
+                presence_penalty=self.penalties.presence_penalty,
+                frequency_penalty=self.penalties.frequency_penalty,
+                repetition_penalty=self.penalties.repetition_penalty,
+                logit_bias=self.penalties.logit_bias,
                 seed=self.seed,
                 stop=self.stop + extra_stop,
                 ignore_eos=self.ignore_eos,
@@ -137,16 +159,59 @@ def parse_options(body: dict[str, Any]) -> Options:
         cache_salt=cache_salt,
         session_id=check_session_id(body.get("session_id"), "'session_id'"),
         prompt_cache_key=check_session_id(body.get("prompt_cache_key"), "'prompt_cache_key'"),
+        penalties=parse_penalties(body),
     )
+
+
+def parse_penalties(body: dict[str, Any]) -> Penalties:
+    """`min_p`, OpenAI's presence and frequency penalties and logit bias, vLLM's repetition penalty; a number
+    out of its range (NaN and infinities included) is a 400 naming the field."""
+    return Penalties(
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0, "in [0, 1]"),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0, "in [-2, 2]"),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0, "in [-2, 2]"),
+        repetition_penalty=_number(
+            body, "repetition_penalty", 1.0, sys.float_info.min, sys.float_info.max, "a finite number > 0"
+        ),
+        logit_bias=_logit_bias(body),
+    )
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float, what: str) -> float:
+    """A numeric field within [low, high] (NaN is within no range), else a 400."""
+    value = float(get_field(body, name, (int, float), "a number", default))
+    if not low <= value <= high:
+        raise bad_request(f"'{name}' must be {what}, got {value}", param=name)
+    return value
+
+
+def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`: token ids (as JSON keys, decimal strings) to a number in [-100, 100]. Ids past
+    the model's vocabulary are the engine's 400 (it knows the logits' width)."""
+    raw = get_field(body, "logit_bias", dict, "an object mapping token ids to numbers", {})
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise bad_request(
+            f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens, got {len(raw)}", param="logit_bias"
+        )
+    bias: dict[int, float] = {}
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+            raise bad_request(
+                f"'logit_bias' keys must be token ids (0, 1, ...), got {key!r}", param="logit_bias"
+            )
+        if not isinstance(value, int | float) or isinstance(value, bool) or not -100 <= value <= 100:
+            raise bad_request(
+                f"'logit_bias' values must be numbers in [-100, 100], got {value!r} for token {key}",
+                param="logit_bias",
+            )
+        bias[int(key)] = float(value)
+    return tuple(sorted(bias.items()))
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     """Fields whose non-default values this server cannot honour: a 400 rather than a silently different reply."""
     if get_field(body, "n", int, "an integer", 1) != 1:
         raise bad_request("only n=1 is supported", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if get_field(body, name, (int, float), "a number", 0) != 0:
-            raise bad_request(f"'{name}' is not supported", param=name)
     if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
         raise bad_request("logprobs are not supported", param="logprobs")
     parse_response_format(body)  # checked here for every endpoint; a chat request keeps it (ChatRequest)

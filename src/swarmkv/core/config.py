@@ -137,6 +137,11 @@ class EngineConfig:
         "its last 32+ tokens repeat a period 3+ times, the token continuing the loop gets DRY's growing "
         "penalty. constrained: replies under a grammar, which a cut would leave unparsable; all; off",
     )
+    close_at_length: bool = _opt(
+        True,
+        "a constrained reply whose tokens left to max_tokens come down to the shortest ending its grammar "
+        "allows gets that ending forced, so a reply cut by its length still parses (finish_reason stays length)",
+    )
     speculation: SpeculationMode = _opt(
         "auto",
         "speculative decoding without a draft model: drafts from suffix automata over each request's own "

@@ -28,6 +28,7 @@ from swarmkv.core.stats import EngineCounters, EngineStats
 from swarmkv.engine.backend import resolve_attention_backend
 from swarmkv.engine.executor import Executor
 from swarmkv.engine.kv_budget import KVBudget
+from swarmkv.engine.logit_adjustments import LogitAdjustments
 from swarmkv.engine.lookahead import InFlight, Lookahead
 from swarmkv.engine.output_processor import OutputProcessor, RequestDelta
 from swarmkv.engine.sampler import SeededSampling
@@ -60,12 +61,11 @@ class LLMEngine:
         # The processors, text first: it may end a reply inside a step's tokens, which the others then follow.
         self.outputs = OutputProcessor(self.tokenizer)
         jump = resolve.jump_forward(config.jump_forward, device.type)
-        self.grammars = Grammars(self.tokenizer, loaded.config.vocab_size, jump)
+        self.grammars = Grammars(self.tokenizer, loaded.config.vocab_size, jump, config.close_at_length)
         self.seeded = SeededSampling(config.seed)
         self.guard = Guard(config.loop_guard, self.grammars) if config.loop_guard != "off" else None
-        self.processors = Processors(
-            [self.outputs, self.grammars, *([self.guard] if self.guard else []), self.seeded]
-        )
+        guard, adjust = [self.guard] if self.guard else [], LogitAdjustments(loaded.config.vocab_size)
+        self.processors = Processors([self.outputs, adjust, self.grammars, *guard, self.seeded])
         self.lookahead = Lookahead(config.lookahead(device.type))
         self.counters = EngineCounters()  # the core's, and the step's own counts (failures, lookahead)
         drafts = None

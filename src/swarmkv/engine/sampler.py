@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy
@@ -27,7 +28,7 @@ def sample_on_device(
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         device = logits.device
-        index = _to_device(torch.tensor(rows), device)
+        index = to_device(torch.tensor(rows), device)
         picked = _sample_rows(logits[index], [params[i] for i in rows], [generators[i] for i in rows])
         chosen[index] = picked
     return chosen
@@ -73,13 +74,13 @@ def _sample_rows(
     # request does not depend on its batch neighbours), go to the device in one copy.
     settings = torch.tensor(
         [
-            [p.temperature, min(p.top_k or vocab, vocab), p.top_p, float(torch.rand((), generator=g))]
+            [*_settings(p, vocab), float(torch.rand((), generator=g))]
             for p, g in zip(params, generators, strict=True)
         ],
         dtype=torch.float64,
     )
-    temperature, top_k, top_p, uniform = _to_device(settings, device).unbind(-1)
-    probs, order = _ranked_probs(logits, temperature, top_k, top_p)
+    temperature, top_k, top_p, log_min_p, uniform = to_device(settings, device).unbind(-1)
+    probs, order = _ranked_probs(logits, temperature, top_k, top_p, log_min_p)
     # Inverse CDF: the first rank whose cumulative mass passes u x (the kept mass).
     cdf = probs.cumsum(-1)
     target = (uniform.to(cdf.dtype) * cdf[:, -1])[:, None]
@@ -91,30 +92,43 @@ def _sample_rows(
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution `sample` draws from for each row of `logits` [N, vocab] under one request's `params`
-    (temperature, top-k, top-p applied), normalised, in vocabulary order."""
+    (temperature, top-k, min-p, top-p applied), normalised, in vocabulary order."""
     n, vocab = logits.shape
-    settings = torch.tensor([[params.temperature, min(params.top_k or vocab, vocab), params.top_p]] * n)
-    temperature, top_k, top_p = _to_device(settings.double(), logits.device).unbind(-1)
-    probs, order = _ranked_probs(logits, temperature, top_k, top_p)
+    settings = torch.tensor([_settings(params, vocab)] * n, dtype=torch.float64)
+    temperature, top_k, top_p, log_min_p = to_device(settings, logits.device).unbind(-1)
+    probs, order = _ranked_probs(logits, temperature, top_k, top_p, log_min_p)
     probs = probs / probs.sum(-1, keepdim=True)
     return torch.zeros_like(probs).scatter_(-1, order, probs)
 
 
+def _settings(params: SamplingParams, vocab: int) -> list[float]:
+    """One row's temperature, top-k, top-p and log(min-p) (-inf: no floor), as `_ranked_probs` reads them."""
+    log_min_p = math.log(params.min_p) if params.min_p > 0 else float("-inf")
+    return [params.temperature, min(params.top_k or vocab, vocab), params.top_p, log_min_p]
+
+
 def _ranked_probs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    log_min_p: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's kept probabilities in rank order (unnormalised once top-p cut them) and the ranking."""
+    """Each row's kept probabilities in rank order (unnormalised once top-p cut them) and the ranking: top-k
+    and min-p (p >= min_p x the top p, after temperature: a log-ratio against the top logit) keep a head of
+    the ranking, and top-p cuts the distribution they leave, as vLLM orders them."""
     vocab = logits.shape[-1]
     ranked, order = (logits / temperature[:, None].to(logits.dtype)).sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=logits.device)
-    ranked = ranked.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
+    floor = ranked[:, :1] + log_min_p[:, None].to(ranked.dtype)
+    ranked = ranked.masked_fill((rank[None, :] >= top_k[:, None]) | (ranked < floor), float("-inf"))
     probs = torch.softmax(ranked, dim=-1)
     # top-p keeps the smallest head whose mass reaches top_p; the most likely token always survives.
     probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p[:, None].to(probs.dtype), 0.0)
     return probs, order
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device`, copied without waiting for the device (through pinned memory on a GPU)."""
     if device.type == "cuda":
         host = host.pin_memory()

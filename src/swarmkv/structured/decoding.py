@@ -11,7 +11,8 @@ the two ways give the same tokens. A speculative chunk's rows are masked along i
 with draft tokens); `draftable` keeps a draft to what the grammar allows before any forced run, so the rows
 verified are the rows a decode without drafts would have sampled. Compiled grammars are cached by text within
 a scope, the root of the request's cache salt (a tenant's name under `--api-keys`) (`GrammarCache`): agents
-that share their tools compile them once, and no tenant's hit, count or timing tells of another's schema.
+that share their tools compile them once, and no tenant's hit, count or timing tells of another's schema. With `close_at_length`, `fit` forces a
+reply's ending (`closing.py`) once the tokens left to its max_tokens come down to it.
 """
 
 from __future__ import annotations
@@ -27,11 +28,16 @@ import numpy as np
 import torch
 
 from swarmkv.core.scheduler import Chunk
+from swarmkv.structured.closing import Closer
 from swarmkv.structured.grammars import UnsupportedSchemaError
 from swarmkv.structured.loop_guard import JsonStrings
 from swarmkv.tokenizer import Tokenizer
 
 MAX_CACHED_GRAMMARS = 512
+# Far from its length a reply's ending is looked for every this many steps; near it (tokens left within twice
+# the ending and this margin), every step, and it drafts nothing, so no step takes it past the ending.
+CLOSE_CHECK_STEPS = 8
+CLOSE_NEAR_MARGIN = 16
 
 
 class GrammarCache:
@@ -74,6 +80,15 @@ class GrammarState:
     matcher: llguidance.LLMatcher
     # Forced tokens the matcher has consumed that wait to be appended (at the start, or one a step).
     queued: list[int] = field(default_factory=list)
+    # Closing at the length (`StructuredDecoding.fit`): the ending from the matcher's state when it was last
+    # looked for this step (None: not looked for), whether the reply is near its length, steps to the next
+    # look while it is not, whether an ending was forced, and what the latest `advance` consumed (None: it
+    # appended queued tokens in place of the sample).
+    ending: list[int] | None = None
+    near: bool = False
+    countdown: int = 0
+    closed: bool = False
+    consumed: int | None = None
 
 
 @dataclass
@@ -88,8 +103,11 @@ class MaskJob:
 class StructuredDecoding:
     """Per-request grammar state; the engine calls add, prefetch, apply, advance and drop."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, jump_forward: bool) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, jump_forward: bool, close_at_length: bool = True
+    ) -> None:
         self.grammars = GrammarCache(tokenizer, vocab_size)
+        self.closer = Closer(self.grammars.tokenizer) if close_at_length else None
         self.vocab_size = vocab_size
         self.jump_forward = jump_forward
         self._rows: dict[str, GrammarState] = {}
@@ -124,7 +142,8 @@ class StructuredDecoding:
         forced = matcher.compute_ff_tokens()
         if forced:
             matcher.consume_tokens(forced)
-        return GrammarState(matcher, list(forced))
+        ending = self.closer.ending(matcher) if self.closer is not None else None
+        return GrammarState(matcher, list(forced), ending)
 
     def add(self, request_id: str, state: GrammarState) -> None:
         """Track a queued request's grammar state."""
@@ -142,7 +161,7 @@ class StructuredDecoding:
         row = self._rows.get(request_id)
         if row is None:
             return len(tokens)
-        if row.queued or not tokens:
+        if row.queued or row.near or row.closed or not tokens:
             return 0
         matcher = row.matcher
         valid = matcher.validate_tokens(list(tokens))
@@ -210,23 +229,65 @@ class StructuredDecoding:
         if row.queued:  # a queued token replaces the sample (`draftable` drafts nothing while tokens wait)
             assert len(tokens) == 1, "a draft while forced tokens wait"
             take = len(row.queued) if self.jump_forward else 1
-            queued, row.queued = row.queued[:take], row.queued[take:]
+            queued, row.queued, row.consumed = row.queued[:take], row.queued[take:], None
             self.num_forced_tokens += len(queued)
             return queued
         for token in tokens:
             accepted = row.matcher.consume_token(token)
             assert accepted and not row.matcher.is_error(), row.matcher.get_error()
+        row.consumed = len(tokens)
         if row.matcher.is_stopped():
             return list(tokens)
         forced = row.matcher.compute_ff_tokens()
         if not forced:
             return list(tokens)
         row.matcher.consume_tokens(forced)
+        row.consumed += len(forced)
         if self.jump_forward:
             self.num_forced_tokens += len(forced)
             return [*tokens, *forced]
         row.queued = list(forced)
         return list(tokens)
+
+    def fit(self, request_id: str, tokens_left: int, appended: list[int]) -> list[int]:
+        """What the request appends in place of `appended` (what `advance` returned) with `tokens_left` to its
+        max_tokens before them: the same while its grammar's ending is shorter than the tokens left after them;
+        that ending after them once it is as long. Where the step's own token took the ending past the tokens
+        left, the ending from before that token replaces it (the reply then closes early)."""
+        row = self._rows.get(request_id)
+        if row is None or self.closer is None or row.closed:
+            return appended
+        left = tokens_left - len(appended) - len(row.queued)
+        previous, row.ending = row.ending, None
+        if left <= 0 or row.matcher.is_stopped():
+            return appended
+        row.countdown -= 1
+        if not row.near and row.countdown > 0:
+            return appended
+        ending = row.ending = self.closer.ending(row.matcher)
+        row.countdown = CLOSE_CHECK_STEPS
+        row.near = ending is not None and left <= 2 * len(ending) + CLOSE_NEAR_MARGIN
+        if ending is None or left > len(ending):
+            return appended
+        if left < len(ending) and previous and len(previous) <= tokens_left and row.consumed is not None:
+            row.matcher.rollback(row.consumed)
+            row.queued, appended, ending = [], [], previous
+        row.matcher.consume_tokens(ending)
+        row.closed = True
+        if self.jump_forward:
+            self.num_forced_tokens += len(ending)
+            return [*appended, *ending]
+        row.queued.extend(ending)
+        if appended:
+            return appended
+        self.num_forced_tokens += 1
+        first, row.queued = row.queued[:1], row.queued[1:]
+        return first
+
+    def closed(self, request_id: str) -> bool:
+        """Whether the request's ending was forced at its length."""
+        row = self._rows.get(request_id)
+        return row is not None and row.closed
 
     def is_complete(self, request_id: str) -> bool:
         """Whether the request's grammar has ended (nothing but the end of the reply may follow)."""

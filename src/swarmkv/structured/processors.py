@@ -23,10 +23,13 @@ def salt_root(cache_salt: str | None) -> str | None:
 class Grammars(RequestProcessor):
     """The constrained requests' matchers (the grammar library's vocabulary is built by the first one)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, jump_forward: bool) -> None:
-        self._args = (tokenizer, vocab_size, jump_forward)
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, jump_forward: bool, close_at_length: bool = True
+    ) -> None:
+        self._args = (tokenizer, vocab_size, jump_forward, close_at_length)
         self.built: StructuredDecoding | None = None
         self._job: MaskJob | None = None
+        self._lengths: dict[str, Sequence] = {}  # constrained requests, for the tokens left to their length
 
     @property
     def decoding(self) -> StructuredDecoding:
@@ -41,6 +44,7 @@ class Grammars(RequestProcessor):
             scope = salt_root(seq.cache_salt)
             state = self.decoding.start(seq.params.grammar, seq.params.grammar_prefix, scope)
             self.decoding.add(seq.request_id, state)
+            self._lengths[seq.request_id] = seq
 
     def draft_limit(self, request_id: str, draft: tuple[int, ...]) -> int:
         """The draft tokens the grammar allows before any forced run."""
@@ -66,10 +70,19 @@ class Grammars(RequestProcessor):
         if built is None or request_id not in built:
             return token_ids, False
         appended = built.advance(request_id, token_ids)
+        seq = self._lengths[request_id]
+        appended = built.fit(request_id, seq.params.max_tokens - len(seq.output_token_ids), appended)
         return appended, built.is_complete(request_id)
+
+    def appended(self, seq: Sequence, token_ids: list[int], reason: FinishReason | None) -> Ending | None:
+        """A reply whose ending was forced at its length ends for its length, even a token or two short."""
+        if reason == "stop" and self.built is not None and self.built.closed(seq.request_id):
+            return Ending(len(token_ids), "length")
+        return None
 
     def ended(self, request_id: str) -> None:
         """The matcher goes."""
+        self._lengths.pop(request_id, None)
         if self.built is not None:
             self.built.drop(request_id)
 
