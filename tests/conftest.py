@@ -16,6 +16,11 @@ if not torch.cuda.is_available():
     # transformers' Qwen3.5 takes fla's kernels whenever fla imports, and fla's autotuned kernels cannot run
     # under the interpreter (no driver to time them): hidden here, transformers runs its torch reference.
     sys.modules.setdefault("fla", None)
+    # SWARMKV_PLAIN_INTERPRETER=1 leaves the interpreter as triton ships it (to time the difference).
+    if os.environ["TRITON_INTERPRET"] == "1" and not os.environ.get("SWARMKV_PLAIN_INTERPRETER"):
+        from triton_interpreter import patch_nested_calls_once
+
+        patch_nested_calls_once()
 
 # Under pytest-xdist each worker gets its share of the cores, so workers do not oversubscribe them.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
