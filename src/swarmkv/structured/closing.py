@@ -6,7 +6,9 @@ or a step of it costs about a microsecond): depth first over single bytes, the g
 whole, the bytes that close first (a quote inside a string; brackets, then the shortest values, outside
 one), under a budget of checks. The bytes found are then tokenized as the model's vocabulary would, and the
 shorter of the two spellings the grammar accepts is the ending. It is the ending found, not always the
-shortest: forcing it where it fits exactly still leaves a reply that parses.
+shortest: forcing it where it fits exactly still leaves a reply that parses. JSON (schemas, any object, Hermes
+calls) always has one; free text that only a closing tag ends (the XML call form's values) finds none, and
+nothing is forced there.
 """
 
 from __future__ import annotations
