@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from swarmkv.core.processors import LogitRows, RequestProcessor
-from swarmkv.core.scheduler import Chunk
 from swarmkv.core.sequence import Sequence
 from swarmkv.engine.sampler import to_device
 from swarmkv.errors import InvalidRequestError
@@ -25,8 +24,8 @@ class LogitAdjustments(RequestProcessor):
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        # Penalised requests -> their prompt's distinct ids (on the logits' device once used), where a
-        # repetition penalty reads them.
+        # Penalised requests -> their prompt's distinct ids (sorted, on the host), where a repetition penalty
+        # reads them.
         self._penalised: dict[str, torch.Tensor | None] = {}
 
     def added(self, seq: Sequence) -> None:
@@ -77,54 +76,52 @@ class LogitAdjustments(RequestProcessor):
             logits.index_put_((index[0], index[1]), bias, accumulate=True)
 
     def _penalise(self, rows: LogitRows) -> None:
-        """The penalised rows' penalties: counts of each row's reply tokens, one scatter for all of them."""
-        at: list[int] = []
-        replies: list[torch.Tensor] = []
-        prompts: list[torch.Tensor] = []
-        settings: list[tuple[float, float, float]] = []
-        logits = rows.logits
-        device, vocab = logits.device, self.vocab_size
-        none = torch.empty(0, dtype=torch.int64, device=device)
+        """The penalised rows' penalties, on the tokens each has seen only (a few thousand entries, not rows x
+        vocabulary): gathered, changed and written back in one op each."""
+        at: list[torch.Tensor] = []
+        seen: list[torch.Tensor] = []
+        counts: list[torch.Tensor] = []
+        settings: list[torch.Tensor] = []
         for first, chunk in zip(rows.first_rows(), rows.chunks, strict=True):
             if chunk.request_id not in self._penalised:
                 continue
             params = chunk.seq.params
-            prompt = self._prompt_ids(chunk, device)
+            prompt = self._penalised[chunk.request_id]
             reply = chunk.seq.output_token_ids + list(chunk.draft)
             num_output = len(chunk.seq.output_token_ids)
+            setting = torch.tensor(
+                [params.repetition_penalty, params.frequency_penalty, params.presence_penalty],
+                dtype=torch.float64,
+            )
             for i in range(chunk.num_logits):
-                at.append(first + i)
-                replies.append(torch.tensor(reply[: num_output + i], dtype=torch.int64))
-                prompts.append(prompt if prompt is not None else none)
-                settings.append(
-                    (params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
-                )
+                tokens, in_reply = _seen(prompt, torch.tensor(reply[: num_output + i], dtype=torch.int64))
+                at.append(torch.full_like(tokens, first + i))
+                seen.append(tokens)
+                counts.append(in_reply)
+                settings.append(setting.expand(len(tokens), 3))
         if not at:
             return
-        index = to_device(torch.tensor(at, dtype=torch.int64), device)
-        # Ids padded with `vocab`, one column past the logits, cut off after the scatter.
-        padded = torch.nn.utils.rnn.pad_sequence(replies, batch_first=True, padding_value=vocab)
-        padded = to_device(padded, device)
-        counts = torch.zeros(len(at), vocab + 1, dtype=logits.dtype, device=device)
-        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=logits.dtype))
-        counts = counts[:, :vocab]
-        seen = torch.zeros(len(at), vocab + 1, dtype=torch.bool, device=device)
-        seen.scatter_(
-            1, torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True, padding_value=vocab), True
-        )
-        seen = seen[:, :vocab] | (counts > 0)
-        repetition, frequency, presence = (
-            to_device(torch.tensor(settings, dtype=logits.dtype), device).unsqueeze(-1).unbind(1)
-        )
-        x = logits[index]
-        scale = torch.where(seen, repetition, torch.ones_like(repetition))
-        x = torch.where(x > 0, x / scale, x * scale)
-        x -= frequency * counts + presence * (counts > 0).to(x.dtype)
-        logits[index] = x
+        logits = rows.logits
+        device = logits.device
+        index = to_device(torch.stack([torch.cat(at), torch.cat(seen), torch.cat(counts)]), device)
+        per_entry = to_device(torch.cat(settings).to(logits.dtype), device)
+        rows_at, tokens, count = index.unbind(0)
+        repetition, frequency, presence = per_entry.unbind(1)
+        x = logits[rows_at, tokens]
+        x = torch.where(x > 0, x / repetition, x * repetition)
+        count = count.to(x.dtype)
+        x = x - frequency * count - presence * (count > 0).to(x.dtype)
+        logits[rows_at, tokens] = x
 
-    def _prompt_ids(self, chunk: Chunk, device: torch.device) -> torch.Tensor | None:
-        """The request's distinct prompt ids on `device` (moved there once), None without a repetition penalty."""
-        prompt = self._penalised[chunk.request_id]
-        if prompt is not None and prompt.device != device:
-            prompt = self._penalised[chunk.request_id] = prompt.to(device)
-        return prompt
+
+def _seen(prompt: torch.Tensor | None, reply: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct ids of a row's prompt (where a repetition penalty reads it: `prompt`, sorted and distinct
+    already) and reply, each once, and how often each is in the reply; no sort over the prompt."""
+    tokens, counts = torch.unique(reply, return_counts=True)
+    if prompt is None or not len(prompt):
+        return tokens, counts
+    at = torch.searchsorted(prompt, tokens).clamp_(max=len(prompt) - 1)
+    in_prompt = prompt[at] == tokens
+    prompt_counts = torch.zeros_like(prompt)
+    prompt_counts[at[in_prompt]] = counts[in_prompt]
+    return torch.cat([prompt, tokens[~in_prompt]]), torch.cat([prompt_counts, counts[~in_prompt]])
