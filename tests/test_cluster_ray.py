@@ -37,6 +37,7 @@ from swarmkv.cluster.config import ClusterConfig  # noqa: E402
 from swarmkv.cluster.forward import REPLICA_HEADER, ROUTE_HEADER  # noqa: E402
 from swarmkv.cluster.ray_app import APP_NAME, build_app  # noqa: E402
 from swarmkv.cluster.route_key import RouteKeyer  # noqa: E402
+from swarmkv.server.config import ServerConfig  # noqa: E402
 from swarmkv.tokenizer import Tokenizer  # noqa: E402
 from tiny_models import make_tiny_checkpoint  # noqa: E402
 
@@ -103,6 +104,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             model_kwargs={"model": str(model)},
             engine_kwargs={"kv_cache_memory": 16 * 1024**2, "max_model_len": 4096},
             torch_threads=1,
+            server=ServerConfig(served_model_name=MODEL),  # so that another name is a 404
         )
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         yield Cluster(f"http://127.0.0.1:{port}")

@@ -25,6 +25,7 @@ from swarmkv.api.render import render_chat, system_turns_in_place
 from swarmkv.engine.llm import LLM
 from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
+from swarmkv.server.cli import model_names_line
 from swarmkv.server.context import ServerContext
 from swarmkv.tokenizer import Tokenizer
 from swarmkv.tokenizer.chat import ChatTemplate
@@ -184,11 +185,24 @@ def test_any_name_is_served_under_star_but_not_listed(llm: LLM) -> None:
     ctx = dataclasses.replace(ctx, model_names=("main", "*"), model_name="main")
     ctx.check_model("anything")
     assert ctx.listed_model_names == ("main",)
-    strict: ServerContext = create_app(llm, ServerConfig()).state.ctx
+    strict: ServerContext = create_app(llm, ServerConfig(served_model_name=llm.loaded.path.name)).state.ctx
     strict.check_model(llm.loaded.path.name)
     with pytest.raises(APIError) as refused:
         strict.check_model("claude-sonnet-4-6")
     assert refused.value.status == 404
+
+
+def test_by_default_any_name_is_answered_and_named_in_the_reply(llm: LLM) -> None:
+    """Claude Code asks for a second, small model: a one-model server answers it, as llama-server does."""
+    ctx: ServerContext = create_app(llm, ServerConfig()).state.ctx
+    assert ctx.answers_any_name
+    ctx.check_model("claude-haiku-4-5")
+    assert ctx.reply_model("claude-haiku-4-5") == "claude-haiku-4-5"
+    assert ctx.reply_model(None) == ctx.model_name == llm.loaded.path.name
+    assert ctx.listed_model_names == (llm.loaded.path.name,)
+    restricted: ServerContext = create_app(llm, ServerConfig(served_model_name="main,alias")).state.ctx
+    assert not restricted.answers_any_name and restricted.reply_model("alias") == "main"
+    assert "any model name" in model_names_line(ctx) and "'main', 'alias'" in model_names_line(restricted)
 
 
 def test_served_model_name_takes_several_names() -> None:

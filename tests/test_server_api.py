@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from swarmkv.engine.llm import LLM
 from swarmkv.server import ServerConfig, create_app
+from swarmkv.server.app import default_model_name
 from swarmkv.server.background import BackgroundServer
 from swarmkv.server.context import ServerContext
 from swarmkv.swarm.http_driver import run_swarm_over_http
@@ -96,7 +97,8 @@ class Served:
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     llm = LLM(kv_cache_memory="96MiB", max_model_len=MAX_MODEL_LEN, max_num_seqs=16)
-    app = create_app(llm, ServerConfig(api_key=API_KEY))
+    # The names restricted to the model's own, so that another name is a 404.
+    app = create_app(llm, ServerConfig(api_key=API_KEY, served_model_name=default_model_name(llm)))
     with BackgroundServer(app) as server:
         ctx: ServerContext = app.state.ctx
         yield Served(server.url, ctx, ctx.model_name)

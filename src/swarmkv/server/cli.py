@@ -21,6 +21,9 @@ from swarmkv.options import add_engine_arguments, add_model_arguments, engine_kw
 from swarmkv.server.config import ServerConfig
 from swarmkv.server.tenants import TenantKeys
 
+if typing.TYPE_CHECKING:
+    from swarmkv.server.context import ServerContext
+
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the `serve` subcommand; returns its parser, for `swarmkv.cluster` to add its flags to."""
@@ -82,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     if context_warning is not None:
         print(f"swarmkv serve: warning: {context_warning}", file=sys.stderr)
     app = create_app(llm, config)
+    print(f"swarmkv serve: {model_names_line(app.state.ctx)}", file=sys.stderr)
     # What is loaded by now (torch, the model) lives as long as the server: kept out of the collector's
     # reach, a full collection (a body of thousands of messages sets one off) takes milliseconds, not 0.5 s.
     gc.collect()
@@ -90,6 +94,16 @@ def run(args: argparse.Namespace) -> int:
     http = uvicorn_options(config)
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, **http)
     return 0
+
+
+def model_names_line(ctx: ServerContext) -> str:
+    """What `model` names the server answers, said at start."""
+    if ctx.answers_any_name:
+        return (
+            f"answering any model name with {ctx.model_name!r}, and naming replies with the name asked for "
+            "(--served-model-name restricts the names)"
+        )
+    return f"answering the model names {', '.join(map(repr, ctx.listed_model_names))} (--served-model-name)"
 
 
 def prepare(args: argparse.Namespace) -> ServerConfig:

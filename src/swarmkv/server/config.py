@@ -36,8 +36,9 @@ class ServerConfig:
     )
     served_model_name: str | None = _opt(
         None,
-        "the `model` clients send: a name, or several separated by commas (aliases; the first names replies), "
-        "where '*' answers any name (default: the model's file stem or folder name)",
+        "restrict the `model` names clients may send to these: a name, or several separated by commas "
+        "(aliases; the first names replies), where '*' answers any name (default: any name is answered, "
+        "and a reply carries the name it was asked for; the model's file stem or folder name is listed)",
         metavar="NAME[,NAME...]",
     )
     log_requests: Path | None = _opt(

@@ -97,14 +97,20 @@ class ServerContext:
         names = [name for name in (self.model_name, *self.model_names) if name != ANY_MODEL]
         return tuple(dict.fromkeys(names))
 
+    @property
+    def answers_any_name(self) -> bool:
+        """Whether any `model` a request names gets this server's model: by default, or with '*' among the
+        `--served-model-name` names (as llama-server answers)."""
+        return not self.model_names or ANY_MODEL in self.model_names
+
+    def reply_model(self, model: str | None) -> str:
+        """The model name a reply carries: the one the request asked for where any name is answered, else the
+        served name (an alias's first name)."""
+        return model if model is not None and self.answers_any_name else self.model_name
+
     def check_model(self, model: str | None) -> None:
         """A 404 unless `model` is one this server serves (or omitted, or the server answers any name)."""
-        if (
-            model is None
-            or model == self.model_name
-            or model in self.model_names
-            or ANY_MODEL in self.model_names
-        ):
+        if model is None or self.answers_any_name or model == self.model_name or model in self.model_names:
             return
         served = ", ".join(repr(name) for name in self.listed_model_names)
         raise APIError(

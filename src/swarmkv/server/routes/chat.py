@@ -39,7 +39,7 @@ async def chat_completions(request: Request) -> Response:
     # Logged once it runs: a refused request is logged as refused instead (`http/errors.py`), once.
     await ctx.log_request(CHAT_ROUTE, session_id, payload, started.rendered.text)
     req, stream, found, reasoning = started.req, started.stream, started.found, started.reasoning
-    env = Envelope(stream.request_id, int(time.time()), ctx.model_name)
+    env = Envelope(stream.request_id, int(time.time()), ctx.reply_model(req.options.model))
     latency = Latency(ctx.metrics, arrival_s)
     fmt = req.tool_format
     if req.options.stream:

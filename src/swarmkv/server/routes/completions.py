@@ -51,7 +51,7 @@ async def completions(request: Request) -> Response:
     # Logged once it runs; a prompt of token ids is cut at no length of text.
     prompt_text = req.prompt if isinstance(req.prompt, str) else ""
     await ctx.log_request(COMPLETIONS_ROUTE, session_id, body, prompt_text)
-    env = Envelope(stream.request_id, int(time.time()), ctx.model_name)
+    env = Envelope(stream.request_id, int(time.time()), ctx.reply_model(req.options.model))
     latency = Latency(ctx.metrics, arrival_s)
     if req.options.stream:
         events = _completion_events(env, req.options.include_usage, stream, latency)

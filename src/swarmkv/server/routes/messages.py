@@ -83,7 +83,9 @@ async def messages(request: Request) -> Response:
     usage = CacheTokens.of(last, num_pinned).usage(last.num_output_tokens if last else 0)
     reason = stop_reason(last, len(parsed.tool_calls))
     content = reply_content(parsed)
-    body = message_json(msg_id, ctx.model_name, content, reason, usage, matched_stop(last, reason))
+    body = message_json(
+        msg_id, ctx.reply_model(req.chat.options.model), content, reason, usage, matched_stop(last, reason)
+    )
     return JSONResponse(body)
 
 
@@ -118,7 +120,8 @@ async def _events(
             else CacheTokens(len(started.rendered.token_ids), 0, 0).usage(0)
         )
         return anthropic_event(
-            "message_start", {"message": message_json(msg_id, ctx.model_name, [], None, usage)}
+            "message_start",
+            {"message": message_json(msg_id, ctx.reply_model(started.req.options.model), [], None, usage)},
         )
 
     blocks = ContentBlocks()

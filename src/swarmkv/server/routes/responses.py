@@ -71,7 +71,13 @@ async def create_response(request: Request) -> Response:
     # Logged once it runs, as the chat request it runs as.
     await ctx.log_request(CHAT_ROUTE, session_id, req.chat_body, started.rendered.text, "responses")
     stream = started.stream
-    head = ResponseHead(response_id, int(time.time()), ctx.model_name, req.previous_response_id, req.echo)
+    head = ResponseHead(
+        response_id,
+        int(time.time()),
+        ctx.reply_model(req.chat.options.model),
+        req.previous_response_id,
+        req.echo,
+    )
     latency = Latency(ctx.metrics, arrival_s)
 
     def on_done(body: dict[str, Any], output: list[Item]) -> None:
