@@ -11,12 +11,17 @@ answered, and /health's latency percentiles.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socket
 import statistics
 import threading
 import time
+from collections.abc import Iterator
+from types import SimpleNamespace
 
 import httpx
+import uvicorn
+from starlette.types import ASGIApp
 
 from swarmkv import LLM
 from swarmkv.models.loader import load_model
@@ -56,15 +61,37 @@ def trickle(
     closed.append((float("inf"), b"still open"))
 
 
+@contextlib.contextmanager
+def plain_uvicorn(app: ASGIApp) -> Iterator[SimpleNamespace]:
+    """uvicorn with its own httptools protocol and defaults, on a free loopback port: the server before."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http="httptools"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield SimpleNamespace(port=port, url=f"http://127.0.0.1:{port}")
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
 def main() -> None:
     """Run the trickling sockets and /health's probe; print what happened."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sockets", type=int, default=12)
     parser.add_argument("--interval-s", type=float, default=2.0)
     parser.add_argument("--duration-s", type=float, default=60.0)
+    parser.add_argument(
+        "--plain-uvicorn", action="store_true", help="serve with uvicorn's own protocol: the figure before"
+    )
     args = parser.parse_args()
     app = create_app(LLM(loaded=load_model()))
-    with BackgroundServer(app) as server:
+    with plain_uvicorn(app) if args.plain_uvicorn else BackgroundServer(app) as server:
         closed: dict[str, list[tuple[float, bytes]]] = {"header": [], "body": []}
         threads = [
             threading.Thread(
@@ -91,12 +118,15 @@ def main() -> None:
         for thread in threads:
             thread.join()
     for part, ends in closed.items():
-        times = sorted(t for t, _ in ends)
+        shut = sorted(t for t, _ in ends if t != float("inf"))
         statuses = sorted(
-            {answer.split(b" ")[1].decode() if answer.startswith(b"HTTP/") else "none" for _, answer in ends}
+            {answer.split(b" ")[1].decode() for _, answer in ends if answer.startswith(b"HTTP/")}
         )
+        still_open = len(ends) - len(shut)
+        span = f"closed after {shut[0]:.1f} to {shut[-1]:.1f} s" if shut else "none closed"
         print(
-            f"{len(ends)} sockets trickling in the {part}: closed after {times[0]:.1f} to {times[-1]:.1f} s, answered {statuses}"
+            f"{len(ends)} sockets trickling in the {part}: {span}, answered {statuses or 'nothing'}, "
+            f"{still_open} still open after {args.duration_s:g} s"
         )
     ordered = sorted(latencies_ms)
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]

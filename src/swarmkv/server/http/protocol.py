@@ -26,6 +26,8 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from swarmkv.api.errors import APIError
+from swarmkv.api.messages_objects import anthropic_error
+from swarmkv.api.paths import is_messages_route
 from swarmkv.server.config import ServerConfig
 
 
@@ -150,7 +152,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             cycle.disconnected = True
             cycle.message_event.set()
         if not (running and cycle is not None and cycle.response_started):
-            self.transport.write(_response_bytes(error, self.server_state.default_headers))
+            path = self.scope.get("path", "") if self.scope is not None else ""
+            self.transport.write(_response_bytes(error, path, self.server_state.default_headers))
         self.transport.close()
 
 
@@ -158,9 +161,11 @@ def _too_large(message: str) -> APIError:
     return APIError(431, message, code="request_header_fields_too_large")
 
 
-def _response_bytes(error: APIError, default_headers: list[tuple[bytes, bytes]]) -> bytes:
-    body = json.dumps(error.to_json()).encode()
-    head = [STATUS_LINE[error.status]]
+def _response_bytes(error: APIError, path: str, default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The whole answer: `error` in its route's shape (Anthropic's on /v1/messages), then the close."""
+    status, shaped = anthropic_error(error) if is_messages_route(path) else (error.status, error.to_json())
+    body = json.dumps(shaped).encode()
+    head = [STATUS_LINE[status]]
     head += [name + b": " + value + b"\r\n" for name, value in default_headers]
     head += [
         b"content-type: application/json\r\n",
