@@ -243,7 +243,13 @@ class AsyncEngine:
         def pinned(done: concurrent.futures.Future[PinInfo | None]) -> None:
             error = done.exception()
             if isinstance(error, InvalidRequestError):  # over --max-pinned-memory: answer it unpinned
-                log.info("cache_control prefix of %d tokens not pinned: %s", len(pin.prompt_token_ids), error)
+                tenant = pin.share[0] if pin.share is not None else None  # None: a single tenant
+                log.info(
+                    "cache_control prefix of %d tokens not pinned (tenant %s): %s",
+                    len(pin.prompt_token_ids),
+                    tenant,
+                    error,
+                )
             elif error is not None:  # the engine failed or is stopping: so does the request
                 if command.accepted.set_running_or_notify_cancel():
                     command.accepted.set_exception(error)
