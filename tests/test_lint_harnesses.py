@@ -53,7 +53,9 @@ def logged(records: list[dict[str, Any]]) -> list[LoggedRequest]:
 
 
 def lint(tok: Tokenizer, records: list[dict[str, Any]]) -> LintResult:
-    return lint_log(logged(records), tok, PAGE_SIZE, PAGE_BYTES, check=True)
+    # The log's server ran the template's order (the default before auto meant tools-first on every API):
+    # linted as that server served it, so that tools-first stays a fix to find.
+    return lint_log(logged(records), tok, PAGE_SIZE, PAGE_BYTES, check=True, prompt_layout="template")
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +143,7 @@ def test_the_projected_fix_is_never_below_today(mixed: LintResult) -> None:
 
 
 def test_the_rewritten_log_gives_the_projection(mixed: LintResult, qwen: Tokenizer, tmp_path: Path) -> None:
-    fixed = lint_log(mixed.fixed, qwen, PAGE_SIZE, PAGE_BYTES)
+    fixed = lint_log(mixed.fixed, qwen, PAGE_SIZE, PAGE_BYTES, prompt_layout="template")
     assert fixed.hit_rate == pytest.approx(mixed.projected_hit_rate)
     codex = [r for r in fixed.requests if harness_of(r.index) == "codex"]
     assert [r.brk for r in codex] == [mixed.requests[r.index].brk for r in codex]  # left as it was
@@ -179,7 +181,7 @@ def test_the_cli_on_the_mixed_log(
     monkeypatch.setattr(lint_model, "load_lint_model", lambda path: model)
     requests, problems = read_log(HARNESS_LOG, strict=True)
     assert len(requests) == 12 and not problems
-    assert main(["lint", str(HARNESS_LOG), "--json"]) == 0
+    assert main(["lint", str(HARNESS_LOG), "--json", "--prompt-layout", "template"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [f["family"] for f in report["families"]] == ["f1", "f2", "f3"]
     names = {s["session"]: s["name"] for s in report["sessions"]}

@@ -60,7 +60,7 @@ def test_rendering_matches_the_server_path(smol: Tokenizer, qwen: Tokenizer) -> 
     for i, record in enumerate(records):  # every kind of text in the turns, special-token look-alikes too
         record["body"]["messages"][-1]["content"] += "\n" + texts[i % len(texts)]
     for tok in (smol, qwen):
-        renderer = Renderer(tok)
+        renderer = Renderer(tok, prompt_layout="template")  # the template's own text, below
         for i, record in enumerate(records):
             rendered = renderer.render(LoggedRequest(i, i + 1, record["route"], record["body"]))
             chat = parse_chat_request(record["body"])
@@ -131,8 +131,8 @@ def test_the_fix_moves_values_and_names_and_keeps_history(tmp_path: Path) -> Non
 
 
 def test_a_messages_request_renders_in_the_layout_the_server_gave_it(qwen: Tokenizer, tmp_path: Path) -> None:
-    # The server logs a Messages request as its chat body, with "api": "messages"; under --prompt-layout auto
-    # it ran tools-first, and lint renders it so (a chat request with the same body, in the template's order).
+    # The server logs a Messages request as its chat body, with "api": "messages", and lint renders each
+    # request in the layout its API got: under --prompt-layout auto, tools-first on every API.
     tool = {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}
     body = {
         "messages": [{"role": "system", "content": "You are in /home/a."}, {"role": "user", "content": "hi"}]
@@ -147,9 +147,10 @@ def test_a_messages_request_renders_in_the_layout_the_server_gave_it(qwen: Token
     assert messages.to_json()["api"] == "messages" and "api" not in chat.to_json()
     renderer = Renderer(qwen, prompt_layout="auto")
     as_chat, as_messages = renderer.render(chat).prompt, renderer.render(messages).prompt
-    assert as_chat.text.index("# Tools") > as_chat.text.index("You are in")
     assert as_messages.text.index("# Tools") < as_messages.text.index("You are in")
-    assert Renderer(qwen, prompt_layout="template").render(messages).prompt.text == as_chat.text
+    assert as_chat.text == as_messages.text
+    templated = Renderer(qwen, prompt_layout="template").render(messages).prompt.text
+    assert templated.index("# Tools") > templated.index("You are in")
 
 
 def test_tenants_in_a_log_share_no_salt_or_session(smol: Tokenizer, tmp_path: Path) -> None:

@@ -68,10 +68,11 @@ def _chat(workdir: str, tools: list[dict[str, Any]] | None = TOOLS) -> dict[str,
     return body
 
 
-def test_auto_is_tools_first_on_messages_only() -> None:
+def test_auto_is_tools_first_on_every_api() -> None:
+    """Qwen Code (chat) shared 30% of its first request under the template's order by default."""
     assert resolve_layout("auto", "messages") == "tools-first"
-    assert resolve_layout("auto", "chat") == "template"
-    assert resolve_layout("auto", "responses") == "template"
+    assert resolve_layout("auto", "chat") == "tools-first"
+    assert resolve_layout("auto", "responses") == "tools-first"
     assert resolve_layout("tools-first", "chat") == "tools-first"
     assert resolve_layout("template", "messages") == "template"
 
@@ -242,10 +243,12 @@ def test_lint_and_the_router_render_as_the_server_does(qwen: Tokenizer) -> None:
     moved = render_chat(qwen, req, layout="tools-first").token_ids
     assert moved != template
     logged = LoggedRequest(0, 1, CHAT_ROUTE, body)
-    assert Renderer(qwen).render(logged).prompt.token_ids == template  # a logged chat body: auto is template
-    assert Renderer(qwen, prompt_layout="tools-first").render(logged).prompt.token_ids == moved
+    assert Renderer(qwen).render(logged).prompt.token_ids == moved  # auto is tools-first on every API
+    assert Renderer(qwen, prompt_layout="template").render(logged).prompt.token_ids == template
     keyer = RouteKeyer(qwen)  # auto
-    assert list(keyer.route("POST", CHAT_ROUTE, {}, json.dumps(body).encode()).key.tokens) == template
+    assert list(keyer.route("POST", CHAT_ROUTE, {}, json.dumps(body).encode()).key.tokens) == moved
+    templated = RouteKeyer(qwen, prompt_layout="template")
+    assert list(templated.route("POST", CHAT_ROUTE, {}, json.dumps(body).encode()).key.tokens) == template
     messages_body = {
         "model": "m",
         "max_tokens": 10,

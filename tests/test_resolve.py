@@ -58,7 +58,7 @@ def test_the_decisions_by_device() -> None:
     assert resolve.cascade_min_saved_tokens("auto", "triton", None) == resolve.TRITON_MIN_SAVED_TOKENS
     assert resolve.cpu_prefill_bf16("auto", "cpu", False, decodes_read_int8=True, amx_tiles=True)
     assert not resolve.cpu_prefill_bf16("on", "cpu", True, decodes_read_int8=True, amx_tiles=True)
-    assert PromptLayouts.of("auto") == PromptLayouts("template", "tools-first", "template")
+    assert PromptLayouts.of("auto") == PromptLayouts("tools-first", "tools-first", "tools-first")
 
 
 def test_the_engine_route_shows_the_resolved_settings() -> None:
@@ -67,5 +67,5 @@ def test_the_engine_route_shows_the_resolved_settings() -> None:
     with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
         body = http.get("/v1/engine").json()
     assert "auto" not in body.values()
-    assert body["prompt_layout"] == {"chat": "template", "messages": "tools-first", "responses": "template"}
+    assert body["prompt_layout"] == {"chat": "tools-first", "messages": "tools-first", "responses": "tools-first"}
     assert {k: v for k, v in body.items() if k != "prompt_layout"} == llm.engine.settings.to_dict()

@@ -151,10 +151,11 @@ def cpu_prefill_bf16(
 
 
 def prompt_layout(setting: PromptLayout, api: Api) -> Layout:
-    """The layout a request on `api` gets under `--prompt-layout setting`: auto is tools-first on Messages
-    (Anthropic's cache order), template elsewhere."""
+    """The layout a request on `api` gets under `--prompt-layout setting`: auto is tools-first on every API
+    (Anthropic's cache order: agents whose system texts differ still share their tools), which leaves a
+    request without tools or without a system text as its template renders it."""
     if setting == "auto":
-        return "tools-first" if api == "messages" else "template"
+        return "tools-first"
     return setting
 
 

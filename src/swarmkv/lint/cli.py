@@ -62,8 +62,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--prompt-layout",
         choices=PROMPT_LAYOUTS,
         default="auto",
-        help="the server's --prompt-layout; the log holds chat bodies, so auto renders them in the template's "
-        "order: give tools-first for a server's /v1/messages traffic (default %(default)s)",
+        help="the server's --prompt-layout, which lint renders each request in: auto is tools-first on every "
+        "API, as the server's (default %(default)s)",
     )
     parser.set_defaults(run=run)
 
