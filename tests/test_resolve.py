@@ -67,5 +67,9 @@ def test_the_engine_route_shows_the_resolved_settings() -> None:
     with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
         body = http.get("/v1/engine").json()
     assert "auto" not in body.values()
-    assert body["prompt_layout"] == {"chat": "tools-first", "messages": "tools-first", "responses": "tools-first"}
+    assert body["prompt_layout"] == {
+        "chat": "tools-first",
+        "messages": "tools-first",
+        "responses": "tools-first",
+    }
     assert {k: v for k, v in body.items() if k != "prompt_layout"} == llm.engine.settings.to_dict()
