@@ -150,7 +150,51 @@ def test_a_request_and_its_pin_reach_the_engine_thread_as_one_command(
         (pin,) = command.pins
         assert command.prompt_token_ids[: len(pin.prompt_token_ids)] == pin.prompt_token_ids
         usage = response.json()["usage"]
-        assert 0 < usage["cache_creation_input_tokens"] <= len(pin.prompt_token_ids)  # its full pages
+        # A lone request on a cold server read nothing: its mark's pin computed the whole prefix (its last,
+        # partial page is cached unpinned) and the rest was this request's own input.
+        assert usage["cache_read_input_tokens"] == 0
+        assert usage["cache_creation_input_tokens"] == len(pin.prompt_token_ids)
+        assert usage["input_tokens"] == len(command.prompt_token_ids) - len(pin.prompt_token_ids)
         again = httpx.post(server.url + "/v1/messages", json=body, timeout=600)
         assert again.json()["usage"]["cache_creation_input_tokens"] == 0  # a refreshed pin creates nothing
         app.state.ctx.engine.call(lambda engine: engine.check_integrity()).result(timeout=600)
+
+
+def test_two_cold_requests_at_once_one_creates_the_other_reads(scripted_llm: Any) -> None:
+    """Two agents' first requests, sent together to a cold server: one's mark creates the prefix, the other
+    shares that pin and reads it; neither counts a read that did not happen."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from swarmkv.server import ServerConfig, create_app
+    from swarmkv.server.background import BackgroundServer
+
+    app = create_app(scripted_llm, ServerConfig())
+    body = {**_body("system"), "model": "scripted", "max_tokens": 1}
+    body["system"] = [{**body["system"][0], "text": "Cold pair. " + body["system"][0]["text"]}]
+    with BackgroundServer(app) as server:
+        ctx = app.state.ctx
+        hits_before = ctx.engine.snapshot().prefix_hit_tokens
+        with ThreadPoolExecutor(2) as pool:
+            replies = list(
+                pool.map(lambda _: httpx.post(server.url + "/v1/messages", json=body, timeout=600), range(2))
+            )
+        usages = [r.json()["usage"] for r in replies]
+        assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+        created = sorted(u["cache_creation_input_tokens"] for u in usages)
+        assert created[0] == 0 and created[1] > 0
+        reader = next(u for u in usages if u["cache_creation_input_tokens"] == 0)
+        creator = next(u for u in usages if u["cache_creation_input_tokens"] > 0)
+        assert creator["cache_read_input_tokens"] == 0
+        assert reader["cache_read_input_tokens"] >= creator["cache_creation_input_tokens"]
+        prompt = {
+            sum(u[k] for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
+            for u in usages
+        }
+        assert len(prompt) == 1  # the same prompt, split three ways that add up
+        # What they report read is what the server served from its cache, pins' work aside.
+        stats = ctx.engine.call(lambda engine: engine.snapshot()).result(timeout=600)
+        reads = sum(u["cache_read_input_tokens"] + u["cache_creation_input_tokens"] for u in usages)
+        assert reads == stats.prefix_hit_tokens - hits_before
+        ctx.engine.call(lambda engine: engine.check_integrity()).result(timeout=600)

@@ -40,11 +40,9 @@ class PinInfo:
     ready: bool  # False while its prefix is still being computed
     num_cached_tokens: int = 0  # of its prefix, found in the prefix cache when its prefill ran
     holders: int = 1  # the requests that pinned it (`Pins.share`)
-
-    @property
-    def num_created_tokens(self) -> int:
-        """Held tokens this pin computed and put in the cache itself (none when it refreshed a cached one)."""
-        return max(0, self.num_tokens - self.num_cached_tokens)
+    # Prefix tokens its prefill computed and cached: its held pages' and a partial last page's (cached, unpinned),
+    # none when the prefix was cached already. Anthropic's cache creation for the mark that made it.
+    num_created_tokens: int = 0
 
 
 PIN_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -89,6 +87,7 @@ class _Pin:
     expires_at: float | None = None  # monotonic seconds, set once held
     num_tokens: int = 0
     num_cached_tokens: int = 0
+    num_created_tokens: int = 0
     ready: bool = False
     holders: int = 1
 
@@ -212,6 +211,8 @@ class Pins:
         # A prefill computes its last token again even when all of it is cached: a page found is whole.
         size = self.kv.page_size
         pin.num_cached_tokens = -(-num_cached_tokens // size) * size
+        computed = len(pin.token_ids) if not self.kv.takes_snapshots else len(pin.token_ids) // size * size
+        pin.num_created_tokens = max(0, computed - pin.num_cached_tokens)
         pin.num_tokens = self.kv.pin(pin_id, pin.token_ids, pin.cache_salt)
         while self.held_bytes > self.max_bytes and pin.num_tokens:  # pages evicted and recomputed meanwhile
             self.kv.unpin(pin_id)
@@ -249,4 +250,5 @@ class Pins:
         if self.kv.pinned_state(pin_id) is not None:
             kv_bytes += self.state_bytes
         cached = min(pin.num_tokens, pin.num_cached_tokens)
-        return PinInfo(pin_id, pin.num_tokens, kv_bytes, left, pin.ready, cached, pin.holders)
+        created = pin.num_created_tokens if pin.ready else 0
+        return PinInfo(pin_id, pin.num_tokens, kv_bytes, left, pin.ready, cached, pin.holders, created)
