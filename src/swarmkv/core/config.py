@@ -82,7 +82,7 @@ class EngineConfig:
     state_memory: int | str | None = _opt(
         None,
         "hybrid models (Qwen3.5): the part of kv_cache_memory for recurrent states, each running request's "
-        "and the prefix snapshots, e.g. 1GiB (default: a quarter of it)",
+        "and the prefix snapshots, e.g. 1GiB (default: half of it)",
     )
     max_num_seqs: int = _opt(64, "requests running at once")
     max_num_batched_tokens: int = _opt(2048, "tokens computed per step (prefill chunks plus decodes)")
@@ -317,9 +317,11 @@ class EngineConfig:
 
     @property
     def state_bytes(self) -> int:
-        """The recurrent-state budget of a hybrid model, taken from the KV pool's."""
+        """The recurrent-state budget of a hybrid model, taken from the KV pool's: by default half of it. A
+        hybrid's attention layers are a quarter of its layers, so its pages are cheap and its states are not:
+        eight agents hold eight running states and a snapshot at each turn's end and at the shared head's."""
         if self.state_memory is None:
-            return self.kv_cache_bytes // 4
+            return self.kv_cache_bytes // 2
         return parse_size(self.state_memory)
 
     @property
