@@ -68,13 +68,27 @@ def torch_reference(tiny: Path) -> tuple[list[list[int]], dict[str, int]]:
     return _two_turns(_llm(tiny, "torch"))
 
 
+@pytest.fixture(scope="module")
+def graphed(tiny: Path) -> tuple[list[list[int]], dict[str, int], DecodeGraphs, LLM]:
+    """The two-turn workload on the triton backend, interpreted once for the module: decode-only steps
+    padded to their bucket (3 requests run as 4) and replayed from the stand-in graph (which runs the same
+    kernels again at replay), the other steps eager."""
+    llm = _llm(tiny, "triton")
+    runner = llm.engine.runner.triton
+    assert runner is not None
+    graphs = DecodeGraphs(batch_buckets(4), runner._graph_shape, runner.forward, runner.device, EagerGraph)
+    runner.graphs = graphs
+    tokens, stats = _two_turns(llm)
+    return tokens, stats, graphs, llm
+
+
 @pytest.mark.slow
 def test_triton_generates_the_torch_backends_greedy_tokens(
-    tiny: Path, torch_reference: tuple[list[list[int]], dict[str, int]]
+    graphed: tuple[list[list[int]], dict[str, int], DecodeGraphs, LLM],
+    torch_reference: tuple[list[list[int]], dict[str, int]],
 ) -> None:
-    llm = _llm(tiny, "triton", enforce_eager=True)
+    tokens, stats, _, llm = graphed
     assert llm.engine.attention_backend == "triton"
-    tokens, stats = _two_turns(llm)
     expected, expected_stats = torch_reference
     assert tokens == expected
     assert stats["cascade_decode_rows"] > 0  # the shared-prefix kernel ran
@@ -83,15 +97,11 @@ def test_triton_generates_the_torch_backends_greedy_tokens(
 
 @pytest.mark.slow
 def test_graph_replays_equal_eager_steps(
-    tiny: Path, torch_reference: tuple[list[list[int]], dict[str, int]]
+    graphed: tuple[list[list[int]], dict[str, int], DecodeGraphs, LLM],
+    torch_reference: tuple[list[list[int]], dict[str, int]],
 ) -> None:
     """Decode-only steps padded to their bucket (3 requests run as 4) and replayed."""
-    llm = _llm(tiny, "triton")
-    runner = llm.engine.runner.triton
-    assert runner is not None
-    graphs = DecodeGraphs(batch_buckets(4), runner._graph_shape, runner.forward, runner.device, EagerGraph)
-    runner.graphs = graphs
-    tokens, _ = _two_turns(llm)
+    tokens, _, graphs, _ = graphed
     assert graphs.replays > 0
     assert 4 in graphs._captured and set(graphs._captured) <= set(batch_buckets(4))
     assert tokens == torch_reference[0]
@@ -125,12 +135,19 @@ def _prefill_beside_a_decode_group(llm: LLM) -> tuple[dict[str, list[int]], bool
     return tokens, mixed
 
 
+@pytest.fixture(scope="module")
+def beside_expected(tiny: Path) -> dict[str, list[int]]:
+    """The torch backend's tokens for `_prefill_beside_a_decode_group`."""
+    return _prefill_beside_a_decode_group(_llm(tiny, "torch"))[0]
+
+
 @pytest.mark.slow
-def test_a_prefill_beside_a_decode_group_generates_the_torch_backends_tokens(tiny: Path) -> None:
+def test_a_prefill_beside_a_decode_group_generates_the_torch_backends_tokens(
+    tiny: Path, beside_expected: dict[str, list[int]]
+) -> None:
     """The group's page-table row is its first decode's chunk, after the prefills' chunks (not their tokens)."""
-    expected, _ = _prefill_beside_a_decode_group(_llm(tiny, "torch"))
     tokens, mixed = _prefill_beside_a_decode_group(_llm(tiny, "triton", enforce_eager=True))
-    assert mixed and tokens == expected
+    assert mixed and tokens == beside_expected
 
 
 def _stand_in_graphs(llm: LLM) -> tuple[DecodeGraphs, dict[int, DecodeGraphs]]:
@@ -155,11 +172,13 @@ def _stand_in_graphs(llm: LLM) -> tuple[DecodeGraphs, dict[int, DecodeGraphs]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
-def test_mixed_step_graphs_replay_prefills_beside_a_decode_group(tiny: Path, async_scheduling: str) -> None:
+def test_mixed_step_graphs_replay_prefills_beside_a_decode_group(
+    tiny: Path, async_scheduling: str, beside_expected: dict[str, list[int]]
+) -> None:
     """A prefill chunk beside a cascade group's decodes, replayed from a mixed graph (padded between the
     prefill rows and the decodes to its bucket's layout): the torch backend's tokens, with and without async
     scheduling (whose provisional inputs land after the gap)."""
-    expected, _ = _prefill_beside_a_decode_group(_llm(tiny, "torch"))
+    expected = beside_expected
     llm = _llm(tiny, "triton", mixed_step_graphs=True, async_scheduling=async_scheduling)
     decode_graphs, mixed_graphs = _stand_in_graphs(llm)
     tokens, mixed = _prefill_beside_a_decode_group(llm)

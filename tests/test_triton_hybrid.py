@@ -274,27 +274,39 @@ def _assert_same(got: Workload, expected: Workload) -> None:
         )
 
 
+@pytest.fixture(scope="module")
+def graphed(loaded: LoadedModel) -> tuple[Workload, DecodeGraphs, LLM]:
+    """The workload on the triton backend, interpreted once for the module: decode-only steps padded to their
+    bucket (3 requests run as 4: a row with no state slot) and replayed on the graph's static metadata, state
+    slots included, from the stand-in graph (which runs the same kernels again at replay); the prefill and
+    mixed steps eager."""
+    llm = _llm(loaded, "triton")
+    runner = llm.engine.runner.triton
+    assert runner is not None
+    graphs = DecodeGraphs(batch_buckets(4), runner._graph_shape, runner.forward, runner.device, EagerGraph)
+    runner.graphs = graphs
+    return _workload(llm), graphs, llm
+
+
 @pytest.mark.slow
-def test_triton_hybrid_matches_the_torch_backend(loaded: LoadedModel, torch_reference: Workload) -> None:
-    llm = _llm(loaded, "triton", enforce_eager=True)
+def test_triton_hybrid_matches_the_torch_backend(
+    graphed: tuple[Workload, DecodeGraphs, LLM], torch_reference: Workload
+) -> None:
+    workload, _, llm = graphed
     assert llm.engine.attention_backend == "triton"
-    _assert_same(_workload(llm), torch_reference)
+    _assert_same(workload, torch_reference)
     # A stuck model would hide a wrong state.
     assert all(len(set(tokens)) > 1 for tokens in torch_reference.tokens)
 
 
 @pytest.mark.slow
 def test_graph_replays_of_hybrid_decodes_match_the_torch_backend(
-    loaded: LoadedModel, torch_reference: Workload
+    graphed: tuple[Workload, DecodeGraphs, LLM], torch_reference: Workload
 ) -> None:
     """Decode-only steps padded to their bucket (3 requests run as 4: a row with no state slot) and replayed
     on the graph's static metadata, state slots included."""
-    llm = _llm(loaded, "triton")
-    runner = llm.engine.runner.triton
-    assert runner is not None
-    graphs = DecodeGraphs(batch_buckets(4), runner._graph_shape, runner.forward, runner.device, EagerGraph)
-    runner.graphs = graphs
-    _assert_same(_workload(llm), torch_reference)
+    workload, graphs, _ = graphed
+    _assert_same(workload, torch_reference)
     assert graphs.replays > 0 and 4 in graphs._captured
 
 
