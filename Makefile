@@ -52,9 +52,15 @@ lint: install-test
 	$(BIN)/mypy
 
 # Two workers, a test file each at a time (module fixtures stay per file); conftest.py splits the cores. The 25
-# slowest tests are listed at the end, for the 10-minute budget.
-test: lint e2e-harnesses
-	$(BIN)/pytest -n 2 --dist loadfile --durations=25
+# slowest tests are listed at the end, for the 10-minute budget. ruff first (a second); mypy (a minute of one
+# core) runs beside pytest, in the gaps its workers leave, and both must pass.
+test: install-test e2e-harnesses
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+	$(BIN)/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
+	$(BIN)/pytest -n 2 --dist loadfile --durations=25; tests=$$?; \
+	wait $$types; typed=$$?; echo "mypy:"; cat $(VENV)/mypy.log; \
+	[ $$tests -eq 0 ] && [ $$typed -eq 0 ]
 
 # The unit tier, for the edit loop: no marked test (pyproject.toml's markers), within 2 minutes on 2 cores.
 FAST := not slow and not model and not ray and not browser and not e2e
