@@ -22,6 +22,11 @@ if not torch.cuda.is_available():
 
         patch_nested_calls_once()
 
+# Huge pages off for the suite (tests/test_huge_pages.py turns them back on): under the memory churn of hundreds
+# of engines, each pool's first touch stalled in the kernel's compaction (kernels/huge_pages.py). Subprocesses
+# inherit it.
+os.environ.setdefault("SWARMKV_HUGE_PAGES", "off")
+
 # Under pytest-xdist each worker gets its share of the cores, so workers do not oversubscribe them.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))

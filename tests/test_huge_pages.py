@@ -19,8 +19,23 @@ from swarmkv.models.loader import load_model
 from tiny_gguf import write_tiny_gguf
 
 needs_huge_pages = pytest.mark.skipif(
-    not huge_pages.huge_pages_available(), reason="no transparent huge pages here"
+    not huge_pages.huge_pages_supported(), reason="no transparent huge pages here"
 )
+
+
+@pytest.fixture(autouse=True)
+def wanted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Huge pages on, as outside the suite (conftest.py turns them off for the others)."""
+    monkeypatch.delenv(huge_pages.HUGE_PAGES_ENV, raising=False)
+
+
+def test_the_environment_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value in ("off", "0", "No", "false "):
+        monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, value)
+        assert not huge_pages.huge_pages_available()
+        assert pack_tensors([torch.ones(4)]) == 0
+    monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "on")
+    assert huge_pages.huge_pages_available() == huge_pages.huge_pages_supported()
 
 
 def mapping_fields(address: int) -> dict[str, str]:

@@ -8,12 +8,19 @@ anonymous mapping huge pages when `transparent_hugepage/enabled` is `always`, or
 object sees the move, views keep their offsets, and the old memory goes. The KV slabs (`huge_zeros`) get their own
 mapping. Where the OS gives no huge pages (another OS, THP `never`) nothing moves. Measured on the embedded model
 (the C decode step, 2 threads, bench/decode.py): see docs/benchmarks.md (Decode on the CPU).
+
+`SWARMKV_HUGE_PAGES=off` in the environment asks for none. Where memory is fragmented and THP's `defrag` setting
+compacts memory at each huge-page fault (`madvise`, the default, does for these mappings), touching a fresh
+mapping stalls in the kernel: on this project's 2-core test machine a 1 GiB KV pool's first touch took from 0.1 s
+to 15 s of system time, most of it in compaction (`compact_stall` in /proc/vmstat). The test suite, which builds
+hundreds of engines, turns them off (tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,9 +30,17 @@ import torch
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # each storage starts on a cache line
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+HUGE_PAGES_ENV = "SWARMKV_HUGE_PAGES"  # "off" (or 0, no, false): ask for no huge pages
 
 
 def huge_pages_available() -> bool:
+    """Whether huge pages are wanted (`SWARMKV_HUGE_PAGES` is not off) and the OS can give them."""
+    if os.environ.get(HUGE_PAGES_ENV, "").strip().lower() in ("off", "0", "no", "false"):
+        return False
+    return huge_pages_supported()
+
+
+def huge_pages_supported() -> bool:
     """Whether an anonymous mapping that asks for huge pages can get them here."""
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
