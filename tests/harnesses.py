@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -44,8 +44,9 @@ class Harness:
     package: str
     version: str
 
-    def argv(self) -> list[str]:
-        """The command line of one non-interactive task."""
+    def argv(self, base_url: str | None = None) -> list[str]:
+        """The command line of one non-interactive task; Codex's names `base_url` as its server (config.toml's
+        otherwise), so that instances sharing one config each reach a proxy of their own."""
         node = str(node_binary())
         modules = INSTALL / "node_modules"
         if self.name == "claude-code":
@@ -58,18 +59,23 @@ class Harness:
                 "json",
             ]
         if self.name == "codex":
-            return [node, str(modules / "@openai/codex/bin/codex.js"), "exec", "--color", "never", TASK]
+            server = ["-c", f'model_providers.swarmkv.base_url="{base_url}/v1"'] if base_url else []
+            return [
+                node,
+                str(modules / "@openai/codex/bin/codex.js"),
+                "exec",
+                *server,
+                "--color",
+                "never",
+                TASK,
+            ]
         return [node, str(modules / "@qwen-code/qwen-code/cli.js"), "--yolo", "--output-format", "json", TASK]
 
     def version_argv(self) -> list[str]:
         return [*self.argv()[: 1 if self.name == "claude-code" else 2], "--version"]
 
-    def env(self, base_url: str, home: Path, codex_home: Path | None = None) -> dict[str, str]:
-        """The environment of a run: base URL, key and model, and the harness's offline switches.
-
-        `codex_home` is Codex's config folder (default HOME/.codex); a test gives each instance its own,
-        because each has a proxy of its own, hence a base URL of its own in config.toml.
-        """
+    def env(self, base_url: str, home: Path) -> dict[str, str]:
+        """The environment of a run: base URL, key and model, and the harness's offline switches."""
         path = f"{node_binary().parent}:/usr/bin:/bin"
         common = {"PATH": path, "HOME": str(home), "TERM": "dumb", "LANG": "C.UTF-8"}
         if self.name == "claude-code":
@@ -84,7 +90,7 @@ class Harness:
                 "IS_SANDBOX": "1",
             }
         if self.name == "codex":
-            return {**common, "CODEX_HOME": str(codex_home or home / ".codex"), "SWARMKV_API_KEY": API_KEY}
+            return {**common, "CODEX_HOME": str(home / ".codex"), "SWARMKV_API_KEY": API_KEY}
         return {
             **common,
             "OPENAI_BASE_URL": f"{base_url}/v1",
@@ -92,16 +98,21 @@ class Harness:
             "OPENAI_MODEL": MODEL,
         }
 
-    def write_settings(self, base_url: str, home: Path, codex_home: Path | None = None) -> None:
-        """The harness's settings files: the server (Codex), offline and non-interactive."""
+    def write_settings(self, base_url: str, home: Path) -> None:
+        """The harness's settings files: the server (Codex), offline and non-interactive. Each file is
+        replaced whole, so an instance already running on the same HOME never reads half of one."""
         if self.name == "codex":
-            folder = codex_home or home / ".codex"
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "config.toml").write_text(codex_config(f"{base_url}/v1"), encoding="utf-8")
+            _replace(home / ".codex/config.toml", codex_config(f"{base_url}/v1"))
         elif self.name == "qwen-code":
-            (home / ".qwen").mkdir(parents=True, exist_ok=True)
-            settings = json.dumps(QWEN_SETTINGS, indent=2)
-            (home / ".qwen/settings.json").write_text(settings, encoding="utf-8")
+            _replace(home / ".qwen/settings.json", json.dumps(QWEN_SETTINGS, indent=2))
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write `text` to `path` through a new file renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)
 
 
 # The pinned releases: npm's `latest` tags on 2026-12-01.
@@ -180,6 +191,7 @@ class Exchange:
     body: Any  # the request's JSON, or None
     response: str  # the answer's text (an event stream when streamed)
     started: float  # time.time() when the request arrived
+    headers: dict[str, str] = field(default_factory=dict)  # the answer's, names in lower case
 
     @property
     def route(self) -> str:
@@ -233,7 +245,10 @@ class RecordingProxy:
                 except ValueError:
                     parsed = None
                 text = received.decode("utf-8", "replace")
-                exchange = Exchange(self.command, self.path, answer.status, parsed, text, started)
+                answer_headers = {k.lower(): v for k, v in answer.getheaders()}
+                exchange = Exchange(
+                    self.command, self.path, answer.status, parsed, text, started, answer_headers
+                )
                 with lock:
                     proxy.exchanges.append(exchange)
 
@@ -260,19 +275,24 @@ class Server:
     port: int
     process: subprocess.Popen[str]
     log: Path
+    request_log: Path | None = None  # its `--log-requests` file
 
 
 @contextmanager
-def swarmkv_serve(model: Path, workdir: Path, *flags: str) -> Iterator[Server]:
-    """Run `swarmkv serve --model MODEL FLAGS` as a user would; yields once it answers."""
+def swarmkv_serve(
+    model: Path, workdir: Path, *flags: str, request_log: Path | None = None
+) -> Iterator[Server]:
+    """Run `swarmkv serve --model MODEL FLAGS` (and `--log-requests REQUEST_LOG`) as a user would; yields once it
+    answers."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     log = workdir / f"serve-{port}.log"
     argv = [sys.executable, "-m", "swarmkv.cli", "serve", "--model", str(model), "--port", str(port), *flags]
+    argv += ["--log-requests", str(request_log)] if request_log is not None else []
     with log.open("w", encoding="utf-8") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True)
-    server = Server(port, process, log)
+    server = Server(port, process, log, request_log)
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -309,7 +329,8 @@ class Run:
 
     @property
     def generations(self) -> list[Exchange]:
-        return [e for e in self.exchanges if e.is_generation]
+        """Its generation requests, in the order they were sent."""
+        return sorted((e for e in self.exchanges if e.is_generation), key=lambda e: e.started)
 
     def describe(self) -> str:
         statuses = [(e.method, e.path, e.status) for e in self.exchanges]
@@ -348,17 +369,16 @@ class Instance:
         self.harness = harness
         self._proxy = RecordingProxy(server_port).__enter__()
         self._out = workspace.parent / f"{workspace.name}.{harness.name}"
-        codex_home = self._out.with_suffix(".codex-home")
         home.mkdir(parents=True, exist_ok=True)
-        harness.write_settings(self._proxy.url, home, codex_home)
+        harness.write_settings(self._proxy.url, home)
         with (
             self._out.with_suffix(".stdout").open("w") as out,
             self._out.with_suffix(".stderr").open("w") as err,
         ):
             self._process = subprocess.Popen(
-                harness.argv(),
+                harness.argv(self._proxy.url),
                 cwd=workspace,
-                env=harness.env(self._proxy.url, home, codex_home),
+                env=harness.env(self._proxy.url, home),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
@@ -383,19 +403,41 @@ def run_one(harness: Harness, server_port: int, workspace: Path, home: Path) -> 
     return Instance(harness, server_port, workspace, home).wait()
 
 
-# What each API's answer says it read from the cache, and the prompt's whole length.
+@dataclass(frozen=True)
+class PromptSplit:
+    """A prompt's tokens as an answer's usage splits them: read from the cache, created (Messages' pins) and the
+    rest. The last usage object of an answer counts; `prompt` is the usage's own total."""
+
+    read: int
+    created: int
+    uncached: int
+    prompt: int
+
+
+def prompt_split(exchange: Exchange) -> PromptSplit:
+    """The prompt's split from a generation's answer, streamed or not (the last usage object that has one)."""
+    found: PromptSplit | None = None
+    for usage in _usages(exchange.response):
+        if "cache_read_input_tokens" in usage:  # Messages: the three add up to the prompt
+            read = usage.get("cache_read_input_tokens") or 0
+            created = usage.get("cache_creation_input_tokens") or 0
+            uncached = usage.get("input_tokens") or 0
+            found = PromptSplit(read, created, uncached, read + created + uncached)
+        elif "input_tokens_details" in usage:  # Responses
+            cached, total = usage["input_tokens_details"].get("cached_tokens") or 0, usage["input_tokens"]
+            found = PromptSplit(cached, 0, total - cached, total)
+        elif "prompt_tokens_details" in usage:  # chat completions
+            cached = (usage["prompt_tokens_details"] or {}).get("cached_tokens") or 0
+            found = PromptSplit(cached, 0, usage["prompt_tokens"] - cached, usage["prompt_tokens"])
+    if found is None:
+        raise AssertionError(f"no prompt usage in the answer to {exchange.path}: {exchange.response[:2000]}")
+    return found
+
+
 def prompt_usage(exchange: Exchange) -> tuple[int, int]:
     """(prompt tokens read from cache, prompt tokens) from a generation's answer, streamed or not."""
-    for usage in _usages(exchange.response):
-        if "cache_read_input_tokens" in usage:  # Messages
-            read = usage.get("cache_read_input_tokens") or 0
-            total = read + (usage.get("cache_creation_input_tokens") or 0) + (usage.get("input_tokens") or 0)
-            return read, total
-        if "input_tokens_details" in usage:  # Responses
-            return usage["input_tokens_details"].get("cached_tokens") or 0, usage["input_tokens"]
-        if "prompt_tokens_details" in usage:  # chat completions
-            return (usage["prompt_tokens_details"] or {}).get("cached_tokens") or 0, usage["prompt_tokens"]
-    raise AssertionError(f"no prompt usage in the answer to {exchange.path}: {exchange.response[:2000]}")
+    split = prompt_split(exchange)
+    return split.read, split.prompt
 
 
 def _usages(text: str) -> Iterator[dict[str, Any]]:

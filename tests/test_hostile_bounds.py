@@ -393,8 +393,9 @@ def test_a_request_past_the_context_is_logged_once(served: tuple[str, Path]) -> 
     assert line["status"] == 400
     ok = {"model": "scripted", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     assert _post(url, "/v1/chat/completions", json.dumps(ok).encode()).status_code == 200
-    (line,) = _log_lines(log)[before + 1 :]
+    line, ended = _log_lines(log)[before + 1 :]  # the request, then its end
     assert "status" not in line and line["tenant"] == "gamma" and line["body"] == ok
+    assert ended["request_id"] == line["request_id"] and "body" not in ended
 
 
 def test_count_routes_refuse_past_the_context_and_20000_tools(served: tuple[str, Path]) -> None:

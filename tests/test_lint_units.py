@@ -130,6 +130,38 @@ def test_the_fix_moves_values_and_names_and_keeps_history(tmp_path: Path) -> Non
     assert records[0]["body"]["messages"][0]["content"].split("\n")[0] in first_turn
 
 
+def test_the_fix_moves_a_first_user_turns_context_lines_past_the_static_context(tmp_path: Path) -> None:
+    # Claude Code's shape: the git status (its branch) in the first user message, then a system message with
+    # the working directory and a long shared list; the per-instance lines go to the end of that first turn.
+    def body(agent: int, turns: int) -> dict[str, Any]:
+        context = f"# gitStatus\nCurrent branch: agent-{agent}\nMain branch: main\n\nWhat is the weather?"
+        environment = f" - Primary working directory: /work/agent-{agent}\n" + "\n".join(
+            f"- skill {i}: does {i}" for i in range(20)
+        )
+        messages = [
+            {"role": "system", "content": "You are an agent.\nBe brief."},
+            {"role": "user", "content": context},
+            {"role": "system", "content": environment},
+        ]
+        reply = [{"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Thanks."}]
+        return {"messages": messages + reply * turns}
+
+    records = [
+        {"session_id": f"agent-{a}", "route": "/v1/chat/completions", "body": body(a, t)}
+        for t in range(2)
+        for a in range(3)
+    ]
+    requests, _ = read_log(write_log(tmp_path / "log.jsonl", records))
+    fixed = [r.body["messages"] for r in fix_log(requests, {r.index: r.session_id or "" for r in requests})]
+    # Every agent's first turn is the same up to its own lines, which end it.
+    assert fixed[0][1] == fixed[1][1] and "agent-" not in fixed[0][1]["content"]
+    assert fixed[0][2]["content"].endswith(
+        "\n\nCurrent branch: agent-0\n - Primary working directory: /work/agent-0"
+    )
+    assert fixed[0][2]["content"].startswith("- skill 0: does 0")
+    assert fixed[3][:3] == fixed[0]  # a later turn repeats the first exactly
+
+
 def test_a_messages_request_renders_in_the_layout_the_server_gave_it(qwen: Tokenizer, tmp_path: Path) -> None:
     # The server logs a Messages request as its chat body, with "api": "messages", and lint renders each
     # request in the layout its API got: under --prompt-layout auto, tools-first on every API.

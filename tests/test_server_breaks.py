@@ -91,14 +91,18 @@ def test_each_generation_request_is_one_whole_log_line(served: Served) -> None:
 
     lines = served.log_path.read_text(encoding="utf-8").splitlines()[start:]
     records = [json.loads(line) for line in lines]
+    ended = [r for r in records if "body" not in r]  # each request that ran ends with a line of its own
+    records = [r for r in records if "body" in r]
     ran, refused = records[:3], records[3:]
+    assert [r["request_id"] for r in ended] == [r["request_id"] for r in ran]
+    assert all(r["cached_tokens"] <= r["prompt_tokens"] for r in ended)
     assert [(r["route"], r["session_id"]) for r in ran] == [
         ("/v1/chat/completions", "log-a"),
         ("/v1/completions", "log-b"),
         ("/v1/completions", None),
     ]
     assert [r["body"] for r in ran] == [chat, completion, {"prompt": [1, 2, 3], "max_tokens": 1}]
-    assert all(set(r) == {"time", "session_id", "route", "body"} for r in ran)
+    assert all(set(r) == {"time", "session_id", "route", "request_id", "body"} for r in ran)
     assert [(r["route"], r["status"], r["body"]) for r in refused] == [
         ("/v1/completions", 400, {"prompt": 5})
     ]

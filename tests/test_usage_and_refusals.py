@@ -1,6 +1,7 @@
 """Honest usage and logs on the Messages API, on the scripted checkpoint: the usage of a turn whose
 `cache_control` marks moved adds up to its prompt and says what was read from the cache, pins count under
-their own counters, and refused requests reach the `--log-requests` log with their status and error (a body
+their own counters, the log's end lines and the `X-Request-Id` header name what the prefix cache served each
+request, and refused requests reach the `--log-requests` log with their status and error (a body
 that is not valid text logged escaped)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import httpx
 import pytest
 
 from swarmkv.engine.llm import LLM
+from swarmkv.lint.log_file import read_log_file
 from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
 from swarmkv.server.context import ServerContext
@@ -152,3 +154,33 @@ def test_a_body_that_is_not_valid_text_is_logged_escaped(served: Served) -> None
     log.write("/v1/chat/completions", None, {"messages": [{"role": "user", "content": "a\udc80b"}]})
     log.close()
     assert served.log_lines()[-1]["body"]["messages"][0]["content"] == "a\udc80b"
+
+
+def test_the_log_says_what_the_cache_served_each_request(served: Served) -> None:
+    ask = {"role": "user", "content": [{"type": "text", "text": "What is the weather in Lyon?"}]}
+    body = {**_body([_marked(ask)]), "stream": True}
+    num_lines, hits_before = len(served.log_lines()), served.stats()["prefix_hit_tokens"]
+    for _ in range(2):  # cold, then warm
+        with httpx.stream(
+            "POST", served.url + "/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=TIMEOUT_S
+        ) as response:
+            assert response.status_code == 200
+            request_id = response.headers["x-request-id"]
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+        usage = next(e for e in events if e["type"] == "message_delta")["usage"]
+        # The request's line names it; its end line follows, with what the server's prefix cache served it.
+        logged, ended = served.log_lines()[-2:]
+        assert logged["request_id"] == ended["request_id"] == request_id and "body" not in ended
+        assert ended["prompt_tokens"] == _sum(usage)
+        assert (
+            ended["cached_tokens"] == usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"]
+        )
+        assert ended["pin_computed_tokens"] == usage["cache_creation_input_tokens"]
+    assert usage["cache_read_input_tokens"] >= 0.9 * ended["prompt_tokens"], usage
+    new_lines = served.log_lines()[num_lines:]
+    assert served.stats()["prefix_hit_tokens"] - hits_before == sum(
+        line["cached_tokens"] for line in new_lines if "body" not in line
+    )
+    # Lint reads end lines as what they are, not as malformed requests.
+    log = read_log_file(served.log_path)
+    assert not log.problems and log.ended[-1].request_id == request_id

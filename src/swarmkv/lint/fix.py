@@ -4,9 +4,11 @@
   move to a trailing line of the last message, and that message keeps them in the session's later
   requests (as a harness that stamps each new message once would), so the history never changes.
 - tool_order, tool_set: tools sorted by name (every agent then lists a shared tool at the same place).
-- private_before_shared, per_instance_env: system-prompt lines only some agents have (a name, a working
-  directory, a git hash), in a system prompt with lines most agents share, move to the end of the first
-  turn, after the whole shared head and the turn's own shared opening (both stay the same every turn).
+- private_before_shared, per_instance_env: lines only some agents have (a name, a working directory, a git
+  branch), in a message of the first turn with lines most agents share, move to the end of the first turn
+  (the messages before the first reply: the system prompt, the context a harness puts in the first user
+  message, such as Claude Code's git status, and any system message after it), after the whole shared head
+  and the turn's own shared text (both stay the same every turn).
 - history_rewrite (when the lint found it): reasoning (`<think>...</think>`, `reasoning_content`) dropped
   from earlier assistant turns, as templates that strip it render them later anyway.
 
@@ -42,9 +44,8 @@ def fix_log(
     counts: Counter[str] = Counter()
     holders: dict[str, set[str]] = defaultdict(set)
     for request in chat:
-        lines = set(_system_lines(_messages(request.body)))
-        counts.update(lines)
-        for line in lines:
+        counts.update(set(_system_lines(_messages(request.body))))
+        for line in _lines(_first_turn(_messages(request.body))):
             holders[line].add(session_of[request.index])
     num_sessions = len({session_of[r.index] for r in chat})
 
@@ -87,10 +88,24 @@ def _leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return head
 
 
+def _first_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages before the first reply."""
+    turn = []
+    for message in messages:
+        if message.get("role") == "assistant":
+            break
+        turn.append(message)
+    return turn
+
+
 def _system_lines(messages: list[dict[str, Any]]) -> list[str]:
+    return _lines(_leading_system(messages))
+
+
+def _lines(messages: list[dict[str, Any]]) -> list[str]:
     return [
         line
-        for m in _leading_system(messages)
+        for m in messages
         if isinstance(m.get("content"), str)
         for line in m["content"].split("\n")
         if line.strip()
@@ -117,16 +132,13 @@ def _move_to_tail(messages: list[dict[str, Any]], varies: Callable[[str], bool],
 
 
 def _move_private(messages: list[dict[str, Any]], shared: Callable[[str], bool]) -> None:
-    """Move the private lines of the system messages to the end of the first turn, when they hold shared
-    ones (a system prompt all private is one agent's own: nothing to share)."""
-    head = _leading_system(messages)
-    if not head or len(head) == len(messages):
-        return
-    first_turn = messages[len(head)]
-    if not isinstance(first_turn.get("content"), str | list):
+    """Move the private lines of the first turn's messages (those that hold shared ones: a message all private
+    is one agent's own, nothing to share) to the end of the first turn, when a system prompt leads it."""
+    head, turn = _leading_system(messages), _first_turn(messages)
+    if not head or len(head) == len(turn) or not isinstance(turn[-1].get("content"), str | list):
         return
     moved: list[str] = []
-    for message in head:
+    for message in turn:
         if not isinstance(message.get("content"), str):
             continue
         lines = message["content"].split("\n")
@@ -138,11 +150,11 @@ def _move_private(messages: list[dict[str, Any]], shared: Callable[[str], bool])
     if not moved:
         return
     text = "\n".join(moved)
-    content = first_turn["content"]
+    content = turn[-1]["content"]
     if isinstance(content, str):
-        first_turn["content"] = content + "\n\n" + text
+        turn[-1]["content"] = content + "\n\n" + text
     else:
-        first_turn["content"] = [*content, {"type": "text", "text": text}]
+        turn[-1]["content"] = [*content, {"type": "text", "text": text}]
 
 
 def _drop_reasoning(messages: list[dict[str, Any]]) -> None:

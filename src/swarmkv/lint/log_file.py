@@ -5,13 +5,15 @@ A line is `{"time": unix seconds, "session_id": str | null, "route": "/v1/chat/c
 fields ("messages": chat, "prompt": completions). A line with a "status" is a request the server refused
 (`{"time", "session_id", "route", "status", "error", "body"}`): not replayed, counted per route. A line's
 `"capped"` lists the body's strings the server cut to their head (`{"path", "chars", "kept_chars", "sha256"}`):
-such a request is replayed from what was kept, and lint says so.
+such a request is replayed from what was kept, and lint says so. A line with a "request_id" and "cached_tokens"
+but no body is a request's end (`{"time", "request_id", "prompt_tokens", "cached_tokens", "pin_computed_tokens"}`):
+what the server's prefix cache served it, read as `LogFile.ended` and never replayed.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,12 +97,30 @@ class RefusedRequest:
 
 
 @dataclass(frozen=True)
+class EndedRequest:
+    """A request's end, as the server logged it: its prompt's tokens and those its prefix cache served it."""
+
+    line: int  # in the file, from 1
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int  # served by the prefix cache at admission
+    pin_computed_tokens: int = 0  # of those, computed by the request's own pins just before it
+
+    @property
+    def read_tokens(self) -> int:
+        """The prompt tokens it found cached that its own pins did not compute: what was there before it."""
+        return self.cached_tokens - self.pin_computed_tokens
+
+
+@dataclass(frozen=True)
 class LogFile:
-    """A read log: its requests in log order, its malformed lines, and the requests the server refused."""
+    """A read log: its requests in log order, its malformed lines, the requests the server refused, and the
+    ends of those it ran."""
 
     requests: list[LoggedRequest]
     problems: list[LogProblem]
     refused: list[RefusedRequest]
+    ended: list[EndedRequest] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -122,6 +142,7 @@ def read_log_file(path: str | Path, strict: bool = False) -> LogFile:
     requests: list[LoggedRequest] = []
     problems: list[LogProblem] = []
     refused: list[RefusedRequest] = []
+    ended: list[EndedRequest] = []
     with Path(path).open(encoding="utf-8", errors="replace") as file:
         for number, raw in enumerate(file, start=1):
             if not raw.strip():
@@ -135,9 +156,11 @@ def read_log_file(path: str | Path, strict: bool = False) -> LogFile:
                 continue
             if isinstance(parsed, RefusedRequest):
                 refused.append(parsed)
+            elif isinstance(parsed, EndedRequest):
+                ended.append(parsed)
             else:
                 requests.append(parsed)
-    return LogFile(requests, problems, refused)
+    return LogFile(requests, problems, refused, ended)
 
 
 def write_log(path: str | Path, requests: list[LoggedRequest]) -> None:
@@ -148,7 +171,7 @@ def write_log(path: str | Path, requests: list[LoggedRequest]) -> None:
             file.write(json.dumps(request.to_json(), separators=(",", ":")) + "\n")
 
 
-def _parse_line(raw: str, index: int, line: int) -> LoggedRequest | RefusedRequest:
+def _parse_line(raw: str, index: int, line: int) -> LoggedRequest | RefusedRequest | EndedRequest:
     try:
         record = json.loads(raw)
     except ValueError as exc:
@@ -157,6 +180,8 @@ def _parse_line(raw: str, index: int, line: int) -> LoggedRequest | RefusedReque
         raise ValueError("a line must be a JSON object")
     if "status" in record:
         return _refused(record, line)
+    if "body" not in record and "request_id" in record and "cached_tokens" in record:
+        return _ended(record, line)
     if "body" not in record:
         return LoggedRequest(index, line, _route_of(record), record, bare=True)
     body, route, session_id = record["body"], record.get("route"), record.get("session_id")
@@ -192,6 +217,16 @@ def _refused(record: dict[str, Any], line: int) -> RefusedRequest:
     if not isinstance(route, str):
         raise ValueError("a refused request's 'route' must be a string")
     return RefusedRequest(line, route, status, error if isinstance(error, str) else "")
+
+
+def _ended(record: dict[str, Any], line: int) -> EndedRequest:
+    request_id = record["request_id"]
+    counts = [record.get(key, 0) for key in ("prompt_tokens", "cached_tokens", "pin_computed_tokens")]
+    if not isinstance(request_id, str):
+        raise ValueError("'request_id' must be a string")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+        raise ValueError("an end line's token counts must be integers >= 0")
+    return EndedRequest(line, request_id, *counts)
 
 
 def _route_of(body: dict[str, Any]) -> str:

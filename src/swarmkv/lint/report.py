@@ -202,7 +202,7 @@ def _rewrite_text(causes: dict[str, int]) -> str:
     """What the rewrite changes, for the causes found."""
     parts = []
     if causes.keys() & {"per_instance_env", "private_before_shared", "system_edit"}:
-        parts.append("per-instance system lines after the shared head")
+        parts.append("per-instance lines after the shared head")
     if causes.keys() & {"timestamp", "random_id"}:
         parts.append("dates and ids to the end")
     if causes.keys() & {"tool_order", "tool_set"}:

@@ -15,8 +15,10 @@ from typing import Any
 from starlette.requests import Request
 
 from swarmkv.api.errors import APIError
+from swarmkv.api.outputs import StepOutput
 from swarmkv.choices import HostedToolsPolicy, MaxTokensPolicy, PromptLayout, ToolCallGrammar
 from swarmkv.server.engine_loop.async_engine import AsyncEngine
+from swarmkv.server.engine_loop.request_stream import RequestStream
 from swarmkv.server.http.body import read_json_body
 from swarmkv.server.http.disconnect import submitted
 from swarmkv.server.observability.cache_breaks import CacheBreaks
@@ -76,20 +78,37 @@ class ServerContext:
         session_id: str | None,
         body: dict[str, Any],
         prompt_text: str,
+        request_id: str,
         api: str | None = None,
     ) -> None:
-        """Append a request the server runs to the request log, when there is one, its strings cut at the
-        length of the `prompt_text` it rendered into (none longer is in it whole); encoding and writing a
-        large body takes a while, so it runs on a worker thread, never on the event loop."""
+        """Append a request the server runs to the request log, when there is one, under its engine
+        `request_id`, its strings cut at the length of the `prompt_text` it rendered into (none longer is in
+        it whole); encoding and writing a large body takes a while, so it runs on a worker thread, never on
+        the event loop."""
         if self.request_log is not None:
             tenant = self.request_tenant.name if self.request_tenant is not None else None
             max_chars = max(len(prompt_text), MIN_LOGGED_FIELD_CHARS)
             try:
                 await asyncio.to_thread(
-                    self.request_log.write, route, session_id, body, api, tenant, max_chars
+                    self.request_log.write, route, session_id, body, api, tenant, max_chars, request_id
                 )
             except OSError:  # the request is queued by now: a full disk loses its line, not its answer
                 log.exception("the request log could not record a request to %s", route)
+
+    def log_ended(self, stream: RequestStream, last: StepOutput) -> None:
+        """Append a request's end to the request log, when there is one: its prompt, the prompt tokens the
+        prefix cache served it, and those of them its own pins computed (a short line, written on the
+        caller's thread)."""
+        if self.request_log is not None:
+            try:
+                self.request_log.write_ended(
+                    stream.request_id,
+                    last.num_prompt_tokens,
+                    last.num_cached_tokens,
+                    min(stream.num_pin_created_tokens, last.num_cached_tokens),
+                )
+            except OSError:
+                log.exception("the request log could not record the end of %s", stream.request_id)
 
     @property
     def listed_model_names(self) -> tuple[str, ...]:

@@ -39,6 +39,7 @@ from swarmkv.server.engine_loop.pending_pins import PendingPins
 from swarmkv.server.engine_loop.request_stream import (
     EngineStepError,
     EngineUnavailableError,
+    OnEnd,
     RequestStream,
     step_output,
 )
@@ -103,10 +104,13 @@ class AsyncEngine:
         arrival_s: float | None = None,
         session_id: str | None = None,
         pins: tuple[RequestPin, ...] = (),
+        on_end: OnEnd | None = None,
     ) -> RequestStream:
         """Queue a request with its `pins`, one command; returns once the engine accepted it (its stream's
-        `num_pin_created_tokens` says what the pins computed), or raises its InvalidRequestError."""
-        stream = RequestStream(request_id, time.perf_counter() if arrival_s is None else arrival_s)
+        `num_pin_created_tokens` says what the pins computed), or raises its InvalidRequestError. `on_end` is
+        called with the stream and its last output when its consumer reads it."""
+        arrival = time.perf_counter() if arrival_s is None else arrival_s
+        stream = RequestStream(request_id, arrival, on_end)
         accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._put(Add(stream, prompt_token_ids, params, cache_salt, session_id, accepted, pins))
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from swarmkv.api.outputs import StepOutput
 from swarmkv.core.sequence import Sequence
@@ -38,12 +39,16 @@ def step_output(delta: RequestDelta, seq: Sequence, now_s: float) -> StepOutput:
     )
 
 
+OnEnd = Callable[["RequestStream", StepOutput], None]
+
+
 class RequestStream:
     """The outputs of one request, in order; iterate with `async for`."""
 
-    def __init__(self, request_id: str, arrival_s: float) -> None:
+    def __init__(self, request_id: str, arrival_s: float, on_end: OnEnd | None = None) -> None:
         self.request_id = request_id
         self.arrival_s = arrival_s
+        self._on_end = on_end  # called with the stream and its last output once its consumer reads it
         self._queue: asyncio.Queue[StepOutput | Exception] = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.finished = False
@@ -65,4 +70,6 @@ class RequestStream:
             self.finished = True
             raise item
         self.finished = item.finished
+        if item.finished and self._on_end is not None:
+            self._on_end(self, item)
         return item

@@ -5,7 +5,8 @@ a request waiting for the engine's admission or rendering its prompt ran on for 
 a step or more. `CancelOnDisconnect`, an ASGI middleware, reads the client's side once the body is in: on a
 disconnect before the answer ends it cancels the route, and whatever the route had handed the engine (the
 request ids `submit` records in the scope, `submitted`) is aborted, however the route ended. The engine applies
-an abort between two steps.
+an abort between two steps. As the middleware that holds those ids, it also names the engine request in
+the answer's `X-Request-Id` header, the id the request log's lines carry (`observability/request_log.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ T = TypeVar("T")
 # nginx's "client closed request": logged and counted, never seen by the client.
 STATUS_CLIENT_GONE = 499
 SUBMITTED_SCOPE_KEY = "swarmkv.submitted"  # the engine request ids a request's route submitted
+REQUEST_ID_HEADER = b"x-request-id"
 
 
 def submitted(scope: Scope) -> list[str] | None:
@@ -44,7 +46,7 @@ class CancelOnDisconnect:
             return
         ids: list[str] = []
         scope[SUBMITTED_SCOPE_KEY] = ids
-        watch = _Watch(receive, send)
+        watch = _Watch(receive, send, ids)
         route = asyncio.ensure_future(self.app(scope, watch.receive, watch.send))
         watch.route = route
         try:
@@ -64,9 +66,10 @@ class _Watch:
     """The route's receive and send: once the body is in, the client's side is read here alone, and a
     disconnect cancels the route unless its answer has ended."""
 
-    def __init__(self, receive: Receive, send: Send) -> None:
+    def __init__(self, receive: Receive, send: Send, submitted: list[str]) -> None:
         self._receive = receive
         self._send = send
+        self._submitted = submitted  # the route's engine requests: the last is the one its answer is
         self.route: asyncio.Future[None] | None = None
         self.gone = asyncio.Event()
         self.started = False  # the answer's head went out
@@ -87,6 +90,9 @@ class _Watch:
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.started = True
+            if self._submitted:
+                request_id = (REQUEST_ID_HEADER, self._submitted[-1].encode("latin-1"))
+                message = {**message, "headers": [*message.get("headers", []), request_id]}
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
             self.ended = True
         await self._send(message)

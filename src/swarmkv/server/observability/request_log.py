@@ -4,7 +4,14 @@ A line is `{"time": unix seconds, "session_id": str | null, "route": "/v1/chat/c
 "/v1/completions", "body": the request's JSON object as received}`, plus `"api": "messages" | "responses"`
 for a request that came in on those APIs, logged as the chat body it runs as (the server lays out its
 prompt by that API: `--prompt-layout auto`), and `"tenant"` under `--api-keys` (tenants share no cache), for each
-request the server ran (logged once it was rendered and queued). A request the server refused (a 4xx) is a line
+request the server ran (logged once it was rendered and queued), and its engine request's `"request_id"` (the
+`X-Request-Id` header of its answer). When such a request ends, a line `{"time", "request_id", "prompt_tokens",
+"cached_tokens", "pin_computed_tokens"}` follows: its prompt's tokens, those the prefix cache served it at
+admission (the server's own count), and those of them its own `cache_control` pins computed just before it (a
+Messages request's; 0 for others), so `cached_tokens - pin_computed_tokens` is what it read that was there
+before it. A request cut short (its client left) has no end line. (`swarmkv_prefix_hit_tokens_total` adds the
+same `cached_tokens` for a request of no session; for a session's later turn it adds only the positions its
+session had not processed.) A request the server refused (a 4xx) is a line
 `{"time", "session_id": null, "route": the path it was sent to, "status": the HTTP status, "error": the
 message, "tenant", "body": its JSON as received, its text when it is not JSON, or null}` instead: each request
 has one line.
@@ -80,11 +87,15 @@ class RequestLog:
         api: str | None = None,
         tenant: str | None = None,
         max_field_chars: int | None = None,
+        request_id: str | None = None,
     ) -> None:
         """Append one request as one whole line; `api` names the API it came in on when its body was
         translated (a Messages or Responses request, logged as the chat request it runs as), `tenant` the
-        key's tenant under `--api-keys`; strings past `max_field_chars` are cut (None: none is)."""
+        key's tenant under `--api-keys`, `request_id` its engine request's id; strings past `max_field_chars`
+        are cut (None: none is)."""
         record: dict[str, Any] = {"time": time.time(), "session_id": session_id, "route": route}
+        if request_id is not None:
+            record["request_id"] = request_id
         if api is not None:
             record["api"] = api
         if tenant is not None:
@@ -95,6 +106,15 @@ class RequestLog:
         except RecursionError:  # a field nested deeper than the encoder reaches from here
             line = to_line({**record, "body": None, "unlogged": "the body nests too deeply to log"})
         self._append(line)
+
+    def write_ended(
+        self, request_id: str, num_prompt_tokens: int, num_cached_tokens: int, num_pin_computed_tokens: int
+    ) -> None:
+        """Append a request's end: its prompt's tokens, those the prefix cache served it at admission, and
+        those of them its own pins computed just before."""
+        record = {"time": time.time(), "request_id": request_id, "prompt_tokens": num_prompt_tokens}
+        counts = {"cached_tokens": num_cached_tokens, "pin_computed_tokens": num_pin_computed_tokens}
+        self._append(to_line({**record, **counts}))
 
     def write_refused(
         self,

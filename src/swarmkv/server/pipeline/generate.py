@@ -66,7 +66,14 @@ async def submit(
         ctx.submitted.append(request_id)  # aborted when the HTTP request ends, however it ends
     try:
         return await ctx.engine.submit(
-            request_id, prompt_ids, params, salt, arrival_s, session_id=session, pins=pins
+            request_id,
+            prompt_ids,
+            params,
+            salt,
+            arrival_s,
+            session_id=session,
+            pins=pins,
+            on_end=ctx.log_ended,
         )
     except InvalidRequestError as exc:
         raise bad_request(str(exc)) from exc

@@ -37,7 +37,7 @@ async def chat_completions(request: Request) -> Response:
     session_id = request_session_id(request, req.options.session_id, req.options.prompt_cache_key)
     started = await start_chat(ctx, req, session_id, arrival_s, "chatcmpl")
     # Logged once it runs: a refused request is logged as refused instead (`http/errors.py`), once.
-    await ctx.log_request(CHAT_ROUTE, session_id, payload, started.rendered.text)
+    await ctx.log_request(CHAT_ROUTE, session_id, payload, started.rendered.text, started.stream.request_id)
     req, stream, found, reasoning = started.req, started.stream, started.found, started.reasoning
     env = Envelope(stream.request_id, int(time.time()), ctx.reply_model(req.options.model))
     latency = Latency(ctx.metrics, arrival_s)

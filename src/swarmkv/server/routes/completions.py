@@ -50,7 +50,7 @@ async def completions(request: Request) -> Response:
     stream = await submit(ctx, "cmpl", prompt_ids, params, req.options, session_id, arrival_s)
     # Logged once it runs; a prompt of token ids is cut at no length of text.
     prompt_text = req.prompt if isinstance(req.prompt, str) else ""
-    await ctx.log_request(COMPLETIONS_ROUTE, session_id, body, prompt_text)
+    await ctx.log_request(COMPLETIONS_ROUTE, session_id, body, prompt_text, stream.request_id)
     env = Envelope(stream.request_id, int(time.time()), ctx.reply_model(req.options.model))
     latency = Latency(ctx.metrics, arrival_s)
     if req.options.stream:

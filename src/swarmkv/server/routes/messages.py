@@ -64,7 +64,9 @@ async def messages(request: Request) -> Response:
     pins = tuple(_pin(ctx, req, mark, ids) for mark, ids in zip(req.breakpoints, rendered.pins, strict=True))
     started = await start_rendered(ctx, rendered.req, rendered.prompt, session_id, arrival_s, "msg", pins)
     # Logged once it runs, as the chat request it runs as.
-    await ctx.log_request(CHAT_ROUTE, session_id, req.chat_body, rendered.prompt.text, "messages")
+    await ctx.log_request(
+        CHAT_ROUTE, session_id, req.chat_body, rendered.prompt.text, started.stream.request_id, "messages"
+    )
     stream = started.stream
     # What the pins computed is cache creation; what a pin found cached (a moved mark's old prefix, or a
     # refreshed pin) is read, not created.

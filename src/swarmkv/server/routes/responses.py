@@ -69,7 +69,9 @@ async def create_response(request: Request) -> Response:
     session_id = previous.session_id if previous else named or (response_id if req.store else None)
     started = await start_chat(ctx, req.chat, session_id, arrival_s, "resp", "responses")
     # Logged once it runs, as the chat request it runs as.
-    await ctx.log_request(CHAT_ROUTE, session_id, req.chat_body, started.rendered.text, "responses")
+    await ctx.log_request(
+        CHAT_ROUTE, session_id, req.chat_body, started.rendered.text, started.stream.request_id, "responses"
+    )
     stream = started.stream
     head = ResponseHead(
         response_id,
