@@ -41,7 +41,8 @@ def expected_offset(prompts: list[list[int]], i: int) -> int:
 
 
 def lint(tok: Tokenizer, records: list[dict[str, Any]]) -> LintResult:
-    return lint_log(logged(records), tok, PAGE_SIZE, PAGE_BYTES, check=True)
+    # In the template's order, as `encoded` renders the prompts the offsets are checked against.
+    return lint_log(logged(records), tok, PAGE_SIZE, PAGE_BYTES, check=True, prompt_layout="template")
 
 
 def check_breaks(tok: Tokenizer, records: list[dict[str, Any]], expected: dict[int, str]) -> LintResult:

@@ -160,19 +160,22 @@ def test_a_request_and_its_pin_reach_the_engine_thread_as_one_command(
         app.state.ctx.engine.call(lambda engine: engine.check_integrity()).result(timeout=600)
 
 
-def test_two_cold_requests_at_once_one_creates_the_other_reads(scripted_llm: Any) -> None:
+def test_two_cold_requests_at_once_one_creates_the_other_reads(scripted_model_dir: Any) -> None:
     """Two agents' first requests, sent together to a cold server: one's mark creates the prefix, the other
     shares that pin and reads it; neither counts a read that did not happen."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
 
+    from swarmkv.engine.llm import LLM
     from swarmkv.server import ServerConfig, create_app
     from swarmkv.server.background import BackgroundServer
 
-    app = create_app(scripted_llm, ServerConfig())
+    cold = LLM(
+        str(scripted_model_dir), dtype="float32", kv_cache_memory="32MiB", max_model_len=8192, max_num_seqs=2
+    )  # its own engine: a cache no other test warmed
+    app = create_app(cold, ServerConfig())
     body = {**_body("system"), "model": "scripted", "max_tokens": 1}
-    body["system"] = [{**body["system"][0], "text": "Cold pair. " + body["system"][0]["text"]}]
     with BackgroundServer(app) as server:
         ctx = app.state.ctx
         hits_before = ctx.engine.snapshot().prefix_hit_tokens
