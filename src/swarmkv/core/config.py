@@ -71,7 +71,9 @@ class EngineConfig:
     retention: RetentionPolicy = _opt(
         "session",
         "which cached pages go first under pressure: session (released sessions, superseded branches,"
-        " then LRU, paused agents' tails, the shared head last) or lru",
+        " then LRU, paused agents' tails, the shared head last), return (released and superseded first, then"
+        " what paused agents reach, the furthest expected return first, from each tool's observed pauses;"
+        " the shared head weighed by its sessions) or lru",
     )
     offload_memory: int | str = _opt(
         0, "host memory that evicted KV pages move to instead of being dropped, e.g. 8GiB (0: none)"

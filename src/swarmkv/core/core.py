@@ -302,6 +302,11 @@ class EngineCore:
         """End a session: its private pages become the first to be evicted. False if it is not open."""
         return self.kv.release_session(session_id)
 
+    def note_tool_call(self, session_id: str, tool: str | None) -> bool:
+        """The session's newest reply called `tool` (None: no tool or unknown): the `return` retention
+        forecasts when it comes back from that tool's observed pauses. False if it is not open."""
+        return self.kv.note_tool(session_id, tool)
+
     def add_prompt(
         self,
         request_id: str,

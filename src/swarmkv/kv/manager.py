@@ -503,6 +503,10 @@ class KVCacheManager:
         """End a session: its pages reach nothing and are the first to go. False if it is not open."""
         return self.retention.release(session_id)
 
+    def note_tool(self, session_id: str, tool: str | None) -> bool:
+        """The session's newest reply called `tool`; its return is forecast from that tool's pauses."""
+        return self.retention.note_tool(session_id, tool)
+
     def open_turn(self, request: KVRequest) -> None:
         """The request is its session's newest turn: the cached pages its prompt continues stay reachable
         (and the session's older branch does not) from now, before it is admitted."""

@@ -17,7 +17,13 @@ release ends it. With the `session` policy, eviction takes unheld leaves in this
 
 Within a rank the least recently used page goes first, and only leaves go, so a path is evicted tail first.
 The ranks are read at eviction time, so a session's priority changes after the fact: a new turn demotes the
-old branch the moment it arrives. The `lru` policy gives every page the same rank: plain LRU. Sessions are
+old branch the moment it arrives. The `lru` policy gives every page the same rank: plain LRU.
+
+The `return` policy keeps ranks 1 to 3 and orders what the paused sessions reach by when it is next used
+(Belady's rule, on predictions): a paused session is expected back after its pending tool call's pause
+(`returns.py`: the tool's observed pauses, a prior until there are any), one with a turn queued or preempted is
+due now, and a page goes first the further away its next use is, weighed by what it costs to recompute: a page
+`n` sessions reach (the shared head) scores its soonest session's wait divided by `n`. Sessions are
 kept under either policy: each one's newest turn (the request the next turn continues), and at most
 `max_open` of them, past which the one idle longest is released as if its client had released it. A session
 id `GROUP\0ID` belongs to GROUP (the server's tenants): past `max_open`, the idle session released is the
@@ -29,14 +35,16 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from swarmkv.kv.radix_index import Node
+from swarmkv.kv.returns import ReturnForecast
 
-RetentionPolicy = Literal["lru", "session"]
-RETENTION_POLICIES: tuple[RetentionPolicy, ...] = ("lru", "session")
+RetentionPolicy = Literal["lru", "session", "return"]
+RETENTION_POLICIES: tuple[RetentionPolicy, ...] = ("lru", "session", "return")
 GROUP_SEP = "\0"  # a session id "GROUP\0ID" counts in GROUP's share of `max_open`
 
 
@@ -83,16 +91,26 @@ class _Session:
     live: set[str] = field(default_factory=set)  # its requests waiting or running
     running: set[str] = field(default_factory=set)  # those holding pages
     last_active: int = 0
+    paused_at_s: float | None = None  # by the clock, when its last live request closed (its tool runs)
+    tool: str | None = None  # the tool its newest turn's reply called, when the caller said
 
 
 class Retention:
     """Session states and the eviction order they imply; told about requests by the KV manager's caller."""
 
-    def __init__(self, policy: RetentionPolicy = "session", max_open: int | None = None) -> None:
+    def __init__(
+        self,
+        policy: RetentionPolicy = "session",
+        max_open: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        forecast: ReturnForecast | None = None,
+    ) -> None:
         if policy not in RETENTION_POLICIES:
             raise ValueError(f"retention must be one of {RETENTION_POLICIES}, got {policy!r}")
         self.policy = policy
         self.max_open = max_open
+        self.clock = clock  # seconds, for tool pauses
+        self.forecast = forecast or ReturnForecast()
         self._sessions: dict[str, _Session] = {}
         self._session_of: dict[str, str] = {}  # request id -> session, while the request reaches pages
         self._paths: dict[str, list[Node]] = {}  # request id -> the nodes it marked as reached
@@ -142,11 +160,26 @@ class Retention:
                 return (Rank.SUPERSEDED, 0)
             return (Rank.RELEASED, 0)
         if len(reach) > 1:
-            return (Rank.SHARED, 0)
+            return self._return_key(reach) if self.policy == "return" else (Rank.SHARED, 0)
         session = self._sessions[next(iter(reach))]
         if session.running:
             return (Rank.ACTIVE, 0)
+        if self.policy == "return":
+            return self._return_key(reach)
         return (Rank.PAUSED, session.last_active)
+
+    def _return_key(self, reach: dict[str, int]) -> tuple[Any, ...]:
+        """Furthest next use first, weighed by cost: the soonest reaching session's wait over their number."""
+        soonest_s = min(self.return_in_s(session_id) for session_id in reach)
+        return (Rank.PAUSED, -soonest_s / len(reach))
+
+    def return_in_s(self, session_id: str) -> float:
+        """Expected seconds until the session next uses its pages: 0 with a request live (queued, preempted
+        or running), else its pending tool call's expected remaining pause."""
+        session = self._sessions.get(session_id)
+        if session is None or session.live or session.paused_at_s is None:
+            return 0.0
+        return self.forecast.remaining_s(session.tool, self.clock() - session.paused_at_s)
 
     # Changing.
 
@@ -165,6 +198,9 @@ class Retention:
             session.newest = request_id
             if previous not in session.live:
                 self._forget(previous)
+            if session.paused_at_s is not None:  # back from its tool: one observation of its pause
+                self.forecast.observe(session.tool, self.clock() - session.paused_at_s)
+                session.paused_at_s, session.tool = None, None
         session.newest_turn = turn
         session.live.add(request_id)
         session.last_active = next(self._clock)
@@ -207,8 +243,19 @@ class Retention:
         session.live.discard(request_id)
         session.running.discard(request_id)
         session.last_active = next(self._clock)
+        if not session.live:
+            session.paused_at_s = self.clock()
         if session.newest != request_id:
             self._forget(request_id)
+
+    def note_tool(self, session_id: str, tool: str | None) -> bool:
+        """The session's newest reply called `tool`: its return is forecast from that tool's pauses. False if
+        the session is not open."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            return False
+        session.tool = tool
+        return True
 
     def release(self, session_id: str) -> bool:
         """End a session: its pages reach nothing and are first to go. False if it is not open."""

@@ -20,15 +20,15 @@ from swarmkv.swarm.workload import AgentScript, Message, initial_messages, tool_
 
 # A harness compacts a history at most this often: a compacted history has room to grow again.
 COMPACT_EVERY_TURNS = 4
-Policy = Literal["lru", "session", "session+offload"]
-POLICIES: tuple[Policy, ...] = ("lru", "session", "session+offload")
+Policy = Literal["lru", "session", "return", "session+offload"]
+POLICIES: tuple[Policy, ...] = ("lru", "session", "return", "session+offload")
 
 
 def policy_config(base: EngineConfig, policy: Policy, offload_bytes: int, num_agents: int) -> EngineConfig:
     """`base` with the policy's retention and host tier, one running request per agent, prefix index on."""
     return dataclasses.replace(
         base,
-        retention="lru" if policy == "lru" else "session",
+        retention="session" if policy == "session+offload" else policy,
         offload_memory=offload_bytes if policy == "session+offload" else 0,
         max_num_seqs=num_agents,
         prefix_caching=True,
@@ -229,9 +229,11 @@ def _next_turn(
     if w.turn + 1 < w.num_turns:
         if w.subagent is not None and w.turn == w.spawn_after:
             result.subagents += 1
+            engine.note_tool_call(w.session_id, "delegate_task")
             submit(w.subagent, now)  # the parent's tool call is its subagent: it waits for the report
         else:
             w.messages.append(tool_result_message(w.script, w.turn))
+            engine.note_tool_call(w.session_id, w.script.tool_results[w.turn][0])  # the harness parsed it
             heapq.heappush(pending, (now + w.pauses_s[w.turn] * time_scale, i))
         w.turn += 1
         return
