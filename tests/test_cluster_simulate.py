@@ -100,6 +100,7 @@ def test_plan_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         "200",
     ]
     tiny += ["--replica-kv", "100MiB", "--sim-page-size", "16", "--router-policies", "prefix,round-robin"]
+    tiny += ["--sim-workers", "1"]
     plot = tmp_path / "sim.png"
     assert main([*tiny, "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
@@ -116,6 +117,9 @@ def test_plan_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert all(
         r["prefill_tokens_computed"] + r["prefix_hit_tokens"] == r["prompt_tokens"] for r in data["rows"]
     )
+    assert all(sum(r["prefill_tokens_per_replica"]) == r["prefill_tokens_computed"] for r in data["rows"])
+    assert all(len(r["prefill_tokens_per_replica"]) == len(r["requests_per_replica"]) for r in data["rows"])
+    assert all(r["p95_queue_delay_s"] >= 0 and r["busy_prefill_tokens_per_s"] > 0 for r in data["rows"])
     # A shape from the flags sets the bytes per token: 2 layers x 1 head x 8 x fp16 = 64 bytes.
     assert main([*tiny, "--json", "--layers", "2", "--kv-heads", "1", "--head-dim", "8"]) == 0
     assert json.loads(capsys.readouterr().out)["kv_bytes_per_token"] == 64
@@ -132,6 +136,7 @@ def test_plan_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         (["--replicas", "2", "--router-policies", "random"], "--router-policies"),
         (["--replicas", "2", "--sim-page-size", "0"], "--sim-page-size must be at least 1"),
         (["--replicas", "2", "--route-imbalance=-1"], "--route-imbalance must be >= 0"),
+        (["--replicas", "2", "--sim-busy", "1.5"], "--sim-busy must be in (0, 1]"),
     ],
 )
 def test_plan_cli_bad_input_exits_2(

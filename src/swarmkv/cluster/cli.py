@@ -47,7 +47,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="serve N engine replicas on Ray Serve (default: one, no Ray)",
     )
-    group.add_argument("--router", choices=POLICIES, default="prefix", help="how requests pick a replica")
+    group.add_argument("--router", choices=POLICIES, default="balanced", help="how requests pick a replica")
     group.add_argument(
         "--ray-address",
         default=None,

@@ -19,7 +19,7 @@ class ClusterConfig:
     """Everything the deployments need; built once by the CLI (or a test) and shipped to every replica."""
 
     replicas: int
-    router: RouterName = "prefix"
+    router: RouterName = "balanced"
     min_match: int = DEFAULT_MIN_MATCH
     imbalance: int = DEFAULT_IMBALANCE
     model_kwargs: dict[str, Any] = field(default_factory=dict)  # ModelOptions fields (model, dtype, ...)

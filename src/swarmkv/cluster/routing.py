@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from itertools import count
 from typing import Literal
 
+from swarmkv.cluster.load_policy import Candidate, LoadThresholds, pick
 from swarmkv.core.config import EngineConfig
 from swarmkv.core.core import EngineCore
 from swarmkv.kv import Hit, KVCacheManager, RetentionPolicy, pages_for
 
-Policy = Literal["prefix", "session", "round-robin"]
-Reason = Literal["session", "prefix", "balance", "round_robin", "target"]
-POLICIES: tuple[Policy, ...] = ("prefix", "session", "round-robin")
+Policy = Literal["balanced", "prefix", "session", "round-robin"]
+Reason = Literal["session", "prefix", "balance", "round_robin", "target", "replicate", "moved"]
+POLICIES: tuple[Policy, ...] = ("balanced", "prefix", "session", "round-robin")
 DEFAULT_MIN_MATCH = 128  # tokens: --route-min-match
 DEFAULT_IMBALANCE = 8  # in-flight requests: --route-imbalance
 
@@ -59,11 +60,12 @@ class Router:
         seed: int = 0,
         evict_ahead_pages: int = 0,
         retention: RetentionPolicy = EngineConfig.retention,
+        thresholds: LoadThresholds | None = None,
     ) -> None:
         """`pages_per_replica` x `page_size` tokens is each replica's KV and `retention` its eviction policy;
         `min_match` (tokens) and `imbalance` (in-flight requests) gate the prefix policy; `seed` fixes the
         random choices; `evict_ahead_pages` (see `evict_ahead`) trades exact eviction order for fewer scans of
-        a full index."""
+        a full index; `thresholds` are the balanced policy's (see `load_policy`)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
         for name, value, least in (("pages_per_replica", pages_per_replica, 1), ("page_size", page_size, 1)):
@@ -80,6 +82,7 @@ class Router:
         self.min_match = min_match
         self.imbalance = imbalance
         self.evict_ahead_pages = evict_ahead_pages
+        self.thresholds = thresholds or LoadThresholds()
         # The replica's settings where they shape its cache; every prompt prefills in one step here.
         self._shadow_config = EngineConfig(
             block_size=page_size, retention=retention, max_num_batched_tokens=1 << 30
@@ -88,6 +91,7 @@ class Router:
         self._indexes: dict[str, EngineCore] = {}
         self._sessions: dict[str, str] = {}  # session -> the replica it is bound to
         self._decisions: Counter[tuple[str, str]] = Counter()
+        self._routed: Counter[str] = Counter()  # replica -> requests routed there
         self._next_turn = 0  # round-robin's position
         self._request_ids = count()
 
@@ -105,9 +109,13 @@ class Router:
         """The router's engine core standing for `replica` (None before it routed there)."""
         return self._indexes.get(replica)
 
-    def choose(self, key: RouteKey, loads: Mapping[str, int]) -> Decision:
+    def choose(
+        self, key: RouteKey, loads: Mapping[str, int], queued_tokens: Mapping[str, float] | None = None
+    ) -> Decision:
         """The replica for this request among `loads` (replica id -> in-flight requests, non-empty); records
-        it: the tokens go into that replica's index, the session is bound there, the counter bumps."""
+        it: the tokens go into that replica's index, the session is bound there, the counter bumps.
+        `queued_tokens` (replica id -> prefill tokens waiting there; none known: 0) weighs in the balanced
+        policy only."""
         if not loads:
             raise ValueError("no replica to route to: loads is empty")
         candidates = sorted(loads)
@@ -120,6 +128,21 @@ class Router:
             self.policy == "session" and key.session is not None and self._sessions.get(key.session) in loads
         ):
             replica, reason = self._sessions[key.session], "session"
+        elif self.policy == "balanced":
+            hits = self._matches(key, candidates)
+            queued = queued_tokens or {}
+            running = self.thresholds.running_tokens
+            options = [
+                Candidate(
+                    r,
+                    queued.get(r, 0.0) + running * loads[r],
+                    hits[r].num_tokens if r in hits else 0,
+                    self._routed[r],
+                )
+                for r in candidates
+            ]
+            home = self._sessions.get(key.session) if key.session is not None else None
+            replica, reason = pick(options, len(key.tokens), home, self.thresholds)
         elif self.policy == "prefix":
             hits = self._matches(key, candidates)
             best = min(hits, key=lambda r: (-hits[r].num_tokens, loads[r], r), default=None)
@@ -134,6 +157,7 @@ class Router:
         if key.session is not None:
             self._sessions[key.session] = replica
         self._decisions[(self.policy, reason)] += 1
+        self._routed[replica] += 1
         return Decision(replica, reason, matched)
 
     def forget(self, replica: str) -> None:

@@ -3,19 +3,23 @@
 A request is routed when it arrives, then looked up on its replica (all but its last prompt token, as the
 engine's scheduler leaves one to compute), given pages for its prompt and reply at once and held until it
 finishes: its prefill waits behind the replica's earlier prefills (one queue per replica, at a fixed rate)
-and its reply decodes at a fixed rate. It then commits and frees its pages, leaving them cached, so the
+and its reply decodes at a fixed rate, beside the prefills (the cost model: a replica's time goes to prefill;
+decode is not charged to it). The wait before its prefill is its queueing delay. It then commits and frees its pages, leaving them cached, so the
 next turn of its agent can hit them. Each request is a turn of its agent's session on the replica's core, so
 eviction there is the engine's own, in the replica's retention order. In-flight
-requests per replica are the loads the router balances on, so a hot replica's queue pushes work elsewhere.
+requests per replica, and the prefill tokens queued there, are the loads the router balances on, so a hot
+replica's queue pushes work elsewhere.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from itertools import count
 
+from swarmkv.cluster.load_policy import LoadThresholds
 from swarmkv.cluster.routing import (
     DEFAULT_IMBALANCE,
     DEFAULT_MIN_MATCH,
@@ -48,6 +52,7 @@ class ClusterSpec:
     seed: int = 0
     evict_ahead_fraction: float = 1 / 16  # of a replica's pages, per eviction scan (see routing.evict_ahead)
     retention: RetentionPolicy = EngineConfig.retention  # the replicas' eviction policy
+    thresholds: LoadThresholds = LoadThresholds()  # the balanced policy's
 
     @property
     def evict_ahead_pages(self) -> int:
@@ -79,6 +84,10 @@ class SimResult:
     head_copies: float  # replicas holding a swarm's whole head at the end, averaged over swarms
     requests_per_replica: tuple[int, ...]
     decisions: dict[str, int] = field(default_factory=dict)  # reason -> count
+    prefill_tokens_per_replica: tuple[int, ...] = ()  # prompt tokens computed on each replica
+    p95_queue_delay_s: float = 0.0  # wait before a request's prefill starts, 95th percentile
+    prefill_tokens_per_s: float = 0.0  # each replica's prefill rate in the run the delay comes from
+    busy_hit_rate: float | None = None  # the hit rate in that run, when it is a second, busier run
 
     @property
     def hit_rate(self) -> float:
@@ -89,6 +98,29 @@ class SimResult:
     def prefill_tokens(self) -> int:
         """Prompt tokens computed."""
         return self.prompt_tokens - self.hit_tokens
+
+    @property
+    def request_skew(self) -> float:
+        """The busiest replica's requests over the mean."""
+        return _skew(self.requests_per_replica)
+
+    @property
+    def prefill_skew(self) -> float:
+        """The busiest replica's prefill tokens computed over the mean."""
+        return _skew(self.prefill_tokens_per_replica)
+
+
+def _skew(per_replica: Sequence[int]) -> float:
+    total = sum(per_replica)
+    return max(per_replica) * len(per_replica) / total if total else 0.0
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    """The nearest-rank `fraction` percentile of `values` (0.0 when empty)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(-(-fraction * len(ordered) // 1)) - 1))]
 
 
 class _Events:
@@ -133,10 +165,13 @@ def simulate(trace: Trace, spec: ClusterSpec, policy: SimPolicy) -> SimResult:
             seed=spec.seed,
             evict_ahead_pages=spec.evict_ahead_pages,
             retention=spec.retention,
+            thresholds=spec.thresholds,
         )
     loads = dict.fromkeys(ids, 0)
     queue_free_s = dict.fromkeys(ids, 0.0)
     served = dict.fromkeys(ids, 0)
+    computed = dict.fromkeys(ids, 0)
+    delays_s: list[float] = []
     finishes: list[tuple[float, str]] = []  # (finish_s, replica): in-flight requests, for the loads
     kv_events = {rid: _Events(cores[rid]) for rid in ids}
     order = count()
@@ -145,7 +180,12 @@ def simulate(trace: Trace, spec: ClusterSpec, policy: SimPolicy) -> SimResult:
         while finishes and finishes[0][0] <= req.arrival_s:
             loads[heapq.heappop(finishes)[1]] -= 1
         prompt = req.prompt
-        rid = ids[0] if router is None else router.choose(RouteKey(prompt, None, req.session), loads).replica
+        if router is None:
+            rid = ids[0]
+        else:
+            now, rate = req.arrival_s, spec.prefill_tokens_per_s
+            queued = {r: max(0.0, free_s - now) * rate for r, free_s in queue_free_s.items()}
+            rid = router.choose(RouteKey(prompt, None, req.session), loads, queued).replica
         # The replica's prefills run one after another: this one looks up what every earlier one left.
         start_s = max(req.arrival_s, queue_free_s[rid])
         kv_events[rid].run_until(start_s)
@@ -162,6 +202,8 @@ def simulate(trace: Trace, spec: ClusterSpec, policy: SimPolicy) -> SimResult:
         prompt_tokens += len(prompt)
         hit_tokens += hit_here
         queue_free_s[rid] = start_s + (len(prompt) - hit_here) / spec.prefill_tokens_per_s
+        computed[rid] += len(prompt) - hit_here
+        delays_s.append(start_s - req.arrival_s)
         finish_s = queue_free_s[rid] + len(req.reply) / spec.decode_tokens_per_s
         if cached:
             events.push(queue_free_s[rid], request, len(prompt))
@@ -191,24 +233,64 @@ def simulate(trace: Trace, spec: ClusterSpec, policy: SimPolicy) -> SimResult:
         copies / len(trace.heads),
         tuple(served[rid] for rid in ids),
         decisions,
+        tuple(computed[rid] for rid in ids),
+        percentile(delays_s, 0.95),
+        spec.prefill_tokens_per_s,
     )
 
 
+def busy_prefill_rate(trace: Trace, prefill_tokens: int, replicas: int, busy: float) -> float:
+    """Each replica's prefill rate (tokens/s) at which `prefill_tokens` over the trace's arrival span keep
+    `replicas` replicas `busy` (a fraction) busy: the trace's arrival rate is then that load on the cluster."""
+    if not 0.0 < busy <= 1.0:
+        raise ValueError(f"busy must be in (0, 1], got {busy}")
+    return prefill_tokens / (busy * replicas * arrival_span_s(trace))
+
+
+def arrival_span_s(trace: Trace) -> float:
+    """Seconds from the trace's first arrival to its last (at least one)."""
+    return max(1.0, trace.requests[-1].arrival_s - trace.requests[0].arrival_s)
+
+
 def sweep(
-    trace: Trace, spec: ClusterSpec, replica_counts: Sequence[int], policies: Sequence[Policy]
+    trace: Trace,
+    spec: ClusterSpec,
+    replica_counts: Sequence[int],
+    policies: Sequence[Policy],
+    busy: tuple[int, float] | None = None,
+    workers: int = 1,
 ) -> list[SimResult]:
     """Every policy at every replica count of `spec`'s kind; one run at 1 replica, where every policy routes
-    alike (its policy reads "any")."""
+    alike (its policy reads "any"). With `busy` = (prefill tokens, fraction), each row also runs again with
+    the replicas' prefill rate set so that many tokens over the trace's span keep them that busy (see
+    `busy_prefill_rate`), and its queueing delay and rate are that run's. `workers` processes run the rows."""
     if not policies:
         raise ValueError("no routing policy to simulate")
-    results = []
+    jobs: list[tuple[ClusterSpec, SimPolicy]] = []
     for num_replicas in replica_counts:
         at = replace(spec, replicas=num_replicas)
-        if num_replicas == 1:
-            results.append(replace(simulate(trace, at, None), policy="any"))
-        else:
-            results += [simulate(trace, at, policy) for policy in policies]
-    return results
+        row_policies: list[SimPolicy] = [None] if num_replicas == 1 else list(policies)
+        for policy in row_policies:
+            jobs.append((at, policy))
+            if busy is not None:
+                rate = busy_prefill_rate(trace, busy[0], num_replicas, busy[1])
+                jobs.append((replace(at, prefill_tokens_per_s=rate), policy))
+    if workers > 1:
+        with ProcessPoolExecutor(workers) as pool:
+            runs = list(pool.map(simulate, [trace] * len(jobs), *zip(*jobs, strict=True)))
+    else:
+        runs = [simulate(trace, at, policy) for at, policy in jobs]
+    if busy is not None:  # each light run's figures, with the queueing of its busy twin
+        runs = [
+            replace(
+                light,
+                p95_queue_delay_s=busy_run.p95_queue_delay_s,
+                prefill_tokens_per_s=busy_run.prefill_tokens_per_s,
+                busy_hit_rate=busy_run.hit_rate,
+            )
+            for light, busy_run in zip(runs[::2], runs[1::2], strict=True)
+        ]
+    return [replace(r, policy="any") if r.replicas == 1 else r for r in runs]
 
 
 def whole_trace_pages(trace: Trace, page_size: int) -> int:

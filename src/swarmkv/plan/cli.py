@@ -157,6 +157,16 @@ def _register_cluster(parser: argparse.ArgumentParser) -> None:
         help=f"the simulated replicas' eviction policy, which the router's shadows follow (default"
         f" {EngineConfig.retention}, a replica's own)",
     )
+    sim.add_argument(
+        "--sim-busy",
+        type=float,
+        default=0.8,
+        help="each row runs again with prefill slowed until the reference's prefill keeps the replicas this busy;"
+        " that run's p95 queueing delay is reported (default 0.8)",
+    )
+    sim.add_argument(
+        "--sim-workers", type=int, default=2, help="processes that run the sweep's rows (default 2)"
+    )
     sim.add_argument("--seed", type=int, default=0, help="seed of the trace and the router (default 0)")
     sim.add_argument("--plot", default=None, help="also save hit rate against replicas to this PNG")
 

@@ -6,6 +6,9 @@ trace: the hit rate a single cache could reach if it were big enough. The 1-repl
 only the per-replica budget and thrashes once the trace's live swarms outgrow it, so the sweep's own
 1-replica figure is a capacity bound, not the sharing bound; the routing target is measured against the
 reference.
+
+Each row also runs a second time, its replicas' prefill slowed so that the reference's prefill tokens over
+the trace's arrival span would keep them `--sim-busy` (80%) busy: that run gives the row's p95 queueing delay.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmkv.cluster.routing import POLICIES, Policy
-from swarmkv.cluster.simulate import ClusterSpec, SimResult, reference, sweep
+from swarmkv.cluster.simulate import ClusterSpec, SimResult, arrival_span_s, reference, sweep
 from swarmkv.cluster.trace import TraceConfig, make_trace
 from swarmkv.plan.flags import KV_SHAPE_FLAGS, parse_counts, resolve_checkpoint
 from swarmkv.plan.layout import size, table
@@ -37,6 +40,8 @@ class ClusterReport:
     reference: SimResult
     results: tuple[SimResult, ...]
     retention: str = "session"  # the replicas' (and the router's shadows') eviction policy
+    busy: float = 0.8  # the fraction of the replicas' prefill time the queueing runs keep busy
+    arrival_span_s: float = 0.0  # the trace's first to last arrival
 
     @property
     def page_bytes(self) -> int:
@@ -61,6 +66,12 @@ def _result_json(report: ClusterReport, result: SimResult) -> dict[str, Any]:
         "evicted_pages": result.evictions,
         "head_copies": round(result.head_copies, 4),
         "requests_per_replica": list(result.requests_per_replica),
+        "prefill_tokens_per_replica": list(result.prefill_tokens_per_replica),
+        "busiest_requests_over_mean": round(result.request_skew, 4),
+        "busiest_prefill_tokens_over_mean": round(result.prefill_skew, 4),
+        "p95_queue_delay_s": round(result.p95_queue_delay_s, 4),
+        "busy_prefill_tokens_per_s": round(result.prefill_tokens_per_s, 3),
+        "busy_hit_rate": None if result.busy_hit_rate is None else round(result.busy_hit_rate, 6),
         "decisions": result.decisions,
     }
 
@@ -81,6 +92,8 @@ def to_json(report: ClusterReport) -> dict[str, Any]:
         "kv_bytes_per_token": report.kv_bytes_per_token,
         "replica_kv_bytes": report.replica_kv_bytes,
         "retention": report.retention,
+        "busy": report.busy,
+        "arrival_span_s": round(report.arrival_span_s, 3),
         "reference": _result_json(report, report.reference),
         "rows": [_result_json(report, r) for r in report.results],
     }
@@ -97,7 +110,11 @@ def _cells(report: ClusterReport, result: SimResult) -> list[str]:
         size(result.cached_pages * report.page_bytes),
         f"{result.head_copies:.2f}",
         f"{min(spread)}-{max(spread)}",
+        f"{result.request_skew:.2f}x",
+        f"{result.prefill_skew:.2f}x",
         f"{result.evictions:,}",
+        f"{result.p95_queue_delay_s:,.1f}",
+        "-" if result.busy_hit_rate is None else f"{100 * result.busy_hit_rate:.1f}%",
     ]
 
 
@@ -113,7 +130,11 @@ def report_text(report: ClusterReport) -> str:
         "KV cached",
         "head copies",
         "requests/replica",
+        "max/mean req",
+        "max/mean prefill",
         "evicted pages",
+        "p95 wait (s)",
+        "busy hit rate",
     ]
     lines = [
         f"Cluster simulator: {t.swarms} swarms x {t.agents} agents x {t.turns} turns, heads of ~{t.head_tokens}"
@@ -124,6 +145,12 @@ def report_text(report: ClusterReport) -> str:
         f"Reference: 1 replica whose KV holds the whole trace (no eviction): hit rate {100 * ref.hit_rate:.1f}%,"
         f" {ref.prefill_tokens:,} prefill tokens, {size(ref.cached_pages * report.page_bytes)} cached.",
         "The 1-replica row below has the per-replica budget only: it is bound by capacity, not by routing.",
+        f"Queueing: one FIFO prefill queue per replica, replies decoding beside it; each row runs again with"
+        f" prefill at the rate where the reference's {ref.prefill_tokens:,} prefill tokens over the"
+        f" {report.arrival_span_s:,.0f} s arrival span ({sum(ref.requests_per_replica) / report.arrival_span_s:.1f}"
+        f" requests/s) keep the replicas {100 * report.busy:.0f}% busy"
+        f" ({', '.join(sorted({f'{r.replicas}: {r.prefill_tokens_per_s:,.0f}' for r in report.results}))}"
+        " tokens/s per replica); p95 wait and busy hit rate are that run's.",
         "",
         *table(headers, [_cells(report, r) for r in report.results]),
     ]
@@ -193,6 +220,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     if args.sim_page_size < 1:
         raise ValueError(f"--sim-page-size must be at least 1, got {args.sim_page_size}")
     pages = replica_pages(args.replica_kv, args.sim_page_size * per_token)
+    if not 0.0 < args.sim_busy <= 1.0:
+        raise ValueError(f"--sim-busy must be in (0, 1], got {args.sim_busy}")
     config = TraceConfig(args.swarms, args.agents, args.turns, args.head_tokens, seed=args.seed)
     spec = ClusterSpec(
         1,
@@ -205,9 +234,19 @@ def run_cluster(args: argparse.Namespace) -> int:
     if args.route_min_match < 0 or args.route_imbalance < 0:
         raise ValueError("--route-min-match and --route-imbalance must be >= 0")
     trace = make_trace(config)
-    results = tuple(sweep(trace, spec, counts, policies))
+    ref = reference(trace, spec)
+    busy = (ref.prefill_tokens, args.sim_busy)
+    results = tuple(sweep(trace, spec, counts, policies, busy, workers=args.sim_workers))
     report = ClusterReport(
-        config, spec.page_size, pages, per_token, reference(trace, spec), results, spec.retention
+        config,
+        spec.page_size,
+        pages,
+        per_token,
+        ref,
+        results,
+        spec.retention,
+        args.sim_busy,
+        arrival_span_s(trace),
     )
     print(json.dumps(to_json(report)) if args.json else report_text(report))
     if args.plot is not None:

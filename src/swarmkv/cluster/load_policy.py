@@ -1,0 +1,74 @@
+"""The `balanced` routing decision: the cached prefix weighed against each replica's outstanding work, in tokens.
+
+After SGLang's router (cache affinity until load is imbalanced past an absolute and a relative threshold) and
+llm-d's scorer (prefix match and queue depth scored together); no code of either. A request's cost on a replica
+is the work queued there plus the prefill it would add: its prompt less what that replica caches. A replica is
+overloaded when its work exceeds the least loaded one's by both thresholds; it then takes no new swarm, and its
+sessions move (counted). So a swarm's head is copied to a second replica on purpose, at the cost of one prefill,
+rather than queue on one replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+LoadReason = Literal["session", "prefix", "balance", "replicate", "moved"]
+
+
+@dataclass(frozen=True)
+class LoadThresholds:
+    """When a replica counts as overloaded, and what a running sequence weighs."""
+
+    overload_tokens: int = 4096  # absolute: work above the least loaded replica's, in tokens (two heads)
+    overload_ratio: float = 1.5  # relative: work over the least loaded replica's
+    running_tokens: int = 128  # a running sequence's weight: its decode steps share the replica with prefills
+
+    def __post_init__(self) -> None:
+        if self.overload_tokens < 0 or self.running_tokens < 0 or self.overload_ratio < 1.0:
+            raise ValueError(
+                f"overload_tokens and running_tokens must be >= 0 and overload_ratio >= 1, got"
+                f" {self.overload_tokens}, {self.running_tokens} and {self.overload_ratio}"
+            )
+
+    def overloaded(self, work_tokens: float, least_work_tokens: float) -> bool:
+        """Whether a replica with `work_tokens` outstanding is past both thresholds over the least loaded."""
+        return (
+            work_tokens - least_work_tokens > self.overload_tokens
+            and work_tokens > self.overload_ratio * least_work_tokens
+        )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One replica as the decision sees it."""
+
+    replica: str
+    work_tokens: float  # queued prefill tokens plus running sequences at `running_tokens` each
+    matched_tokens: int  # of this prompt, in the router's index of the replica (0 below the least match)
+    routed: int  # requests routed there so far: breaks ties between equally loaded replicas
+
+
+def pick(
+    candidates: Sequence[Candidate], num_prompt_tokens: int, home: str | None, thresholds: LoadThresholds
+) -> tuple[str, LoadReason]:
+    """The replica for a prompt of `num_prompt_tokens` whose session's KV is on `home` (None: nowhere), and why."""
+    if not candidates:
+        raise ValueError("no replica to route to")
+    least = min(c.work_tokens for c in candidates)
+    by_id = {c.replica: c for c in candidates}
+    at_home = by_id.get(home) if home is not None else None
+    holds_session = at_home is not None and at_home.matched_tokens > 0
+    if at_home is not None and holds_session and not thresholds.overloaded(at_home.work_tokens, least):
+        return at_home.replica, "session"
+    # The least loaded replica is never overloaded, so `open_` is never empty.
+    open_ = [c for c in candidates if not thresholds.overloaded(c.work_tokens, least)]
+    best = min(
+        open_, key=lambda c: (c.work_tokens + num_prompt_tokens - c.matched_tokens, c.routed, c.replica)
+    )
+    if holds_session:
+        return best.replica, "moved"
+    if best.matched_tokens < max(c.matched_tokens for c in candidates):
+        return best.replica, "replicate"  # a replica holding more of the prefix was too busy: copy it here
+    return best.replica, "prefix" if best.matched_tokens > 0 else "balance"

@@ -1,0 +1,105 @@
+"""The balanced routing policy (swarmkv.cluster.load_policy) and the simulator's load figures: no model, no Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarmkv.cluster.load_policy import Candidate, LoadThresholds, pick
+from swarmkv.cluster.routing import RouteKey, Router
+from swarmkv.cluster.simulate import ClusterSpec, busy_prefill_rate, percentile, simulate, sweep
+from swarmkv.cluster.trace import TraceConfig, make_trace
+
+T = LoadThresholds(overload_tokens=1000, overload_ratio=1.5, running_tokens=100)
+PROMPT = 2400  # a head of 2,000 tokens and an agent's 400
+
+
+def c(replica: str, work: float, matched: int = 0, routed: int = 0) -> Candidate:
+    return Candidate(replica, work, matched, routed)
+
+
+def test_affinity_under_balance() -> None:
+    # The replica holding the head is somewhat busier, but below both thresholds: the head wins.
+    assert pick([c("a", 900, matched=2000), c("b", 0), c("c", 100)], PROMPT, None, T) == ("a", "prefix")
+
+
+def test_load_wins_past_both_thresholds_and_the_head_is_copied() -> None:
+    # 1,200 tokens over the least (> 1,000) and over 1.5x it: overloaded, so the head is copied elsewhere.
+    assert pick([c("a", 1200, matched=2000), c("b", 0), c("c", 100)], PROMPT, None, T) == ("b", "replicate")
+    # Past the absolute threshold but not the relative one (3,000 < 1.5 x 2,500): still the head's replica.
+    assert pick([c("a", 3000, matched=2000), c("b", 2500)], PROMPT, None, T) == ("a", "prefix")
+
+
+def test_work_saved_is_weighed_against_queue_below_the_thresholds() -> None:
+    # Neither is overloaded, but the head's replica queues more than the head would cost to compute again.
+    lax = LoadThresholds(overload_tokens=10_000, overload_ratio=2.0)
+    assert pick([c("a", 5000, matched=2000), c("b", 2500)], PROMPT, None, lax) == ("b", "replicate")
+
+
+def test_cold_prompt_goes_to_the_least_loaded_then_the_least_routed() -> None:
+    assert pick([c("a", 300), c("b", 0, routed=9), c("c", 0, routed=2)], PROMPT, None, T) == ("c", "balance")
+
+
+def test_a_session_stays_unless_its_replica_is_overloaded() -> None:
+    home = c("a", 900, matched=2300)
+    assert pick([home, c("b", 0, matched=2000)], PROMPT, "a", T) == ("a", "session")
+    moved = pick([c("a", 1500, matched=2300), c("b", 0, matched=2000)], PROMPT, "a", T)
+    assert moved == ("b", "moved")
+    # A session whose replica no longer holds its prefix is placed like any request, not counted as moved.
+    assert pick([c("a", 0), c("b", 0, matched=2000)], PROMPT, "a", T) == ("b", "prefix")
+
+
+def test_thresholds_are_checked() -> None:
+    with pytest.raises(ValueError, match="overload_ratio"):
+        LoadThresholds(overload_ratio=0.5)
+    with pytest.raises(ValueError, match="no replica"):
+        pick([], PROMPT, None, T)
+
+
+def test_router_balanced_follows_the_head_then_copies_it_under_load() -> None:
+    router = Router("balanced", pages_per_replica=512, page_size=16, thresholds=T)
+    head = list(range(1000, 3000))
+
+    def key(agent: int) -> RouteKey:
+        return RouteKey(
+            [*head, *range(100_000 * (agent + 1), 100_000 * (agent + 1) + 300)], session=f"s{agent}"
+        )
+
+    idle = {"a": 0, "b": 0}
+    first = router.choose(key(0), idle)
+    assert first.reason == "balance"
+    other = "b" if first.replica == "a" else "a"
+    second = router.choose(key(1), idle, {first.replica: 500.0})
+    assert (second.replica, second.reason) == (first.replica, "prefix") and second.matched_tokens >= 1984
+    copied = router.choose(key(2), idle, {first.replica: 5000.0})
+    assert (copied.replica, copied.reason) == (other, "replicate")
+    assert router.choose(key(1), idle, {first.replica: 500.0}).reason == "session"
+    moved = router.choose(key(1), idle, {first.replica: 5000.0})
+    assert (moved.replica, moved.reason) == (other, "moved")
+    assert router.decisions[("balanced", "moved")] == 1
+
+
+def test_percentile_is_nearest_rank() -> None:
+    assert percentile([], 0.95) == 0.0
+    assert percentile([float(i) for i in range(1, 101)], 0.95) == 95.0
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+
+
+def test_simulator_reports_load_per_replica_and_queueing() -> None:
+    trace = make_trace(
+        TraceConfig(swarms=8, agents=3, turns=2, head_tokens=300, task_tokens=60, window_s=30, seed=2)
+    )
+    spec = ClusterSpec(4, pages_per_replica=400, page_size=16)
+    result = simulate(trace, spec, "balanced")
+    assert sum(result.requests_per_replica) == len(trace.requests)
+    assert sum(result.prefill_tokens_per_replica) == result.prefill_tokens
+    assert result.request_skew >= 1.0 and result.prefill_skew >= 1.0
+    assert result.p95_queue_delay_s >= 0.0 and result.prefill_tokens_per_s == spec.prefill_tokens_per_s
+    # The busy twin runs slower prefill, so requests wait longer; its rate keeps the given work that busy.
+    rate = busy_prefill_rate(trace, result.prefill_tokens, 4, 0.8)
+    rows = sweep(trace, spec, [4], ["balanced", "prefix"], busy=(result.prefill_tokens, 0.8))
+    assert [r.policy for r in rows] == ["balanced", "prefix"]
+    assert rows[0].hit_tokens == result.hit_tokens  # the light run's figures stand
+    assert rows[0].prefill_tokens_per_s == pytest.approx(rate)
+    assert rows[0].p95_queue_delay_s > result.p95_queue_delay_s and rows[0].busy_hit_rate is not None
+    with pytest.raises(ValueError, match="busy"):
+        busy_prefill_rate(trace, 100, 4, 0.0)
