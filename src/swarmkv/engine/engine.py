@@ -140,10 +140,6 @@ class LLMEngine:
         """End a session: its private pages are evicted first (`EngineCore.release_session`)."""
         return self.core.release_session(session_id)
 
-    def note_tool_call(self, session_id: str, tool: str | None) -> bool:
-        """The session's newest reply called `tool` (`EngineCore.note_tool_call`)."""
-        return self.core.note_tool_call(session_id, tool)
-
     def add_pin(
         self, pin_id: str, prompt_token_ids: list[int], ttl_s: float | None, cache_salt: str | None = None
     ) -> bool:

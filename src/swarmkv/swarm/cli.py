@@ -20,7 +20,7 @@ from swarmkv.models.loader import load_model
 from swarmkv.options import add_engine_arguments, add_model_arguments, engine_kwargs
 from swarmkv.swarm.http_driver import run_swarm_over_http
 from swarmkv.swarm.long_cli import LONG_TURNS, run_long
-from swarmkv.swarm.long_run import POLICIES
+from swarmkv.swarm.long_run import DEFAULT_POLICIES, POLICIES
 from swarmkv.swarm.report import json_key, mode_record, print_table, ratios, save_plot, turns_progress
 from swarmkv.swarm.run import MODES, Mode, ModeResult, pool_bytes_for, run_swarm, warm_up
 from swarmkv.swarm.workload import Workload, build_workload, prefix_token_count
@@ -76,7 +76,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--policies",
         default=None,
-        help=f"long: comma-separated KV retention policies to compare (default {','.join(POLICIES)})",
+        help=f"long: comma-separated KV retention policies to compare, of {','.join(POLICIES)} "
+        f"(default {','.join(DEFAULT_POLICIES)})",
     )
     parser.add_argument(
         "--time-scale",

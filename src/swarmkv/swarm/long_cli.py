@@ -16,7 +16,14 @@ from swarmkv.engine.kv_cache import kv_storage_dtype
 from swarmkv.models.loader import LoadedModel, load_model
 from swarmkv.options import engine_kwargs
 from swarmkv.swarm.long_report import MIB, long_record, print_long_table, save_long_plot
-from swarmkv.swarm.long_run import POLICIES, Policy, PolicyResult, policy_config, run_long_swarm
+from swarmkv.swarm.long_run import (
+    DEFAULT_POLICIES,
+    POLICIES,
+    Policy,
+    PolicyResult,
+    policy_config,
+    run_long_swarm,
+)
 from swarmkv.swarm.long_workload import LongWorkload, build_long_workload
 from swarmkv.swarm.report import turns_progress
 from swarmkv.swarm.run import warm_up
@@ -28,9 +35,9 @@ POOL_SHARE = 0.4
 
 
 def parse_policies(text: str | None) -> list[Policy]:
-    """The policies `--policies` names, in the order given; every policy when it is not given."""
+    """The policies `--policies` names, in the order given; the default comparison when it is not given."""
     if text is None:
-        return list(POLICIES)
+        return list(DEFAULT_POLICIES)
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in POLICIES]
     if unknown or not names:

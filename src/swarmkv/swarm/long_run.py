@@ -22,6 +22,8 @@ from swarmkv.swarm.workload import AgentScript, Message, initial_messages, tool_
 COMPACT_EVERY_TURNS = 4
 Policy = Literal["lru", "session", "return", "session+offload"]
 POLICIES: tuple[Policy, ...] = ("lru", "session", "return", "session+offload")
+# Compared when --policies is not given: `return` is selectable, but not the default's rival yet (issue 57).
+DEFAULT_POLICIES: tuple[Policy, ...] = ("lru", "session", "session+offload")
 
 
 def policy_config(base: EngineConfig, policy: Policy, offload_bytes: int, num_agents: int) -> EngineConfig:
@@ -229,11 +231,13 @@ def _next_turn(
     if w.turn + 1 < w.num_turns:
         if w.subagent is not None and w.turn == w.spawn_after:
             result.subagents += 1
-            engine.note_tool_call(w.session_id, "delegate_task")
+            engine.core.note_tool_call(w.session_id, "delegate_task")
             submit(w.subagent, now)  # the parent's tool call is its subagent: it waits for the report
         else:
             w.messages.append(tool_result_message(w.script, w.turn))
-            engine.note_tool_call(w.session_id, w.script.tool_results[w.turn][0])  # the harness parsed it
+            engine.core.note_tool_call(
+                w.session_id, w.script.tool_results[w.turn][0]
+            )  # the harness parsed it
             heapq.heappush(pending, (now + w.pauses_s[w.turn] * time_scale, i))
         w.turn += 1
         return
