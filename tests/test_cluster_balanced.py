@@ -92,8 +92,10 @@ def test_simulator_reports_load_per_replica_and_queueing() -> None:
     result = simulate(trace, spec, "balanced")
     assert sum(result.requests_per_replica) == len(trace.requests)
     assert sum(result.prefill_tokens_per_replica) == result.prefill_tokens
-    assert result.request_skew >= 1.0 and result.prefill_skew >= 1.0
-    assert result.p95_queue_delay_s >= 0.0 and result.prefill_tokens_per_s == spec.prefill_tokens_per_s
+    requests, prefill = result.requests_per_replica, result.prefill_tokens_per_replica
+    assert result.request_skew == pytest.approx(max(requests) * 4 / sum(requests))
+    assert result.prefill_skew == pytest.approx(max(prefill) * 4 / sum(prefill))
+    assert result.prefill_tokens_per_s == spec.prefill_tokens_per_s
     # The busy twin runs slower prefill, so requests wait longer; its rate keeps the given work that busy.
     rate = busy_prefill_rate(trace, result.prefill_tokens, 4, 0.8)
     rows = sweep(trace, spec, [4], ["balanced", "prefix"], busy=(result.prefill_tokens, 0.8))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from health_probe import HealthProbe
 from swarmkv import LLM
 from swarmkv.api.session_id import MAX_SESSION_ID_CHARS
 from swarmkv.models.loader import load_model
@@ -183,36 +183,10 @@ def test_more_than_64_stop_sequences_are_refused(url: str, route: str, body: dic
     assert "at most 64 stop sequences, got 65" in error_of(post(url, route, body))["message"]
 
 
-class HealthPoller:
-    """Polls /health from a thread, keeping the slowest answer's latency."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.latencies_s: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=60) as client:
-            while not self._stop.is_set():
-                start = time.perf_counter()
-                assert client.get(f"{self.url}/health").status_code == 200
-                self.latencies_s.append(time.perf_counter() - start)
-                time.sleep(0.01)
-
-    def __enter__(self) -> HealthPoller:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def max_health_latency_s(url: str, bodies: list[tuple[str, dict[str, Any]]]) -> float:
     """The slowest /health answer while each body is posted (and refused) in turn."""
     raws = [(route, json.dumps(body).encode()) for route, body in bodies]
-    with HealthPoller(url) as poller:
+    with HealthProbe(url) as poller:
         time.sleep(0.2)
         for route, raw in raws:
             response = httpx.post(f"{url}{route}", content=raw, headers=JSON, timeout=120)

@@ -28,6 +28,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from health_probe import HealthProbe
 from swarmkv import LLM
 from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
@@ -205,41 +206,6 @@ def serve_process(
         process.wait(30)
 
 
-class HealthProbe:
-    """Times /health every 20 ms on its own thread while a block runs."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.latencies_s: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=TIMEOUT_S) as client:
-            while not self._stop.is_set():
-                start_s = time.perf_counter()
-                assert client.get(f"{self.url}/health").status_code == 200
-                self.latencies_s.append(time.perf_counter() - start_s)
-                self._stop.wait(0.02)
-
-    def __enter__(self) -> HealthProbe:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def worst_s(self) -> float:
-        return max(self.latencies_s, default=0.0)
-
-    @property
-    def p99_s(self) -> float:
-        ordered = sorted(self.latencies_s) or [0.0]
-        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-
-
 def _rss_bytes(pid: int, field: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -318,7 +284,7 @@ def run_class(
 
     if parallel == 1:
         post(cases[0])  # once unmeasured: a route's first answer also makes what the server keeps (threads)
-    with HealthProbe(served.url) as probe:
+    with HealthProbe(served.url, interval_s=0.02, timeout_s=TIMEOUT_S) as probe:
         if parallel == 1:
             answers = [post_measured(case) for case in cases]
         else:
@@ -399,7 +365,7 @@ def _send_and_cut(port: int, body: bytes) -> None:
 def test_16_streams_cut_before_their_first_byte_give_their_pages_back(serve_process: Served) -> None:
     served = serve_process
     start_pages = _idle_pages(served.url)
-    with HealthProbe(served.url) as probe:
+    with HealthProbe(served.url, interval_s=0.02, timeout_s=TIMEOUT_S) as probe:
         for i in range(16):
             text = f"{i} " + "a long prompt to prefill " * 80
             body = {"messages": [{"role": "user", "content": text}], "max_tokens": 200, "stream": True}
@@ -441,7 +407,7 @@ def _trickle(port: int, in_body: bool, closed_after_s: list[float]) -> None:
 def test_12_slow_loris_sockets_are_closed_at_their_deadline(served: Served) -> None:
     port = int(served.url.rsplit(":", 1)[1])
     closed_after_s: list[float] = []
-    with HealthProbe(served.url) as probe:
+    with HealthProbe(served.url, interval_s=0.02, timeout_s=TIMEOUT_S) as probe:
         threads = [
             threading.Thread(target=_trickle, args=(port, i % 2 == 1, closed_after_s)) for i in range(12)
         ]

@@ -14,7 +14,7 @@ from swarmkv.api.errors import APIError, bad_request, get_field
 from swarmkv.api.session_id import check_session_id
 from swarmkv.api.structured_request import Constraint, parse_response_format
 from swarmkv.choices import MaxTokensPolicy
-from swarmkv.core.sampling_params import SamplingParams
+from swarmkv.core.sampling_params import LOGIT_BIAS_RANGE, PENALTY_RANGE, SamplingParams
 from swarmkv.errors import InvalidRequestError
 
 # Every decoding step looks for each stop string in the new text, so a body of a million one-character
@@ -168,8 +168,8 @@ def parse_penalties(body: dict[str, Any]) -> Penalties:
     out of its range (NaN and infinities included) is a 400 naming the field."""
     return Penalties(
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0, "in [0, 1]"),
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0, "in [-2, 2]"),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0, "in [-2, 2]"),
+        presence_penalty=_number(body, "presence_penalty", 0.0, *PENALTY_RANGE, "in [-2, 2]"),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, *PENALTY_RANGE, "in [-2, 2]"),
         repetition_penalty=_number(
             body, "repetition_penalty", 1.0, sys.float_info.min, sys.float_info.max, "a finite number > 0"
         ),
@@ -199,7 +199,8 @@ def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
             raise bad_request(
                 f"'logit_bias' keys must be token ids (0, 1, ...), got {key!r}", param="logit_bias"
             )
-        if not isinstance(value, int | float) or isinstance(value, bool) or not -100 <= value <= 100:
+        low, high = LOGIT_BIAS_RANGE
+        if not isinstance(value, int | float) or isinstance(value, bool) or not low <= value <= high:
             raise bad_request(
                 f"'logit_bias' values must be numbers in [-100, 100], got {value!r} for token {key}",
                 param="logit_bias",

@@ -250,5 +250,6 @@ class Pins:
         if self.kv.pinned_state(pin_id) is not None:
             kv_bytes += self.state_bytes
         cached = min(pin.num_tokens, pin.num_cached_tokens)
-        created = pin.num_created_tokens if pin.ready else 0
-        return PinInfo(pin_id, pin.num_tokens, kv_bytes, left, pin.ready, cached, pin.holders, created)
+        return PinInfo(
+            pin_id, pin.num_tokens, kv_bytes, left, pin.ready, cached, pin.holders, pin.num_created_tokens
+        )

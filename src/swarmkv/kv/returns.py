@@ -11,6 +11,7 @@ until there are any, one prior pause does.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 PRIOR_PAUSE_S = 2.0  # an agent's tool call, before any has been observed
 PAUSES_KEPT = 64  # per tool: recent pauses say more than old ones when a workload shifts
@@ -30,9 +31,10 @@ class ReturnForecast:
         self._pauses.setdefault(tool, deque(maxlen=self._kept)).append(pause_s)
         self._all.append(pause_s)
 
-    def pauses(self, tool: str | None) -> list[float]:
-        """The pauses that predict `tool`'s: its own, else every tool's, else the prior."""
-        return list(self._pauses.get(tool) or self._all or (self.prior_pause_s,))
+    def pauses(self, tool: str | None) -> Iterable[float]:
+        """The pauses that predict `tool`'s: its own, else every tool's, else the prior (not copied: eviction
+        asks for every session reaching every leaf)."""
+        return self._pauses.get(tool) or self._all or (self.prior_pause_s,)
 
     def remaining_s(self, tool: str | None, elapsed_s: float) -> float:
         """Expected seconds until a session paused `elapsed_s` ago on `tool` returns."""

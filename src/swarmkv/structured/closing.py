@@ -65,11 +65,11 @@ class Closer:
             matcher.rollback(len(forced))
             del path[len(path) - len(forced) :]
             return False
-        quote, letter = self._quote, self._letter
-        in_string = quote is not None and letter is not None and matcher.validate_tokens([letter]) == 1
+        in_string = self._in_string(matcher)
         candidates = self._outside
         if in_string:  # the quote that closes it, or a letter where the string is below its minimum length
-            assert quote is not None and letter is not None
+            quote, letter = self._quote, self._letter
+            assert quote is not None and letter is not None  # `_in_string` holds only with both
             candidates = [quote] if matcher.validate_tokens([quote]) == 1 else [letter]
         for token in candidates:
             budget[0] -= 1

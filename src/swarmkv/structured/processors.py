@@ -70,9 +70,8 @@ class Grammars(RequestProcessor):
         if built is None or request_id not in built:
             return token_ids, False
         appended = built.advance(request_id, token_ids)
-        seq = self._lengths.get(request_id)
-        if seq is not None:
-            appended = built.fit(request_id, seq.params.max_tokens - len(seq.output_token_ids), appended)
+        seq = self._lengths[request_id]  # every constrained request's, from `added` to `ended`
+        appended = built.fit(request_id, seq.params.max_tokens - len(seq.output_token_ids), appended)
         return appended, built.is_complete(request_id)
 
     def appended(self, seq: Sequence, token_ids: list[int], reason: FinishReason | None) -> Ending | None:

@@ -79,9 +79,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 self._answer_and_close(self._refusal)
             return
         if self._in_head and self._head_bytes > self.limits.max_header_bytes:
-            self._answer_and_close(
-                _too_large(f"the request's header is over {self.limits.max_header_bytes} bytes")
-            )
+            self._answer_and_close(self._header_too_large())
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -107,8 +105,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         """Count parsed header bytes: a head that arrived whole in one read is checked here."""
         self._parsed_head_bytes += num_bytes
         if self._parsed_head_bytes > self.limits.max_header_bytes:
-            self._refusal = _too_large(f"the request's header is over {self.limits.max_header_bytes} bytes")
+            self._refusal = self._header_too_large()
             raise _Refused
+
+    def _header_too_large(self) -> APIError:
+        return _too_large(f"the request's header is over {self.limits.max_header_bytes} bytes")
 
     def on_headers_complete(self) -> None:
         self._in_head = False

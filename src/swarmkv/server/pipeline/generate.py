@@ -190,6 +190,4 @@ async def collect_unless_disconnected(
     except ClientDisconnected:
         ctx.engine.abort(stream.request_id)
         return None
-    except asyncio.CancelledError:  # the route was cancelled: its client left (http/disconnect.py)
-        ctx.engine.abort(stream.request_id)
-        raise
+    # A cancelled route (its client left) is aborted by `http/disconnect.py`, which aborts what it submitted.
