@@ -27,6 +27,8 @@ class LogitAdjustments(RequestProcessor):
         # Penalised requests -> their prompt's distinct ids (sorted, on the host), where a repetition penalty
         # reads them.
         self._penalised: dict[str, torch.Tensor | None] = {}
+        # Biased requests -> their bias as (token ids, values) on the host, built once.
+        self._biases: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def added(self, seq: Sequence) -> None:
         """Refuse a bias on an id past the logits; keep a repetition penalty's prompt ids."""
@@ -35,6 +37,12 @@ class LogitAdjustments(RequestProcessor):
             raise InvalidRequestError(
                 f"logit_bias names token id {params.logit_bias[-1][0]}, outside this model's vocabulary "
                 f"(ids 0 to {self.vocab_size - 1})"
+            )
+        if params.logit_bias:
+            tokens, values = zip(*params.logit_bias, strict=True)
+            self._biases[seq.request_id] = (
+                torch.tensor(tokens, dtype=torch.int64),
+                torch.tensor(values, dtype=torch.float64),
             )
         if params.penalised:
             prompt = None
@@ -55,25 +63,28 @@ class LogitAdjustments(RequestProcessor):
             self._penalise(rows)
 
     def ended(self, request_id: str) -> None:
-        """Its prompt ids go."""
+        """Its prompt ids and bias go."""
         self._penalised.pop(request_id, None)
+        self._biases.pop(request_id, None)
 
     def _bias(self, rows: LogitRows) -> None:
-        """Every row's logit bias, added in one op."""
-        at: list[int] = []
-        tokens: list[int] = []
-        values: list[float] = []
+        """Every row's logit bias, added in one op: each biased chunk's bias repeated over its rows."""
+        at: list[torch.Tensor] = []
+        tokens: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
         for first, chunk in zip(rows.first_rows(), rows.chunks, strict=True):
-            for token, value in chunk.seq.params.logit_bias:
-                for row in range(first, first + chunk.num_logits):
-                    at.append(row)
-                    tokens.append(token)
-                    values.append(value)
+            bias = self._biases.get(chunk.request_id)
+            if bias is None:
+                continue
+            n = chunk.num_logits
+            at.append(torch.arange(first, first + n).repeat_interleave(len(bias[0])))
+            tokens.append(bias[0].repeat(n))
+            values.append(bias[1].repeat(n))
         if at:
             logits = rows.logits
-            index = to_device(torch.tensor([at, tokens], dtype=torch.int64), logits.device)
-            bias = to_device(torch.tensor(values, dtype=logits.dtype), logits.device)
-            logits.index_put_((index[0], index[1]), bias, accumulate=True)
+            index = to_device(torch.stack([torch.cat(at), torch.cat(tokens)]), logits.device)
+            bias_values = to_device(torch.cat(values).to(logits.dtype), logits.device)
+            logits.index_put_((index[0], index[1]), bias_values, accumulate=True)
 
     def _penalise(self, rows: LogitRows) -> None:
         """The penalised rows' penalties, on the tokens each has seen only (a few thousand entries, not rows x
