@@ -132,6 +132,12 @@ _COUNTERS: tuple[tuple[str, str, Read], ...] = (
         "Accepted draft tokens that came from the session's earlier replies.",
         lambda s: s.spec_accepted_session_tokens,
     ),
+    (
+        "spec_mtp_draft_tokens",
+        "Draft tokens the model's MTP layer proposed and the step verified.",
+        lambda s: s.spec_mtp_draft_tokens,
+    ),
+    ("spec_accepted_mtp_tokens", "Accepted MTP draft tokens.", lambda s: s.spec_accepted_mtp_tokens),
     ("grammars_compiled", "Grammars compiled for constrained replies.", lambda s: s.grammars_compiled),
     (
         "grammar_cache_hits",
