@@ -63,8 +63,9 @@ def _tokenizer_metadata(writer: GGUFWriter, vocab: int = VOCAB) -> int:
     return len(tokens)
 
 
-def tiny_tensors(arch: str, vocab: int, tied: bool, seed: int) -> dict[str, torch.Tensor]:
-    """llama.cpp-named random weights [out, in] (norms 1-D) of the tiny shape."""
+def tiny_tensors(arch: str, vocab: int, tied: bool, seed: int, mtp: bool = False) -> dict[str, torch.Tensor]:
+    """llama.cpp-named random weights [out, in] (norms 1-D) of the tiny shape; `mtp`: a qwen35 file's MTP
+    block too (drawn last, so the other tensors are those of the file without it)."""
     hidden, inter = SHAPE["hidden"], SHAPE["intermediate"]
     q_rows, kv_rows = SHAPE["heads"] * SHAPE["head_dim"], SHAPE["kv_heads"] * SHAPE["head_dim"]
     generator = torch.Generator().manual_seed(seed)
@@ -74,7 +75,8 @@ def tiny_tensors(arch: str, vocab: int, tied: bool, seed: int) -> dict[str, torc
 
     tensors = {"token_embd.weight": rand(vocab, hidden, scale=0.5)}
     if arch == "qwen35":
-        return tensors | _qwen35_layers(rand) | _head(rand, vocab, tied)
+        tensors |= _qwen35_layers(rand) | _head(rand, vocab, tied)
+        return tensors | (_qwen35_mtp(rand) if mtp else {})
     for layer in range(SHAPE["layers"]):
         block = f"blk.{layer}."
         tensors |= {
@@ -144,14 +146,42 @@ def _qwen35_layers(rand: Any) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _qwen35_metadata(writer: GGUFWriter) -> None:
+def _qwen35_mtp(rand: Any) -> dict[str, torch.Tensor]:
+    """llama.cpp's MTP block after the decoder's layers: a gated full-attention layer and the nextn tensors
+    (norms stored as 1 + w, as its converter stores every Qwen3.5 norm)."""
+    hidden, inter = SHAPE["hidden"], SHAPE["intermediate"]
+    heads, kv_heads, head_dim = SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
+    block = f"blk.{len(QWEN35['layers'])}."
+    return {
+        block + "attn_norm.weight": 1 + rand(hidden, scale=0.1),
+        block + "post_attention_norm.weight": 1 + rand(hidden, scale=0.1),
+        block + "ffn_gate.weight": rand(inter, hidden),
+        block + "ffn_up.weight": rand(inter, hidden),
+        block + "ffn_down.weight": rand(hidden, inter),
+        block + "attn_q.weight": rand(2 * heads * head_dim, hidden),
+        block + "attn_k.weight": rand(kv_heads * head_dim, hidden),
+        block + "attn_v.weight": rand(kv_heads * head_dim, hidden),
+        block + "attn_output.weight": rand(hidden, heads * head_dim),
+        block + "attn_q_norm.weight": 1 + rand(head_dim, scale=0.1),
+        block + "attn_k_norm.weight": 1 + rand(head_dim, scale=0.1),
+        block + "nextn.eh_proj.weight": rand(hidden, 2 * hidden),
+        block + "nextn.enorm.weight": 1 + rand(hidden, scale=0.1),
+        block + "nextn.hnorm.weight": 1 + rand(hidden, scale=0.1),
+        block + "nextn.shared_head_norm.weight": 1 + rand(hidden, scale=0.1),
+    }
+
+
+def _qwen35_metadata(writer: GGUFWriter, mtp: bool = False) -> None:
     kinds = QWEN35["layers"]
     writer.add_uint32("qwen35.ssm.conv_kernel", QWEN35_CONV)
     writer.add_uint32("qwen35.ssm.state_size", QWEN35["key_dim"])
     writer.add_uint32("qwen35.ssm.group_count", QWEN35["key_heads"])
     writer.add_uint32("qwen35.ssm.time_step_rank", QWEN35["value_heads"])
     writer.add_uint32("qwen35.ssm.inner_size", QWEN35["value_heads"] * QWEN35["value_dim"])
-    writer.add_array("qwen35.attention.recurrent_layers", [kind == "linear" for kind in kinds])
+    recurrent = [kind == "linear" for kind in kinds] + [False] * mtp  # the MTP block: full attention
+    writer.add_array("qwen35.attention.recurrent_layers", recurrent)
+    if mtp:
+        writer.add_uint32("qwen35.nextn_predict_layers", 1)
     writer.add_uint32("qwen35.full_attention_interval", len(kinds))
     writer.add_uint32("qwen35.rope.dimension_count", SHAPE["head_dim"] // 4)
 
@@ -174,13 +204,15 @@ def write_tiny_gguf(
     types: dict[str, GGMLQuantizationType] | None = None,
     tied: bool = True,
     seed: int = 0,
+    mtp: bool = False,
 ) -> Path:
-    """Write the tiny model to `path`; return `path`."""
+    """Write the tiny model to `path` (`mtp`: a qwen35 file with an MTP block, as llama.cpp's converter keeps
+    it); return `path`."""
     writer = GGUFWriter(path, arch)
     vocab = _tokenizer_metadata(writer)
-    writer.add_block_count(len(QWEN35["layers"]) if arch == "qwen35" else SHAPE["layers"])
+    writer.add_block_count(len(QWEN35["layers"]) + mtp if arch == "qwen35" else SHAPE["layers"])
     if arch == "qwen35":
-        _qwen35_metadata(writer)
+        _qwen35_metadata(writer, mtp)
     writer.add_context_length(512)
     writer.add_embedding_length(SHAPE["hidden"])
     writer.add_feed_forward_length(SHAPE["intermediate"])
@@ -192,7 +224,7 @@ def write_tiny_gguf(
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(vocab)
     chosen = {"token_embd": embedding, "output.weight": embedding, **(types or {})}
-    for name, weight in tiny_tensors(arch, vocab, tied, seed).items():
+    for name, weight in tiny_tensors(arch, vocab, tied, seed, mtp).items():
         kind = tensor_type(name, chosen, projections)
         if kind == Q.F32 or weight.dim() == 1 or "ssm_conv1d" in name:  # llama.cpp keeps these float
             writer.add_tensor(name, weight.numpy().astype(np.float32))

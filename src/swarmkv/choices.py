@@ -17,6 +17,11 @@ SPECULATION_MODES: tuple[SpeculationMode, ...] = ("auto", "on", "off")
 # head, its session's earlier turns.
 DraftSource = Literal["own", "sibling", "session"]
 DRAFT_SOURCES: tuple[DraftSource, ...] = ("own", "sibling", "session")
+DraftOrigin = Literal["own", "sibling", "session", "mtp"]  # a draft's source: a text, or the MTP layer
+# What drafts come from (`EngineConfig.speculative_method`): the texts above, a model's MTP layer, or both
+# (a chooser takes the better draft each step); auto: the text drafter.
+SpeculativeMethod = Literal["auto", "text", "mtp", "both"]
+SPECULATIVE_METHODS: tuple[SpeculativeMethod, ...] = ("auto", "text", "mtp", "both")
 AsyncSchedulingMode = Literal["auto", "on", "off"]
 ASYNC_SCHEDULING_MODES: tuple[AsyncSchedulingMode, ...] = ("auto", "on", "off")
 PrefillBf16Mode = Literal["auto", "on", "off"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,10 @@ class ModelConfig:
     linear: LinearAttentionShape | None = None  # hybrids: the linear-attention layers' shape
     partial_rotary_factor: float = 1.0  # rotary turns only the first head_dim x this dims
     attn_output_gate: bool = False  # q_proj also emits a per-head sigmoid gate on the attention output
+    # Multi-token-prediction (MTP, "NextN") layers: how many the checkpoint has, and how many the model runs
+    # as a drafter (0 unless `with_mtp`), each a full-attention layer whose KV slab follows the decoder's.
+    checkpoint_mtp_layers: int = 0
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -140,10 +145,19 @@ class ModelConfig:
 
     @property
     def num_attention_layers(self) -> int:
-        """Layers that keep a KV cache (all of them unless layer_types says otherwise)."""
+        """Layers that keep a KV cache (all of them unless layer_types says otherwise), MTP layers included."""
         if self.layer_types is None:
-            return self.num_layers
-        return sum(t in KV_LAYER_TYPES for t in self.layer_types)
+            return self.num_layers + self.mtp_layers
+        return sum(t in KV_LAYER_TYPES for t in self.layer_types) + self.mtp_layers
+
+    @property
+    def num_decoder_attention_layers(self) -> int:
+        """The decoder's own attention layers: the first KV slabs (an MTP layer's slab comes after them)."""
+        return self.num_attention_layers - self.mtp_layers
+
+    def with_mtp(self) -> ModelConfig:
+        """This config running the checkpoint's MTP layers (held, and given KV slabs)."""
+        return dataclasses.replace(self, mtp_layers=self.checkpoint_mtp_layers)
 
     @property
     def num_linear_layers(self) -> int:
@@ -348,6 +362,7 @@ def _qwen3_5(raw: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
             rope.get("partial_rotary_factor") or text.get("partial_rotary_factor", 0.25)
         ),
         attn_output_gate=bool(text.get("attn_output_gate", True)),
+        checkpoint_mtp_layers=int(text.get("mtp_num_hidden_layers") or 0),
     )
 
 
@@ -361,7 +376,8 @@ def _qwen35_gguf(meta: dict[str, Any], tied: bool) -> ModelConfig:
         return value
 
     # Multi-token-prediction layers (a speculative draft head) come after the decoder's own layers.
-    layers = int(get("block_count")) - int(meta.get("qwen35.nextn_predict_layers") or 0)
+    mtp_layers = int(meta.get("qwen35.nextn_predict_layers") or 0)
+    layers = int(get("block_count")) - mtp_layers
     recurrent = meta.get("qwen35.attention.recurrent_layers")
     if isinstance(recurrent, list):
         layer_types = [LINEAR_ATTENTION if r else FULL_ATTENTION for r in recurrent[:layers]]
@@ -402,6 +418,7 @@ def _qwen35_gguf(meta: dict[str, Any], tied: bool) -> ModelConfig:
         # Text positions give all of Qwen3.5's rotary sections the same position: plain partial rotary.
         partial_rotary_factor=int(get("rope.dimension_count", head_dim // 4)) / head_dim,
         attn_output_gate=True,  # llama.cpp's qwen35 graph always splits attn_q into the query and its gate
+        checkpoint_mtp_layers=mtp_layers,
     )
 
 

@@ -23,6 +23,7 @@ from swarmkv.choices import (
     PrefillBf16Mode,
     PromptLayout,
     SpeculationMode,
+    SpeculativeMethod,
     WeightsOption,
 )
 from swarmkv.errors import ConfigError
@@ -118,6 +119,17 @@ def async_scheduling(mode: AsyncSchedulingMode, device_type: str) -> bool:
 def speculation(mode: SpeculationMode) -> bool:
     """Whether drafts are verified: auto is on (verification is exact everywhere)."""
     return mode != "off"
+
+
+def mtp_drafts(mode: SpeculationMode, method: SpeculativeMethod) -> bool:
+    """Whether the model's MTP layer is held to draft (where the checkpoint has one): `speculative_method` mtp
+    or both, with speculation on. auto drafts from text only: the layer costs its weights and a KV slab."""
+    return speculation(mode) and method in ("mtp", "both")
+
+
+def text_drafts(method: SpeculativeMethod) -> bool:
+    """Whether the text drafter proposes drafts (auto, text and both)."""
+    return method != "mtp"
 
 
 def speculative_rows(option: int | Literal["auto"], device_type: str) -> int:

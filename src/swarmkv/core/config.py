@@ -23,6 +23,7 @@ from swarmkv.choices import (
     MAX_CPU_INT8_RESIDUAL_GROUPS,
     PREFILL_BF16_MODES,
     SPECULATION_MODES,
+    SPECULATIVE_METHODS,
     AsyncSchedulingMode,
     AttentionBackendName,
     CascadeMode,
@@ -32,6 +33,7 @@ from swarmkv.choices import (
     LoopGuardMode,
     PrefillBf16Mode,
     SpeculationMode,
+    SpeculativeMethod,
     WeightsOption,
 )
 from swarmkv.kv.retention import RETENTION_POLICIES, RetentionPolicy
@@ -162,6 +164,16 @@ class EngineConfig:
         "synchronous and nothing overlaps",
     )
     num_speculative_tokens: int = _opt(8, "draft tokens a request may verify in one step at most")
+    speculative_method: SpeculativeMethod = _opt(
+        "auto",
+        "where drafts come from: text (the suffix automata above), mtp (the model's own multi-token-prediction "
+        "layer, Qwen3.5's: held at the file's bits, with a KV slab of its own, so it costs one attention layer's "
+        "KV a token), or both (per request and step, the draft expected to yield more tokens per unit of step "
+        "time, none when neither pays). A model without an MTP layer drafts from text. auto: text",
+    )
+    num_mtp_tokens: int = _opt(
+        3, "tokens an MTP draft has at most (the MTP layer chained on its own output, an LM head pass each)"
+    )
     draft_sources: tuple[DraftSource, ...] = _opt(
         DRAFT_SOURCES,
         "the texts drafts may come from: own (the request's prompt and reply), sibling (replies of requests "
@@ -241,6 +253,16 @@ class EngineConfig:
             raise ValueError(
                 f"cpu_int8_residual_groups must be an integer from 0 to {MAX_CPU_INT8_RESIDUAL_GROUPS}, got {groups!r}"
             )
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method must be one of {SPECULATIVE_METHODS}, got {self.speculative_method!r}"
+            )
+        if (
+            isinstance(self.num_mtp_tokens, bool)
+            or not isinstance(self.num_mtp_tokens, int)
+            or not (1 <= self.num_mtp_tokens <= 8)
+        ):
+            raise ValueError(f"num_mtp_tokens must be an integer from 1 to 8, got {self.num_mtp_tokens!r}")
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {self.speculation!r}")
         sources = self.draft_sources

@@ -25,7 +25,7 @@ from swarmkv.errors import InvalidRequestError
 from swarmkv.kv import KVCacheManager, PageMover, Retention
 from swarmkv.kv.state_index import StateMover
 from swarmkv.prefix import common_prefix_length
-from swarmkv.spec import Drafter
+from swarmkv.spec import Proposer
 
 # A measuring or replaying run's own page size in bytes when it has none: figures then count pages.
 _ONE_BYTE_PAGES = 1
@@ -59,7 +59,7 @@ class EngineCore:
         state_mover: StateMover | None = None,
         cost: PreemptionCost | None = None,
         device_type: str = "cpu",
-        drafter: Drafter | None = None,
+        drafter: Proposer | None = None,
         max_model_len: int | None = None,
         processors: Processors | None = None,
         eos_token_ids: Collection[int] = (),
@@ -415,6 +415,8 @@ class EngineCore:
             spec_accepted_tokens=c.spec_accepted_tokens,
             spec_accepted_sibling_tokens=c.spec_accepted_sibling_tokens,
             spec_accepted_session_tokens=c.spec_accepted_session_tokens,
+            spec_mtp_draft_tokens=c.spec_mtp_draft_tokens,
+            spec_accepted_mtp_tokens=c.spec_accepted_mtp_tokens,
             lookahead_steps=c.lookahead_steps,
             state=self._state_stats(),
         )

@@ -28,7 +28,7 @@ from typing import Literal
 from swarmkv.core.sequence import Sequence, Status
 from swarmkv.core.stats import EngineCounters
 from swarmkv.kv import NO_HIT, Hit, KVCacheManager
-from swarmkv.spec import Drafter
+from swarmkv.spec import Proposer
 
 ChunkKind = Literal["prefill", "decode"]
 
@@ -144,7 +144,7 @@ class Scheduler:
         limits: SchedulerLimits,
         counters: EngineCounters,
         cost: PreemptionCost | None = None,
-        drafter: Drafter | None = None,
+        drafter: Proposer | None = None,
     ) -> None:
         """`drafter`: where decodes' drafts come from (None: no speculative decoding)."""
         self.kv = kv
@@ -248,7 +248,7 @@ class Scheduler:
         plan.state_slots = self.kv.state_slots([c.request_id for c in plan.chunks])
         return plan
 
-    def _add_drafts(self, plan: StepPlan, drafter: Drafter, budget: int) -> int:
+    def _add_drafts(self, plan: StepPlan, drafter: Proposer, budget: int) -> int:
         """Turn decodes into speculative chunks, oldest first, while the step has rows to spare (a step of
         many decodes is compute-bound: drafts would only slow it) and drafts fit in free pages (a draft never
         evicts or preempts). The budget they take."""

@@ -53,6 +53,8 @@ class EngineCounters:
     spec_accepted_tokens: int = 0
     spec_accepted_sibling_tokens: int = 0  # of those, drafted from replies under the same head
     spec_accepted_session_tokens: int = 0  # drafted from the session's earlier replies
+    spec_mtp_draft_tokens: int = 0  # draft tokens the model's MTP layer proposed (and the step verified)
+    spec_accepted_mtp_tokens: int = 0  # of those, accepted
     lookahead_steps: int = 0  # async scheduling: steps launched before the previous step's ids were read
 
 
@@ -124,6 +126,8 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_accepted_sibling_tokens: int = 0
     spec_accepted_session_tokens: int = 0
+    spec_mtp_draft_tokens: int = 0
+    spec_accepted_mtp_tokens: int = 0
     lookahead_steps: int = 0
     # Constrained decoding (the engine's, not the core's: zero in a model-free core): grammars compiled and
     # found compiled, tokens a grammar forced, rows whose verbatim loop's continuation was penalised, and

@@ -70,7 +70,8 @@ class LLMEngine:
         self.counters = EngineCounters()  # the core's, and the step's own counts (failures, lookahead)
         drafts = None
         if resolve.speculation(config.speculation):
-            drafts = Drafts.of(config, self.counters, self.processors.draft_limit, self.lookahead.enabled)
+            limit, mtp = self.processors.draft_limit, loaded.model.mtp is not None
+            drafts = Drafts.of(config, self.counters, limit, self.lookahead.enabled, mtp)
             self.processors.register(drafts)
         self.drafter = drafts.drafter if drafts is not None else None
         self.core = EngineCore(

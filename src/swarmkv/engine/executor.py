@@ -9,6 +9,7 @@ gets each sampling row's last hidden state; nothing is kept when none does.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from swarmkv.core.stats import EngineCounters
 from swarmkv.engine.backend import Backend
 from swarmkv.engine.kv_cache import KVCache
 from swarmkv.engine.lookahead import InFlight, Lookahead, ProvisionalInputs
+from swarmkv.engine.mtp import MTPDrafter
 from swarmkv.engine.page_table import PageTable
 from swarmkv.engine.runner import ModelRunner
 from swarmkv.engine.sampler import SeededSampling, greedy_ids, sample, sample_on_device
@@ -29,6 +31,7 @@ from swarmkv.engine.speculative import verify_greedy, verify_sampled
 from swarmkv.engine.state_cache import StateCache
 from swarmkv.kv import pages_for
 from swarmkv.models.loader import LoadedModel
+from swarmkv.spec.chooser import DraftChooser
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,10 @@ class Executor:
         self.drafts = drafts
         self.lookahead = lookahead
         runner.keep_hidden_states = processors.wants_hidden_states
+        # The model's MTP layer drafts after each step where the drafts' chooser takes its drafts.
+        self.mtp: MTPDrafter | None = None
+        if drafts is not None and isinstance(drafts.drafter, DraftChooser) and runner.model.mtp is not None:
+            self.mtp = MTPDrafter(runner.model, runner.kv_cache, runner.page_table, drafts.drafter)
 
     @staticmethod
     def runner_for(
@@ -101,7 +108,9 @@ class Executor:
         """Compute the plan's chunks (`provisional`: the step in flight's ids, inputs of its decodes), then
         verify drafts and sample the rest."""
         self.processors.prepare(plan.chunks)  # a grammar's masks are computed meanwhile
+        start = time.perf_counter()
         sampling, logits = self.runner.run(plan, provisional)
+        step_s = time.perf_counter() - start
         hidden = self.runner.hidden_states
         if hidden is not None and hidden.shape[0] != logits.shape[0]:
             hidden = None  # some rows ran where no hidden state is kept (the CPU's C decode step)
@@ -120,9 +129,11 @@ class Executor:
                 [], InFlight.start(sampling, sample_on_device(logits, params, plain_generators))
             )
         tokens = dict(zip(plain, sample(logits, params, plain_generators) if plain else [], strict=True))
-        return StepOutput(
-            [RowOutput(c, verified[i] if i in verified else [tokens[i]]) for i, c in enumerate(sampling)]
-        )
+        out = [RowOutput(c, verified[i] if i in verified else [tokens[i]]) for i, c in enumerate(sampling)]
+        if self.mtp is not None and self.runner.step_rows is not None:
+            chunks, hidden = self.runner.step_rows
+            self.mtp.after_step(chunks, hidden, {r.chunk.request_id: r.token_ids for r in out}, step_s)
+        return StepOutput(out)
 
     def verify(
         self, sampling: list[Chunk], logits: torch.Tensor, generators: list[torch.Generator]

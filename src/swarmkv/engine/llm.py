@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+import swarmkv.resolve as resolve
 from swarmkv.choices import WeightsOption
 from swarmkv.core.config import EngineConfig, ModelOptions
 from swarmkv.core.pins import PinInfo
@@ -57,7 +58,8 @@ class LLM:
         block_size, prefix_caching, max_num_seqs, max_num_batched_tokens, max_model_len,
         cascade_attention, attention_backend, enforce_eager, seed), with its defaults."""
         config = EngineConfig.from_kwargs(**engine_options)
-        self.loaded = loaded or load_model(model, dtype=dtype, device=device, weights=weights)
+        mtp = resolve.mtp_drafts(config.speculation, config.speculative_method)
+        self.loaded = loaded or load_model(model, dtype=dtype, device=device, weights=weights, mtp=mtp)
         self.tokenizer = self.loaded.tokenizer
         self.engine = LLMEngine(self.loaded, config)
         self._ids = itertools.count()

@@ -82,9 +82,13 @@ class ModelRunner:
         # only while a processor reads them (`hidden_states`, None otherwise).
         self.keep_hidden_states = False
         self.hidden_states: torch.Tensor | None = None
+        # The MTP drafter's seam: every row's hidden state, with the chunks in row order (`step_rows`).
+        self.step_rows: tuple[list[Chunk], torch.Tensor] | None = None
         self.cpu_decode: DecodeModel | None = None
         if fused_cpu_decode and backend == "torch":
             reason = cpu_decode.why_not(model, kv_cache, self.device)
+            if model.mtp is not None:
+                reason = "the MTP drafter reads every row's hidden state, which the C step does not return"
             if reason is None:
                 self.cpu_decode = cpu_decode.describe(
                     model, kv_cache, page_table, cpu_int8_activations, cpu_int8_residual_groups, states
@@ -105,7 +109,7 @@ class ModelRunner:
         """Compute every chunk (after `update_page_table(plan)`); return the chunks that sample, in the
         order of their rows of float32 logits [N, vocab]. A decode chunk whose last token is provisional
         (async scheduling) reads its input id from `provisional`, the previous step's ids on the device."""
-        self.hidden_states = None
+        self.hidden_states, self.step_rows = None, None
         prefills = [c for c in plan.chunks if c.kind == "prefill"]
         decodes = [c for c in plan.chunks if c.kind == "decode"]
         if self.cpu_decode is None or self.states is not None:
@@ -148,6 +152,8 @@ class ModelRunner:
         bf16 = self.prefill_bf16 and not decodes and not any(c.draft for c in prefills)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             hidden = self.model(input_ids, positions, backend)
+        if self.model.mtp is not None:
+            self.step_rows = (prefills + decodes, hidden)
         rows = torch.tensor(sampling_rows(prefills + decodes), dtype=torch.int64, device=self.device)
         last_hidden = hidden[rows].to(self.dtype)
         if self.keep_hidden_states:

@@ -10,6 +10,7 @@ from swarmkv.config import LINEAR_ATTENTION, ModelConfig
 from swarmkv.models.attention import AttentionBackend, StoresKV
 from swarmkv.models.layers import TORCH_OPS, GatedMLP, LayerOps, RMSNorm, RotaryEmbedding
 from swarmkv.models.linear_attention import GatedDeltaNet
+from swarmkv.models.mtp import MTPHead
 from swarmkv.models.quantized import WeightFormat, make_linear
 
 
@@ -148,6 +149,8 @@ class DecoderForCausalLM(nn.Module):
             for ordinal, is_linear in zip(ordinals, linear, strict=True)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Qwen3.5's MTP draft layer, where the config runs it (`ModelConfig.with_mtp`).
+        self.mtp: MTPHead | None = MTPHead(config, self.rotary, weights) if config.mtp_layers else None
 
     def tie_weights(self) -> None:
         """Point the LM head at the embedding matrix when the checkpoint ties them."""

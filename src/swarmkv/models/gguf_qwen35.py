@@ -51,24 +51,41 @@ _BLOCK = {
     "ssm_norm.weight": "linear_attn.norm.weight",
     "ssm_out.weight": "linear_attn.out_proj.weight",
 }
+# The MTP block's own tensors (llama.cpp's names for Hugging Face's `mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.norm`).
+_NEXTN = {
+    "nextn.eh_proj.weight": "mtp.fc.weight",
+    "nextn.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+    "nextn.hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+    "nextn.shared_head_norm.weight": "mtp.norm.weight",
+}
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Stored as 1 + w by the converter (every `norm.weight` but the linear attention's gated norm).
 _SHIFTED_NORMS = re.compile(
-    r"^model\.(norm|layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm))\.weight$"
+    r"^(model\.norm|(model|mtp)\.layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm)"
+    r"|mtp\.(norm|pre_fc_norm_embedding|pre_fc_norm_hidden))\.weight$"
 )
 
 
 def qwen35_hf_name(gguf_name: str, config: ModelConfig) -> str | None:
-    """The Hugging Face name of a qwen35 GGUF tensor; None for the multi-token-prediction layers after the
-    decoder's own (a draft head swarmkv does not run); ModelLoadError for names we do not know."""
+    """The Hugging Face name of a qwen35 GGUF tensor: the multi-token-prediction block after the decoder's
+    own layers maps to `mtp.*` where the config runs it (`ModelConfig.with_mtp`), else to None (not held);
+    ModelLoadError for names we do not know."""
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
     match = _BLOCK_NAME.match(gguf_name)
-    if match is not None and int(match.group(1)) >= config.num_layers:
-        return None
-    if match is None or match.group(2) not in _BLOCK:
+    if match is None:
         raise ModelLoadError(f"unexpected tensor {gguf_name!r} in qwen35 GGUF file")
-    return f"model.layers.{match.group(1)}.{_BLOCK[match.group(2)]}"
+    block, name = int(match.group(1)), match.group(2)
+    prefix = "model"
+    if block >= config.num_layers:
+        if not config.mtp_layers:
+            return None
+        if name in _NEXTN:
+            return _NEXTN[name]
+        prefix, block = "mtp", block - config.num_layers
+    if name not in _BLOCK:
+        raise ModelLoadError(f"unexpected tensor {gguf_name!r} in qwen35 GGUF file")
+    return f"{prefix}.layers.{block}.{_BLOCK[name]}"
 
 
 def needs_float(hf_name: str) -> bool:

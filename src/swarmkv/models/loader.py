@@ -72,22 +72,23 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     weights: WeightsOption = "auto",
+    mtp: bool = False,
 ) -> LoadedModel:
     """Load a Hugging Face directory or a GGUF file (the default model when `path` is None), its projections
     in `weights`: auto keeps a GGUF's every tensor at its own bits; safetensors stay float unless int8 or int4
-    is asked for."""
+    is asked for. `mtp`: also hold the checkpoint's multi-token-prediction layer, if it has one (a drafter)."""
     resolved = checkpoint_file_or_dir(path)
     device = torch.device(device)
     compute_dtype = resolve_dtype(dtype, device)
     if resolved.is_file():
         from swarmkv.models.gguf_file import open_gguf  # the gguf package: only for GGUF files
 
-        return _load_gguf(open_gguf(resolved), compute_dtype, device, weights)
+        return _load_gguf(open_gguf(resolved), compute_dtype, device, weights, mtp)
     if weights == "gguf":
         raise ConfigError(
             f"--weights gguf keeps a GGUF file's own blocks; {resolved} is a safetensors checkpoint"
         )
-    return _load_hf_dir(resolved, compute_dtype, device, resolve.weight_format(weights, "safetensors"))
+    return _load_hf_dir(resolved, compute_dtype, device, resolve.weight_format(weights, "safetensors"), mtp)
 
 
 def instantiate_model(
@@ -104,12 +105,13 @@ def instantiate_model(
 
 
 def _load_gguf(
-    file: GGUFFile, dtype: torch.dtype, device: torch.device, weights: WeightsOption
+    file: GGUFFile, dtype: torch.dtype, device: torch.device, weights: WeightsOption, mtp: bool
 ) -> LoadedModel:
     from swarmkv.models.gguf_weights import Keep, WeightReport, checkpoint_kind, gguf_tensors
 
     names = {t.name for t in file.reader.tensors}
     config = ModelConfig.from_gguf_metadata(file.metadata, num_output_tensors=int("output.weight" in names))
+    config = config.with_mtp() if mtp else config
     config.require_runnable()
     fmt = resolve.weight_format(weights, checkpoint_kind(file))
     _require_grouped_kernels(fmt, device)
@@ -183,8 +185,11 @@ def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]
             raise ModelLoadError(f"cannot read {file}: {exc}") from exc
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, weights: WeightFormat) -> LoadedModel:
+def _load_hf_dir(
+    path: Path, dtype: torch.dtype, device: torch.device, weights: WeightFormat, mtp: bool
+) -> LoadedModel:
     config = ModelConfig.from_hf_dir(path)
+    config = config.with_mtp() if mtp else config
     config.require_runnable()
     files = _safetensors_files(path)
     _require_grouped_kernels(weights, device)

@@ -30,13 +30,16 @@ _FUSED = {
     "linear_attn.in_proj_b": ("linear_attn.in_proj_ba", 0),
     "linear_attn.in_proj_a": ("linear_attn.in_proj_ba", 1),
 }
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_LAYER = re.compile(r"^(model|mtp)\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _LAYER_PARAM = re.compile(r"^model\.layers\.(\d+)\.(linear_attn\.(?:A_log|dt_bias))$")  # bare parameters
-_PARAM_IN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
+_PARAM_IN_LAYER = re.compile(r"^(mtp\.)?layers\.(\d+)\.(.+)\.(weight|bias)$")
 # Present in some checkpoints but derived, not learned: safe to skip.
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq)$")
-# Parts of a multimodal or multi-token-prediction checkpoint that a text decoder does not run.
-_OTHER_MODELS = re.compile(r"^(model\.visual\.|mtp\.|model\.mtp\.)")
+# Parts of a multimodal checkpoint that a text decoder does not run.
+_OTHER_MODELS = re.compile(r"^model\.visual\.")
+# The multi-token-prediction layer's tensors: held where the config runs it (`ModelConfig.with_mtp`).
+_MTP = re.compile(r"^(model\.)?mtp\.")
+_MTP_OWN = {"fc": False, "pre_fc_norm_embedding": True, "pre_fc_norm_hidden": True, "norm": True}
 # Qwen3.5's RMSNorms scale by 1 + weight; ours by weight, so the checkpoint's value is shifted by one.
 _ZERO_CENTRED_NORMS = frozenset(
     {"input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"}
@@ -59,6 +62,13 @@ def hf_target(name: str, config: ModelConfig) -> Target | None:
     if name.startswith("model.language_model."):  # a multimodal checkpoint's text decoder
         name = "model." + name.removeprefix("model.language_model.")
     norm_offset = 1.0 if config.architecture == "qwen3_5" else 0.0
+    if _MTP.match(name):
+        if not config.mtp_layers:
+            return None
+        name = name.removeprefix("model.")
+        own = _MTP_OWN.get(name.removeprefix("mtp.").rsplit(".", 1)[0])
+        if own is not None:  # its projection and norms (all of Qwen3.5's scale by 1 + weight)
+            return Target(name, offset=norm_offset if own else 0.0)
     if name == "model.embed_tokens.weight":
         return Target("embed_tokens.weight")
     if name == "model.norm.weight":
@@ -72,12 +82,13 @@ def hf_target(name: str, config: ModelConfig) -> Target | None:
     match = _LAYER.match(name)
     if match is None:
         raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
-    layer, module, kind = match.groups()
+    owner, layer, module, kind = match.groups()
+    where = "layers" if owner == "model" else "mtp.layers"
     if module in _FUSED:
         fused, shard = _FUSED[module]
-        return Target(f"layers.{layer}.{fused}.{kind}", shard)
+        return Target(f"{where}.{layer}.{fused}.{kind}", shard)
     offset = norm_offset if module in _ZERO_CENTRED_NORMS else 0.0
-    return Target(f"layers.{layer}.{module}.{kind}", offset=offset)
+    return Target(f"{where}.{layer}.{module}.{kind}", offset=offset)
 
 
 def _shard_sizes(param: str, config: ModelConfig) -> list[int]:
@@ -206,11 +217,12 @@ def _missing_checkpoint_names(param: str, filled: dict[tuple[str, int | None], s
     match = _PARAM_IN_LAYER.match(param)
     if match is None:
         return [f"model.{param}"]
-    layer, module, kind = match.groups()
+    mtp, layer, module, kind = match.groups()
     shards = {shard: hf for hf, (fused, shard) in _FUSED.items() if fused == module}
     if not shards:
         return [f"model.{param}"]
-    return [f"model.layers.{layer}.{shards[s]}.{kind}" for s in sorted(shards) if (param, s) not in filled]
+    owner = "mtp" if mtp else "model"
+    return [f"{owner}.layers.{layer}.{shards[s]}.{kind}" for s in sorted(shards) if (param, s) not in filled]
 
 
 def named_tensors_to(

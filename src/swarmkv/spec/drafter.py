@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from swarmkv.choices import DRAFT_SOURCES, DraftSource
+from swarmkv.choices import DRAFT_SOURCES, DraftOrigin, DraftSource
 from swarmkv.spec.suffix_automaton import Matcher, SuffixAutomaton
 
 HEAD_TOKENS = 32  # opening tokens that put requests of one salt under one head (a system prompt's start)
@@ -40,8 +40,16 @@ class Draft:
     """Tokens proposed after a request's last, where they came from, and the match that proposed them."""
 
     tokens: tuple[int, ...]
-    source: DraftSource
-    match_tokens: int
+    source: DraftOrigin
+    match_tokens: int  # 0 for a model's draft
+
+
+class Proposer(Protocol):
+    """What the scheduler asks for drafts: the text `Drafter`, or a `DraftChooser` over it and an MTP layer."""
+
+    def propose(self, request_id: str, max_tokens: int) -> Draft | None:
+        """A draft of at most `max_tokens` tokens to follow the request's last, or None."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -217,6 +225,12 @@ class Drafter:
             if length >= self.min_match_tokens and followed and (found is None or length > found.length):
                 found = _Copy(matcher.automaton, end, source, length)
         return found
+
+    def unused(self, request_id: str) -> None:
+        """The request's latest draft was proposed but not taken (another source's was): no outcome to learn."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            req.pending = None
 
     def backing_off(self, request_id: str) -> bool:
         """Whether the request's next proposal is skipped without reading its tokens (it is waiting out
