@@ -2,14 +2,18 @@
 hybrid of Gated DeltaNet and gated attention), described once to the whole-step C decode
 (`kernels/cpu_decode.py`), which reads the runner's own KV slabs, page table and state slots. Models it cannot
 describe (KV stored other than float32 or float16, weights in another format, head sizes past its limits) keep
-the torch modules; `why_not` says which."""
+the torch modules; `why_not` says which. A hybrid's speculative chunks run in the step too: `draft_positions` says
+which rows keep their states, and `keep_positions` hands what the step kept to the `StateCache` for the rewind."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from swarmkv.choices import CPU_INT8_RESIDUAL_GROUPS
 from swarmkv.config import ModelConfig
+from swarmkv.core.scheduler import Chunk
 from swarmkv.engine.kv_cache import KVCache
 from swarmkv.engine.page_table import PageTable
 from swarmkv.engine.state_cache import StateCache
@@ -191,5 +195,61 @@ def _delta_layer(
             norm=mixer.norm.weight.detach(),
             conv_state=states.conv[mixer.layer],
             ssm_state=states.ssm[mixer.layer],
+            state_layer=mixer.layer,
         ),
     )
+
+
+@dataclass(frozen=True)
+class DraftPositions:
+    """A hybrid step's speculative chunks as the C step keeps their states: the rows' kept positions, and per
+    chunk (its slot, its positions, its first kept window, its first kept state). A chunk keeps the window after
+    every position and the state after every position but its last, which its slot holds."""
+
+    rows: cpu_decode.KeptRows
+    chunks: tuple[tuple[int, int, int, int], ...]
+
+
+def draft_positions(rows: list[tuple[Chunk, int]], slots: dict[str, int]) -> DraftPositions | None:
+    """Where the step rows (chunk, offset in it) keep their states; None where no row is a draft's."""
+    firsts: dict[str, tuple[int, int]] = {}
+    chunks: list[tuple[int, int, int, int]] = []
+    num_conv = num_ssm = 0
+    for chunk, _ in rows:
+        if chunk.draft and chunk.request_id not in firsts:
+            firsts[chunk.request_id] = num_conv, num_ssm
+            chunks.append((slots[chunk.request_id], chunk.num_tokens, num_conv, num_ssm))
+            num_conv += chunk.num_tokens
+            num_ssm += chunk.num_tokens - 1
+    if not chunks:
+        return None
+    conv_index, ssm_index = [], []
+    for chunk, j in rows:  # the C step's negative index: nothing kept (conv), the slot only (the state)
+        first = firsts.get(chunk.request_id)
+        if first is None:
+            conv_index.append(-1)
+            ssm_index.append(-1)
+            continue
+        conv_index.append(first[0] + j)
+        ssm_index.append(first[1] + j if j < chunk.num_tokens - 1 else -1)
+    kept = cpu_decode.KeptRows(
+        torch.tensor(conv_index, dtype=torch.int64),
+        torch.tensor(ssm_index, dtype=torch.int64),
+        num_conv,
+        num_ssm,
+    )
+    return DraftPositions(kept, tuple(chunks))
+
+
+def keep_positions(states: StateCache, step: cpu_decode.DecodeModel, drafts: DraftPositions | None) -> None:
+    """After a step: each speculative chunk's states after each position, as views of what the step kept (and of
+    its slot, for the last), into `states`, as the modules' step keeps them. Every step begins anew, so a chunk
+    never rewound (its request ended) is dropped."""
+    states.begin_positions([] if drafts is None else [slot for slot, *_ in drafts.chunks])
+    if drafts is None:
+        return
+    conv, ssm = step.kept_states(drafts.rows)
+    for slot, length, first_conv, first_ssm in drafts.chunks:
+        for layer in range(conv.shape[0]):
+            kept = [ssm[layer, first_ssm + j] for j in range(length - 1)] + [states.ssm[layer, slot]]
+            states.keep_positions(layer, slot, conv[layer, first_conv : first_conv + length], kept)

@@ -112,18 +112,19 @@ class ModelRunner:
         self.hidden_states, self.step_rows = None, None
         prefills = [c for c in plan.chunks if c.kind == "prefill"]
         decodes = [c for c in plan.chunks if c.kind == "decode"]
-        if self.cpu_decode is None or self.states is not None:
-            # A speculative chunk computes several positions of one request, as a prefill's chunk does; a
-            # hybrid's keeps its state after each position for the rewind, which the modules do.
+        if self.cpu_decode is None:
+            # A speculative chunk computes several positions of one request, as a prefill's chunk does (the C
+            # step runs it as a row per position, a hybrid's keeping its states after each for the rewind).
             prefills += [c for c in decodes if c.draft]
             decodes = [c for c in decodes if not c.draft]
         if self.cpu_decode is not None and decodes:
-            # The decodes in C, any prefills through the modules: a second pass over the weights costs less than
-            # decode rows in the modules, which gather every key of their context layer by layer.
-            sampling, logits = self._run_cpu_decode(self.cpu_decode, decodes, plan.state_slots, provisional)
+            # The decodes in C, any prefills through the modules first (a hybrid's modules begin the step's kept
+            # states, which C then fills): a second pass over the weights costs less than decode rows in the
+            # modules, which gather every key of their context layer by layer.
             if not prefills:
-                return sampling, logits
+                return self._run_cpu_decode(self.cpu_decode, decodes, plan.state_slots, provisional)
             prefill_sampling, prefill_logits = self._run_modules(plan, prefills, [], [], provisional)
+            sampling, logits = self._run_cpu_decode(self.cpu_decode, decodes, plan.state_slots, provisional)
             return prefill_sampling + sampling, torch.cat([prefill_logits, logits])
         groups, decodes = self._group_decodes(decodes, self.min_saved_tokens)
         return self._run_modules(plan, prefills, decodes, groups, provisional)
@@ -175,7 +176,8 @@ class ModelRunner:
         provisional: ProvisionalInputs | None,
     ) -> tuple[list[Chunk], torch.Tensor]:
         """A step's decodes in one C call, a speculative chunk as a row for each of its positions: the step
-        stores every row's KV before any row attends, so a draft token reads the ones before it. Its
+        stores every row's KV before any row attends, so a draft token reads the ones before it, and runs a
+        hybrid's rows of one slot through its states in order, keeping each position's for the rewind. Its
         attention reads a group's shared pages once at no extra cost, so any saving is worth a group
         (cascade off still turns grouping off)."""
         assert all(c.samples for c in decodes), "a decode chunk ends at its request's last token"
@@ -195,9 +197,10 @@ class ModelRunner:
             rows = [r for r, i in enumerate(order) if items[i][0].token_ids[items[i][1]] == PROVISIONAL_TOKEN]
             picks = [provisional.index[items[order[r]][0].request_id] for r in rows]
             provisional.fill_rows(input_ids, rows, picks)
-        slots = None  # a hybrid's rows each continue their request's state slot
+        slots = drafts = None  # a hybrid's rows each continue their request's state slot
         if self.states is not None:
             slots = torch.tensor([state_slots[items[i][0].request_id] for i in order], dtype=torch.int64)
+            drafts = cpu_decode.draft_positions([items[i] for i in order], state_slots)
         logits = step.step(
             input_ids,
             torch.tensor([table_rows[i] for i in order], dtype=torch.int64),
@@ -205,7 +208,10 @@ class ModelRunner:
             sizes,
             shared,
             slots,
+            None if drafts is None else drafts.rows,
         )
+        if self.states is not None:
+            cpu_decode.keep_positions(self.states, step, drafts)
         if order != list(range(len(order))):
             inverse = torch.empty(len(order), dtype=torch.int64)
             inverse[torch.tensor(order)] = torch.arange(len(order))

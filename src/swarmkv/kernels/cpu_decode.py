@@ -1,7 +1,8 @@
 """The whole-step CPU decode of `kernels/cpu/decode.c`, described to C once: a decoder's weights (the grouped
 GGUF layout, or float32 row blocks), its KV slabs and page table, and a hybrid's recurrent-state tensors, as
 ctypes structures pointing into the tensors, which this object keeps alive. `step()` then runs one decode step
-for M rows in one call."""
+for M rows in one call; a hybrid's speculative chunk is a row per position, and the states after each position
+go to buffers this object owns and reuses step to step (`KeptRows`, `kept_states`)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,18 @@ class _Layer(ctypes.Structure):
         ("delta_norm", _P),
         ("conv_state", _P),
         ("ssm_state", _P),
+        ("state_layer", _I64),
+    ]
+
+
+class _Kept(ctypes.Structure):
+    _fields_ = [
+        ("conv_index", _P),
+        ("ssm_index", _P),
+        ("conv", _P),
+        ("ssm", _P),
+        ("conv_count", _I64),
+        ("ssm_count", _I64),
     ]
 
 
@@ -129,7 +142,8 @@ class DeltaNet:
     """A Gated DeltaNet layer's own weights beside its projections (its `Layer.qkv` is in_proj's rows followed by
     in_proj_ba's, beta's logits then the decay's), and its slice of the state tensors:
     conv taps [channels, kernel], -e^A_log and the decay's bias [value heads], the gated norm's weight [value dim];
-    conv_state [slots, channels, kernel - 1] and ssm_state [slots, value heads, key dim, value dim], float32."""
+    conv_state [slots, channels, kernel - 1] and ssm_state [slots, value heads, key dim, value dim], float32, the
+    state tensors' `state_layer`-th (the layer's index among the linear layers)."""
 
     conv_weight: torch.Tensor
     neg_a: torch.Tensor
@@ -137,6 +151,7 @@ class DeltaNet:
     norm: torch.Tensor
     conv_state: torch.Tensor
     ssm_state: torch.Tensor
+    state_layer: int = 0
 
 
 @dataclass(frozen=True)
@@ -186,6 +201,20 @@ class Shape:
     delta: DeltaShape | None = None  # a hybrid's linear-attention layers
 
 
+@dataclass(frozen=True)
+class KeptRows:
+    """Which rows of a hybrid's step keep their states after them (a speculative chunk's positions, for the
+    rewind): row m's conv window goes to position `conv_index[m]` of the step's kept windows, and its delta-rule
+    state to position `ssm_index[m]` of the kept states instead of its slot (int64 [M], contiguous; negative: no window kept,
+    and the state stays in the slot only, as a chunk's last position's does). `num_conv`, `num_ssm`: the positions
+    kept (`DecodeModel.kept_states` reads them after the step)."""
+
+    conv_index: torch.Tensor
+    ssm_index: torch.Tensor
+    num_conv: int
+    num_ssm: int
+
+
 def reads_half_kv(library: ctypes.CDLL | None = None) -> bool:
     """Whether the C step reads float16 KV pages on this build (x86 with F16C)."""
     library = library or cpu_grouped.library()
@@ -229,6 +258,12 @@ class DecodeModel:
         assert k_slabs.dtype == torch.float32 or reads_half_kv(library), "this build has no F16C"
         assert page_table.dtype == torch.int64 and page_table.is_contiguous()
         self._library = library
+        # the step's own declaration (a fresh function object): the model, rows, ids, page-table rows,
+        # positions, groups, their sizes and shared positions, each row's state slot and the kept states
+        # (hybrids), the logits, threads
+        self._step = library["swarmkv_decode_step"]
+        self._step.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _P, ctypes.c_int]
+        self._step.restype = ctypes.c_int
         self._keep: list[object] = [k_slabs, v_slabs, page_table, cos_sin, final_norm]
         self.vocab = shape.vocab
         # Whether a layer projection reads int8 activations (float32 row blocks, and layouts the int8 kernel does
@@ -256,6 +291,14 @@ class DecodeModel:
         self._keep.append(c_layers)
         self.hybrid = shape.delta is not None
         delta = shape.delta
+        # The kept states' buffers, grown to the most positions a step has kept (never shrunk: a fresh
+        # allocation's first touch costs page faults every step). Shapes [linear layers, positions, ...].
+        self._linear_layers = sum(layer.delta is not None for layer in layers)
+        state_shapes = [(layer.delta.conv_state, layer.delta.ssm_state) for layer in layers if layer.delta]
+        self._conv_shape = tuple(state_shapes[0][0].shape[1:]) if state_shapes else ()
+        self._ssm_shape = tuple(state_shapes[0][1].shape[1:]) if state_shapes else ()
+        self._kept_conv = torch.empty(0)
+        self._kept_ssm = torch.empty(0)
         self._model = _Model(
             hidden=shape.hidden,
             heads=shape.heads,
@@ -300,6 +343,7 @@ class DecodeModel:
         c.neg_a, c.dt_bias = self._float(delta.neg_a), self._float(delta.dt_bias)
         c.delta_norm = self._float(delta.norm)
         c.conv_state, c.ssm_state = delta.conv_state.data_ptr(), delta.ssm_state.data_ptr()
+        c.state_layer = delta.state_layer
 
     def _float(self, t: torch.Tensor | None) -> int | None:
         if t is None:
@@ -336,11 +380,14 @@ class DecodeModel:
         group_sizes: list[int],
         group_shared: list[int],
         state_slots: torch.Tensor | None = None,
+        kept: KeptRows | None = None,
     ) -> torch.Tensor:
         """Float32 logits [M, vocab] for M rows each decoding token ids[m] at positions[m] (int64), whose K and
         V are addressed through page-table rows rows[m]. Rows come in groups (sizes summing to M) whose members
         share their first group_shared[g] positions' pages: those keys are read once for the group. A hybrid's
-        row m continues the recurrent state in slot state_slots[m], which the step updates in place."""
+        row m continues the recurrent state in slot state_slots[m], which the step updates in place; rows of
+        one slot run in position order, each from the state the one before left, and `kept` names the rows
+        whose states after them are kept (`kept_states` then holds them, until the next step with `kept`)."""
         count = ids.numel()
         assert sum(group_sizes) == count and len(group_sizes) == len(group_shared)
         assert (state_slots is not None) == self.hybrid, (
@@ -348,6 +395,10 @@ class DecodeModel:
         )
         ids, rows, positions = (t.to(torch.int64).contiguous() for t in (ids, rows, positions))
         slots = None if state_slots is None else state_slots.to(torch.int64).contiguous()
+        c_kept = None
+        if kept is not None:
+            assert self.hybrid and kept.conv_index.numel() == kept.ssm_index.numel() == count
+            c_kept = self._describe_kept(kept)
         sizes = torch.tensor(group_sizes, dtype=torch.int64)
         shared = torch.tensor(group_shared, dtype=torch.int64)
         logits = torch.empty(count, self.vocab, dtype=torch.float32)
@@ -357,7 +408,7 @@ class DecodeModel:
 
         def run(threads: int) -> int:
             return int(
-                self._library.swarmkv_decode_step(
+                self._step(
                     ctypes.byref(self._model),
                     count,
                     ids.data_ptr(),
@@ -367,6 +418,7 @@ class DecodeModel:
                     sizes.data_ptr(),
                     shared.data_ptr(),
                     None if slots is None else slots.data_ptr(),
+                    None if c_kept is None else ctypes.addressof(c_kept),
                     logits.data_ptr(),
                     threads,
                 )
@@ -375,3 +427,26 @@ class DecodeModel:
         status = self._threads.run(count, run)
         assert status == 0, f"the C decode step refused its input (status {status})"
         return logits
+
+    def kept_states(self, kept: KeptRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """The states the last step kept for `kept`: conv windows [linear layers, num_conv, channels, kernel - 1]
+        and delta-rule states [linear layers, num_ssm, value heads, key dim, value dim], views of buffers the next
+        step that keeps states overwrites."""
+        return self._kept_conv[:, : kept.num_conv], self._kept_ssm[:, : kept.num_ssm]
+
+    def _describe_kept(self, kept: KeptRows) -> _Kept:
+        """`kept` as the C step reads it, over buffers grown to hold its positions."""
+        for index in (kept.conv_index, kept.ssm_index):
+            assert index.dtype == torch.int64 and index.is_contiguous()
+        if self._kept_conv.dim() < 2 or self._kept_conv.shape[1] < kept.num_conv:
+            self._kept_conv = torch.empty((self._linear_layers, kept.num_conv, *self._conv_shape))
+        if self._kept_ssm.dim() < 2 or self._kept_ssm.shape[1] < kept.num_ssm:
+            self._kept_ssm = torch.empty((self._linear_layers, kept.num_ssm, *self._ssm_shape))
+        return _Kept(
+            conv_index=kept.conv_index.data_ptr(),
+            ssm_index=kept.ssm_index.data_ptr(),
+            conv=self._kept_conv.data_ptr(),
+            ssm=self._kept_ssm.data_ptr(),
+            conv_count=self._kept_conv.shape[1],
+            ssm_count=self._kept_ssm.shape[1],
+        )

@@ -53,6 +53,7 @@ typedef struct {
     const float *neg_a, *dt_bias;    /* [value_heads]: -e^A_log, the decay's bias */
     const float *delta_norm;         /* [value_dim] */
     float *conv_state, *ssm_state;   /* [slots, channels, kernel - 1], [slots, value_heads, key_dim, value_dim] */
+    int64_t state_layer;             /* its index among the linear layers (of the states, and of kept_t's) */
 } layer_t;
 
 typedef struct {
@@ -706,10 +707,13 @@ static void embed_row(const linear_t *e, int64_t id, float *out) {
 
 /* Logits [M, vocab] for M rows decoding token ids[m] at positions[m] in page-table rows rows[m]. Rows come in
  * groups (group_sizes, summing to M): a group's members share their first group_shared[g] positions. A hybrid's
- * rows continue the recurrent states of slots state_slots[m] (NULL for a dense model), updated in place. */
+ * rows continue the recurrent states of slots state_slots[m] (NULL for a dense model), updated in place; rows
+ * of one slot (a speculative chunk) in position order, and where `kept` is not NULL the states after the rows it
+ * names are kept there (delta.c). */
 int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const int64_t *rows,
                         const int64_t *positions, int64_t num_groups, const int64_t *group_sizes,
-                        const int64_t *group_shared, const int64_t *state_slots, float *logits, int threads) {
+                        const int64_t *group_shared, const int64_t *state_slots, const kept_t *kept, float *logits,
+                        int threads) {
     const int64_t H = m->hidden, D = m->head_dim, I = m->intermediate, R = m->rotary_dim;
     const int64_t qkv_width = (m->heads + 2 * m->kv_heads) * D;
     const int64_t raw_qkv_width = qkv_width + (m->attn_gate ? m->heads * D : 0);
@@ -736,11 +740,14 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
                                                         conv_width + 3 * I + widest) +
                                                    M * widest / 16 * 2 + QX_CONST_FLOATS(M, widest)));
     int8_t *codes = aligned_alloc(64, (size_t)(QX_CODE_BYTES(M, widest) + 63) / 64 * 64); /* whole 512-bit loads */
-    if (arena == NULL || codes == NULL) {
+    int64_t *run_order = hybrid ? malloc(sizeof(int64_t) * (size_t)(2 * M + 1)) : NULL;
+    if (arena == NULL || codes == NULL || (hybrid && run_order == NULL)) {
         free(arena);
         free(codes);
+        free(run_order);
         return 2;
     }
+    const int64_t num_runs = hybrid ? delta_runs(M, state_slots, positions, run_order, run_order + M) : 0;
     s.resid = arena, s.x = s.resid + M * H, s.out = s.x + M * H, s.qkv = s.out + M * H;
     s.raw = s.qkv + M * qkv_width, s.gate = s.raw + M * raw_width, s.attn = s.gate + M * m->heads * D;
     s.conv = s.attn + M * mixed_width, s.gu = s.conv + M * conv_width, s.act = s.gu + M * 2 * I;
@@ -774,6 +781,7 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
                 free(s.part);
                 free(arena);
                 free(codes);
+                free(run_order);
                 return 2;
             }
         }
@@ -795,7 +803,8 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
             if (L->linear) {
                 linear(&L->qkv, M, s.x, s.raw, &s, m->int8_activations, m->residual_groups);
                 delta_mix(dl, M, s.raw, proj_width, s.conv, s.attn, L->conv_w, L->conv_state, L->ssm_state,
-                          state_slots, L->neg_a, L->dt_bias, L->delta_norm, m->eps);
+                          state_slots, run_order, run_order + M, num_runs, kept, L->state_layer, L->neg_a,
+                          L->dt_bias, L->delta_norm, m->eps);
                 linear(&L->o, M, s.attn, s.out, &s, m->int8_activations, m->residual_groups);
             } else {
                 linear(&L->qkv, M, s.x, m->attn_gate ? s.raw : s.qkv, &s, m->int8_activations, m->residual_groups);
@@ -864,5 +873,6 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
     free(s.part);
     free(arena);
     free(codes);
+    free(run_order);
     return 0;
 }
