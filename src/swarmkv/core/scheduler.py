@@ -418,7 +418,7 @@ class Scheduler:
             ):
                 # The prompt's end: the next turn always continues it, even when the reply it goes on with
                 # re-tokenizes differently from the tokens generated (the turn's end would not match then).
-                self.kv.snapshot(seq, "turn")
+                self.kv.snapshot(seq, "prompt")
 
     def accept(self, seq: Sequence, num_tokens: int) -> None:
         """A speculative chunk's first `num_tokens` draft tokens were accepted and appended: their KV, computed

@@ -23,8 +23,9 @@ For a hybrid model (`states`), pages hold the attention layers' KV and a `StateI
 layers' recurrent states: a running slot per request and snapshots keyed by the tokens before them. A hit is
 then the deepest snapshot at or before the page match, with the pages cut back to it; a partial page is
 always copied, never claimed, so the page a snapshot's position falls in stays cached for every request
-that resumes there. Snapshots are taken at a stopped request's end (`free`) and at the points the scheduler
-cuts prefills at (`snapshot`).
+that resumes there. Snapshots are taken at a stopped request's end (`free`), at its prompt's end and at the
+points the scheduler cuts prefills at (`snapshot`); `StateIndex` keeps each conversation's newest prompt end
+and turn end, and lets the ones it moved past go first.
 """
 
 from __future__ import annotations
@@ -301,10 +302,11 @@ class KVCacheManager:
 
     def snapshot(self, request: KVRequest, kind: SnapshotKind = "branch") -> bool:
         """Keep the running request's state after its computed tokens (a point the scheduler cut its prefill
-        at, a "branch", or its prompt's end, a "turn"). At a branch, also cache a copy of its partly filled last
-        page when no cached page holds those tokens yet, so every request sharing them resumes there at once
-        (a turn's page is cached when the request stops). Whether a snapshot was stored: never where hits
-        resume no state (a plain transformer, or no prefix caching)."""
+        at, a "branch", or its prompt's end, a "prompt", as the prefill's last chunk is committed, before any
+        token sampled after it runs). At a branch, also cache a copy of its partly filled last page when no
+        cached page holds those tokens yet, so every request sharing them resumes there at once (a prompt's
+        page is cached when the request stops). Whether a snapshot was stored: never where hits resume no
+        state (a plain transformer, or no prefix caching)."""
         if not self.takes_snapshots:
             return False
         table = self._tables[request.request_id]
@@ -312,7 +314,7 @@ class KVCacheManager:
         self.commit(request, computed)
         stored = self.states.store(request, computed, kind)
         full, rest = divmod(computed, self.page_size)
-        if not stored or kind == "turn" or not rest or len(table.path) < full:
+        if not stored or kind != "branch" or not rest or len(table.path) < full:
             return stored
         tokens = request.token_ids
         if self._page_hit(tokens[:computed], table.salt).num_tokens >= computed:

@@ -56,8 +56,9 @@ class Hit:
 
     @property
     def turn_tokens(self) -> int:
-        """Where the turn snapshot this hit resumes from ends (a request's own previous turn); 0 if none."""
-        return self.num_tokens if self.snapshot_kind == "turn" else 0
+        """Where the snapshot this hit resumes from ends when it is a conversation's own (its previous prompt's
+        or turn's end); 0 if none."""
+        return self.num_tokens if self.snapshot_kind in ("prompt", "turn") else 0
 
     @property
     def num_loads(self) -> int:

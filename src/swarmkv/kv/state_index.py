@@ -3,10 +3,17 @@
 A Gated DeltaNet layer keeps a fixed-size state per sequence instead of KV, so a prefix hit needs the state
 at the hit's end: a snapshot, taken where one pays (see `KVCacheManager.snapshot`). A snapshot is keyed by
 the exact tokens before it (under the request's salt), so it is found at any position, with no alignment to
-pages. Slots form one pool: a request that starts running takes a free slot, or the least recently used
-snapshot's; a new snapshot takes a free slot or the least recently used other snapshot's, never a running
-request's. A pin holds the snapshot at its prefix's end (`hold`): no request or snapshot takes a held one,
-and holds never reach the pool's last two slots (one running, one snapshot: the least a pool works with).
+pages. Slots form one pool: a request that starts running takes a free slot, or a snapshot's; a new snapshot
+takes a free slot or another snapshot's, never a running request's. A pin holds the snapshot at its prefix's end
+(`hold`): no request or snapshot takes a held one, and holds never reach the pool's last two slots (one
+running, one snapshot: the least a pool works with).
+
+A conversation is a lineage: a request that resumes from a lineage's prompt or turn snapshot continues it (unless
+another running request already does: a fork starts its own), any other starts one. Its prompt snapshot
+supersedes the lineage's earlier ones, its turn snapshot the lineage's earlier turn, so a lineage keeps at most
+its newest prompt end and turn end live. Which snapshot's slot goes when one is needed: a superseded one first,
+then a turn end (its next turn resumes there only when the reply renders back to the sampled ids; the prompt end
+before it serves either way), then the least recently used.
 """
 
 from __future__ import annotations
@@ -23,9 +30,12 @@ from swarmkv.kv.radix_index import Salt
 # to spare little compute.
 MIN_SNAPSHOT_TOKENS = 32
 
-# "turn": a prompt's or a stopped request's end, which its own next turn resumes from; "branch": a point where
-# requests part (a branch of the tree, a cold swarm's common head), which others resume from.
-SnapshotKind = Literal["turn", "branch"]
+# "prompt": the state after a prompt's last token, taken as its prefill's last chunk finishes (committed positions
+# only); the next turn always continues it, however the reply renders back. "turn": where a request stopped (its
+# reply's end, or a preemption), which its next turn continues only when the reply renders back to the tokens
+# sampled. "branch": a point where requests part (a branch of the tree, a cold swarm's common head, a pinned
+# prefix), which others resume from.
+SnapshotKind = Literal["prompt", "turn", "branch"]
 
 
 class StateMover(Protocol):
@@ -50,6 +60,13 @@ class Snapshot:
     key: tuple[int, ...]
     last_access: int
     kind: SnapshotKind = "branch"
+    lineage: int | None = None  # prompt and turn snapshots: the conversation whose end it is
+    superseded: bool = False  # its lineage has moved past it: the first to go
+
+    @property
+    def drop_rank(self) -> tuple[bool, bool, int]:
+        """Snapshots go in this order, lowest first: superseded, turn ends, then least recently used."""
+        return (not self.superseded, self.kind != "turn", self.last_access)
 
     @property
     def position(self) -> int:
@@ -64,6 +81,7 @@ class StateCounters:
     stores: int = 0
     hits: int = 0  # requests that resumed from a snapshot
     drops: int = 0  # snapshots whose slot went to a running request or a newer snapshot
+    superseded: int = 0  # prompt and turn snapshots their lineage moved past
 
 
 class StateIndex:
@@ -77,6 +95,8 @@ class StateIndex:
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
         self._running: dict[str, int] = {}
+        self._lineages: dict[str, int] = {}  # running request -> the lineage it continues (one each)
+        self._new_lineage = itertools.count()
         self._snapshots: dict[tuple[Salt, tuple[int, ...]], Snapshot] = {}
         self._by_slot: dict[int, Snapshot] = {}
         self._positions: dict[Salt, Counter[int]] = {}
@@ -116,17 +136,33 @@ class StateIndex:
         """Whether `take` would succeed: a free slot, or a snapshot no pin holds to drop for one."""
         return bool(self._free) or len(self._snapshots) > len(self._holds)
 
-    def take(self, request_id: str) -> int:
-        """A slot for a request that starts running (dropping the least recently used snapshot if none is
-        free); `can_take` must have said yes."""
+    def take(self, request_id: str, resumed: int | None = None) -> int:
+        """A slot for a request that starts running, from the snapshot in slot `resumed` if any (dropping a
+        snapshot if no slot is free); `can_take` must have said yes."""
         assert request_id not in self._running, f"{request_id} already holds a state slot"
-        slot = self._free.pop() if self._free else self._drop_lru()
+        # Before a drop, which may take the very snapshot it resumes from.
+        continued = self._continued(resumed)
+        self._lineages[request_id] = next(self._new_lineage) if continued is None else continued
+        slot = self._free.pop() if self._free else self._drop()
         self._running[request_id] = slot
         return slot
+
+    def _continued(self, resumed: int | None) -> int | None:
+        """The lineage a request resuming from the snapshot in slot `resumed` continues: that snapshot's, unless
+        it is a branch, superseded, or continued by another running request already."""
+        snapshot = self._by_slot.get(resumed) if resumed is not None else None
+        if snapshot is None or snapshot.lineage is None or snapshot.superseded:
+            return None
+        return None if snapshot.lineage in self._lineages.values() else snapshot.lineage
+
+    def lineage(self, request_id: str) -> int:
+        """The lineage the running request continues."""
+        return self._lineages[request_id]
 
     def release(self, request_id: str) -> None:
         """The request stopped running: its slot is free (snapshot it first to keep its state)."""
         self._free.append(self._running.pop(request_id))
+        del self._lineages[request_id]
 
     def deepest(self, tokens: Sequence[int], salt: Salt, limit: int) -> Snapshot | None:
         """The snapshot furthest into `tokens` at a position of at most `limit`. Changes nothing."""
@@ -148,22 +184,46 @@ class StateIndex:
         self._by_slot[slot].last_access = next(self._clock)
         self.counters.hits += 1
 
-    def store(self, tokens: Sequence[int], salt: Salt, kind: SnapshotKind) -> int | None:
-        """A slot to copy the state after `tokens` into, now keyed by them: a free slot or the least recently
-        used snapshot's. None when that state is kept already (it is touched) or no slot can be had."""
+    def store(
+        self, tokens: Sequence[int], salt: Salt, kind: SnapshotKind, request_id: str | None = None
+    ) -> int | None:
+        """A slot to copy the state after `tokens` into, now keyed by them: a free slot or the first snapshot to
+        go. None when that state is kept already (it is touched) or no slot can be had. A prompt or turn
+        snapshot belongs to the lineage of `request_id`, the running request whose state it is, and supersedes
+        that lineage's earlier ones."""
         key = (salt, tuple(tokens))
+        lineage = self._lineages[request_id] if kind != "branch" and request_id is not None else None
         kept = self._snapshots.get(key)
         if kept is not None:
             kept.last_access = next(self._clock)
+            if lineage is not None and kept.kind != "branch":
+                kept.kind = "prompt" if "prompt" in (kept.kind, kind) else kind
+                kept.lineage, kept.superseded = lineage, False
+                self._supersede(kept)
             return None
         if not self.can_take():
             return None
-        slot = self._free.pop() if self._free else self._drop_lru()
-        snapshot = self._snapshots[key] = Snapshot(slot, salt, key[1], next(self._clock), kind)
+        slot = self._free.pop() if self._free else self._drop()
+        kind = kind if lineage is not None else "branch"
+        snapshot = self._snapshots[key] = Snapshot(slot, salt, key[1], next(self._clock), kind, lineage)
         self._by_slot[slot] = snapshot
         self._positions.setdefault(salt, Counter())[len(tokens)] += 1
         self.counters.stores += 1
+        self._supersede(snapshot)
         return slot
+
+    def _supersede(self, newest: Snapshot) -> None:
+        """`newest` is its lineage's newest prompt end (every earlier snapshot of the lineage is passed) or
+        turn end (the lineage's earlier turn ends are)."""
+        for snapshot in self._snapshots.values():
+            if (
+                snapshot is not newest
+                and snapshot.lineage == newest.lineage
+                and not snapshot.superseded
+                and (newest.kind == "prompt" or snapshot.kind == "turn")
+            ):
+                snapshot.superseded = True
+                self.counters.superseded += 1
 
     def can_hold(self, num_more: int = 1) -> bool:
         """Whether pins may hold `num_more` more snapshots: holds leave the pool's last two slots alone."""
@@ -176,7 +236,7 @@ class StateIndex:
         snapshot = self._snapshots.get((salt, tuple(tokens)))
         if snapshot is None or (snapshot.slot not in self._holds and not self.can_hold()):
             return None
-        snapshot.kind = "branch"
+        snapshot.kind, snapshot.lineage, snapshot.superseded = "branch", None, False
         snapshot.last_access = next(self._clock)
         self._holds[snapshot.slot] += 1
         return snapshot.slot
@@ -188,9 +248,10 @@ class StateIndex:
         if not self._holds[slot]:
             del self._holds[slot]
 
-    def _drop_lru(self) -> int:
+    def _drop(self) -> int:
+        """Free the slot of the first unheld snapshot to go (`Snapshot.drop_rank`)."""
         unheld = ((key, s) for key, s in self._snapshots.items() if s.slot not in self._holds)
-        key, snapshot = min(unheld, key=lambda item: item[1].last_access)
+        key, snapshot = min(unheld, key=lambda item: item[1].drop_rank)
         del self._snapshots[key]
         del self._by_slot[snapshot.slot]
         positions = self._positions[snapshot.salt]
@@ -219,3 +280,15 @@ class StateIndex:
         )
         assert held is None or held == self._holds, "the pins' snapshots disagree with the held ones"
         assert len(self._holds) <= max(0, self.num_slots - 2), "pins hold the pool's last slots"
+        assert self._lineages.keys() == self._running.keys(), "a running request has no lineage"
+        assert len(set(self._lineages.values())) == len(self._lineages), (
+            "two running requests share a lineage"
+        )
+        live: Counter[tuple[int | None, SnapshotKind]] = Counter()
+        for s in self._snapshots.values():
+            assert (s.kind == "branch") == (s.lineage is None), f"slot {s.slot}: a {s.kind} of {s.lineage}"
+            assert not (s.superseded and s.slot in self._holds), f"slot {s.slot}: held but superseded"
+            live[s.lineage, s.kind] += not s.superseded
+        assert all(n <= 1 for (lineage, _), n in live.items() if lineage is not None), (
+            "a lineage keeps more than its newest prompt end and turn end live"
+        )

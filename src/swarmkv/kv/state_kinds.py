@@ -123,7 +123,8 @@ class NoStates:
 
 
 class RecurrentStates(NoStates):
-    """A hybrid's state slots: one running state per request with pages, the rest snapshots, LRU."""
+    """A hybrid's state slots: one running state per request with pages, the rest snapshots (`StateIndex`:
+    each conversation's newest prompt end and turn end kept live, superseded ones and turn ends going first)."""
 
     enabled = True
     copies_partials = True  # the page a snapshot's position falls in stays cached for all who resume there
@@ -159,7 +160,7 @@ class RecurrentStates(NoStates):
         """The request's running state: the hit's snapshot copied in, or zeros."""
         if hit.snapshot is not None:
             self.index.touch(hit.snapshot)  # first, so taking a slot drops another snapshot if it can
-        slot = self.index.take(request_id)
+        slot = self.index.take(request_id, hit.snapshot)
         if self._mover is None:
             return
         if hit.snapshot is None:
@@ -188,7 +189,7 @@ class RecurrentStates(NoStates):
         cached tree (`branch_tokens`) or stops sharing tokens with one of `others`. After a turn snapshot
         (`turn_tokens`: the end of the request's own previous turn), leaving the tree is no such point,
         and another must lie `MIN_SNAPSHOT_TOKENS` past it: a turn continuing its own history is not split for
-        a snapshot nobody else would use."""
+        a snapshot nobody else would use (its own prompt end is snapshotted as the prefill finishes anyway)."""
         start, end = span
         tokens = request.token_ids
         # Past its own previous turn the tree holds that turn's history, re-rendered: leaving it there is no
@@ -225,7 +226,7 @@ class RecurrentStates(NoStates):
         slot); whether one was stored."""
         if num_tokens < MIN_SNAPSHOT_TOKENS:
             return False
-        slot = self.index.store(request.token_ids[:num_tokens], request.cache_salt, kind)
+        slot = self.index.store(request.token_ids[:num_tokens], request.cache_salt, kind, request.request_id)
         if slot is None:
             return False
         if self._mover is not None:
