@@ -83,6 +83,7 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> Starlette:
             yield
         finally:
             engine.shutdown()
+            ctx.json_worker.close()
             if ctx.request_log is not None:
                 ctx.request_log.close()
 

@@ -21,6 +21,7 @@ from swarmkv.server.engine_loop.async_engine import AsyncEngine
 from swarmkv.server.engine_loop.request_stream import RequestStream
 from swarmkv.server.http.body import read_json_body
 from swarmkv.server.http.disconnect import submitted
+from swarmkv.server.http.json_worker import JsonWorker
 from swarmkv.server.observability.cache_breaks import CacheBreaks
 from swarmkv.server.observability.cache_snapshot import TreeSnapshots
 from swarmkv.server.observability.log_entry import MIN_LOGGED_FIELD_CHARS
@@ -50,6 +51,8 @@ class ServerContext:
     responses: ResponseStore
     # Every name `model` may be (`--served-model-name`'s aliases), `model_name` first; "*" answers any name.
     model_names: tuple[str, ...] = ()
+    # Decodes large bodies in a child process, started on the first; stopped with the app.
+    json_worker: JsonWorker = field(default_factory=JsonWorker)
     # The cache view's last snapshot, reused while the tree is unchanged; used on the engine's thread only.
     tree_snapshots: TreeSnapshots = field(default_factory=TreeSnapshots)
     hosted_tools: HostedToolsPolicy = "drop"  # `--hosted-tools`
@@ -70,7 +73,7 @@ class ServerContext:
 
     async def read_body(self, request: Request) -> dict[str, Any]:
         """The request's body as a JSON object, under the size cap, or a 400."""
-        return await read_json_body(request, self.max_request_bytes)
+        return await read_json_body(request, self.max_request_bytes, self.json_worker)
 
     async def log_request(
         self,
@@ -97,18 +100,22 @@ class ServerContext:
 
     def log_ended(self, stream: RequestStream, last: StepOutput) -> None:
         """Append a request's end to the request log, when there is one: its prompt, the prompt tokens the
-        prefix cache served it, and those of them its own pins computed (a short line, written on the
-        caller's thread)."""
+        prefix cache served it, and those of them its own pins computed. Called on the event loop, so the line
+        is written on a worker thread: the log's lock may be held by a long line or a rotation."""
         if self.request_log is not None:
-            try:
-                self.request_log.write_ended(
-                    stream.request_id,
-                    last.num_prompt_tokens,
-                    last.num_cached_tokens,
-                    min(stream.num_pin_created_tokens, last.num_cached_tokens),
-                )
-            except OSError:
-                log.exception("the request log could not record the end of %s", stream.request_id)
+            counts = (
+                last.num_prompt_tokens,
+                last.num_cached_tokens,
+                min(stream.num_pin_created_tokens, last.num_cached_tokens),
+            )
+            asyncio.get_running_loop().run_in_executor(None, self._write_ended, stream.request_id, counts)
+
+    def _write_ended(self, request_id: str, counts: tuple[int, int, int]) -> None:
+        assert self.request_log is not None
+        try:
+            self.request_log.write_ended(request_id, *counts)
+        except Exception:  # on a thread nobody awaits: a full disk loses the line, and says so
+            log.exception("the request log could not record the end of %s", request_id)
 
     @property
     def listed_model_names(self) -> tuple[str, ...]:

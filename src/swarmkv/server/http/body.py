@@ -1,4 +1,5 @@
-"""Reading a request body under the server's size cap, as a JSON object or a 400."""
+"""Reading a request body under the server's size cap, as a JSON object or a 400; a large one decoded in the
+JSON worker's process (`json_worker.py`), so that decoding it never holds the event loop's lock for long."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from typing import Any
 from starlette.requests import Request
 
 from swarmkv.api.errors import bad_request, parse_json_body
+from swarmkv.server.http.json_worker import JsonWorker
 
 LARGE_BODY_BYTES = 1 << 20
 
 
-async def read_json_body(request: Request, max_request_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object; a 400 once it passes `max_request_bytes`, before all of it is read."""
+async def read_json_body(request: Request, max_request_bytes: int, worker: JsonWorker) -> dict[str, Any]:
+    """The body as a JSON object; a 400 once it passes `max_request_bytes`, before all of it is read. One over
+    `LARGE_BODY_BYTES` is decoded by `worker`, from a thread."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_request_bytes:
         raise _too_large(max_request_bytes)
@@ -27,8 +30,9 @@ async def read_json_body(request: Request, max_request_bytes: int) -> dict[str, 
         chunks.append(chunk)
     raw = b"".join(chunks)
     request.state.raw_body = raw  # for the request log, should the request be refused
-    if len(raw) > LARGE_BODY_BYTES:  # decoding megabytes takes a while: off the event loop
-        body = await asyncio.to_thread(parse_json_body, raw)
+    if len(raw) > LARGE_BODY_BYTES:
+        # Decoding megabytes holds the GIL for up to seconds, on any thread of this process: another's.
+        body = await asyncio.to_thread(worker.decode, raw)
     else:
         body = parse_json_body(raw)
     request.state.json_body = body  # the log of a refusal reads it, rather than decoding the body again
