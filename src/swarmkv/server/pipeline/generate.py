@@ -120,10 +120,12 @@ async def render_in_worker(
 
 async def count_prompt(ctx: ServerContext, req: ChatRequest, api: Api) -> int:
     """The tokens of a chat request's prompt (the count routes), rendered as `start_chat` renders it; a 400
-    past the context, as what the server could never run it does not count to the end."""
+    from the context's length on, as what the server could never run it does not count to the end (a prompt
+    of exactly `max_model_len` tokens leaves no room for a reply: `Options.sampling_params` refuses it too,
+    as vLLM does)."""
     _, rendered = await render_in_worker(ctx, req, api)
     num_tokens = len(rendered.token_ids)
-    if num_tokens > ctx.max_model_len:
+    if num_tokens >= ctx.max_model_len:
         raise context_length_exceeded(ctx.max_model_len, str(num_tokens), _PROMPT_PARAMS[api])
     return num_tokens
 
