@@ -179,6 +179,10 @@ class StateIndex:
         """Whether the state after exactly `tokens` is kept."""
         return (salt, tuple(tokens)) in self._snapshots
 
+    def snapshot(self, tokens: Sequence[int], salt: Salt) -> Snapshot | None:
+        """The snapshot of the state after exactly `tokens`, if kept. Changes nothing."""
+        return self._snapshots.get((salt, tuple(tokens)))
+
     def touch(self, slot: int) -> None:
         """A request resumed from the snapshot in `slot`."""
         self._by_slot[slot].last_access = next(self._clock)
