@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass, field
 from typing import Any
+
+from swarmkv.api.limits import count_json_values
 
 # An accepted request's strings are kept up to its prompt's length, and at least this long (a field the
 # prompt does not hold, such as `metadata`, is read back whole when short).
@@ -50,32 +53,31 @@ def cap_strings(
     body: Any, max_chars: int, max_values: int | None = None, max_depth: int | None = None
 ) -> CappedBody | None:
     """A copy of decoded JSON `body` with each string value longer than `max_chars` cut to its head (keys are
-    kept); None when it holds more than `max_values` values or nests deeper than `max_depth`. Iterative, so
-    no nesting the decoder allowed can exhaust the stack."""
-    out = CappedBody(None)
-    num_values = 0
-    # (value, path, depth, where its copy goes: the parent copy and its key or index)
-    stack: list[tuple[Any, str, int, Any, Any]] = [(body, "", 1, None, None)]
-    while stack:
-        value, path, depth, parent, slot = stack.pop()
-        num_values += 1
-        if max_values is not None and num_values > max_values:
+    kept); None when it holds more than `max_values` values or nests deeper than `max_depth`, counted first
+    by `count_json_values`, which stops at the bound. Iterative, so no nesting the decoder allowed can exhaust
+    the stack."""
+    if max_values is not None or max_depth is not None:
+        depth = max_depth if max_depth is not None else sys.maxsize
+        counted = count_json_values(body, depth, max_values if max_values is not None else sys.maxsize)
+        if counted == "depth" or counted == "nodes":
             return None
+    out = CappedBody(None)
+    # (value, path, where its copy goes: the parent copy and its key or index)
+    stack: list[tuple[Any, str, Any, Any]] = [(body, "", None, None)]
+    while stack:
+        value, path, parent, slot = stack.pop()
         copy: Any = value
         if isinstance(value, str) and len(value) > max_chars:
             copy = value[:max_chars]
             digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
             out.cut.append(CutField(path or "body", len(value), max_chars, digest))
-        elif isinstance(value, dict | list):
-            if max_depth is not None and depth > max_depth:
-                return None
-            if isinstance(value, dict):
-                copy = dict.fromkeys(value)
-                children = [(v, f"{path}.{k}" if path else str(k), k) for k, v in value.items()]
-            else:
-                copy = [None] * len(value)
-                children = [(v, f"{path}[{i}]", i) for i, v in enumerate(value)]
-            stack.extend((v, p, depth + 1, copy, k) for v, p, k in reversed(children))
+        elif isinstance(value, dict):
+            copy = dict.fromkeys(value)
+            children = [(v, f"{path}.{k}" if path else str(k), k) for k, v in value.items()]
+            stack.extend((v, p, copy, k) for v, p, k in reversed(children))
+        elif isinstance(value, list):
+            copy = [None] * len(value)
+            stack.extend((v, f"{path}[{i}]", copy, i) for i, v in reversed(list(enumerate(value))))
         if parent is None:
             out.body = copy
         else:
