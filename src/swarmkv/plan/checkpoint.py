@@ -64,19 +64,26 @@ def _hf_checkpoint(
     return Checkpoint(shape, precision, config, problem, file_bytes)
 
 
-def _gguf_checkpoint(path: Path, kv_dtype: str, state_dtype: str | None, weight_format: str) -> Checkpoint:
+def _gguf_checkpoint(
+    path: Path, kv_dtype: str, state_dtype: str | None, weight_format: str, mtp: bool
+) -> Checkpoint:
     from swarmkv.plan.gguf_checkpoint import read_gguf  # the gguf package: only for GGUF files
 
-    read = read_gguf(path, kv_dtype, state_dtype, weight_format)
+    read = read_gguf(path, kv_dtype, state_dtype, weight_format, mtp)
     return Checkpoint(
         read.shape, read.precision, read.config, read.config_problem, read.file_bytes, read.weights, read.dims
     )
 
 
 def load_checkpoint(
-    model: str | Path, kv_dtype: str = "auto", state_dtype: str | None = None, weight_format: str = "auto"
+    model: str | Path,
+    kv_dtype: str = "auto",
+    state_dtype: str | None = None,
+    weight_format: str = "auto",
+    mtp: bool = False,
 ) -> Checkpoint:
-    """Read an HF directory, a config.json or a GGUF file; "auto" resolves against the files."""
+    """Read an HF directory, a config.json or a GGUF file; "auto" resolves against the files. `mtp`: a GGUF's
+    multi-token-prediction layer is held (and keeps KV) as the engine holds it to draft."""
     path = Path(model)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -86,4 +93,4 @@ def load_checkpoint(
         raise ModelLoadError(f"model not found: {path}")
     if path.suffix == ".json":
         return _hf_checkpoint(path, kv_dtype, state_dtype, weight_format)
-    return _gguf_checkpoint(path, kv_dtype, state_dtype, weight_format)
+    return _gguf_checkpoint(path, kv_dtype, state_dtype, weight_format, mtp)

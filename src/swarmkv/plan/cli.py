@@ -67,6 +67,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         " fp8_e4m3 is one byte per element",
     )
     shape.add_argument(
+        "--mtp",
+        action="store_true",
+        help="a GGUF's multi-token-prediction layer held too, with its KV slab, as `serve --speculative-method"
+        " mtp|both` holds it (default: left out, as the engine leaves it)",
+    )
+    shape.add_argument(
         "--state-dtype",
         default=None,
         choices=tuple(DTYPES),

@@ -64,7 +64,9 @@ def resolve_checkpoint(args: argparse.Namespace) -> Checkpoint:
             raise ValueError(
                 f"give --model or {', '.join(KV_SHAPE_FLAGS)}, not both ({', '.join(given)} with --model)"
             )
-        return load_checkpoint(args.model, args.kv_dtype, args.state_dtype, args.weight_format)
+        return load_checkpoint(
+            args.model, args.kv_dtype, args.state_dtype, args.weight_format, getattr(args, "mtp", False)
+        )
     missing = [flag for flag in KV_SHAPE_FLAGS if values[flag] is None]
     if missing:
         raise ValueError(

@@ -85,8 +85,11 @@ def _recurrent_state(meta: _Meta, num_linear: int, dtype: str, state_dtype: str 
     )
 
 
-def read_gguf(path: Path, kv_dtype: str, state_dtype: str | None, weight_format: str) -> GGUFPlan:
-    """Plan from a GGUF file's header: no tensor data is read."""
+def read_gguf(
+    path: Path, kv_dtype: str, state_dtype: str | None, weight_format: str, mtp: bool = False
+) -> GGUFPlan:
+    """Plan from a GGUF file's header: no tensor data is read. `mtp`: the multi-token-prediction layers after
+    the decoder's are held, each with a KV slab, as the engine holds them to draft."""
     from swarmkv.models.gguf_file import open_gguf  # the gguf package: only for GGUF files
 
     gguf_file = open_gguf(path)
@@ -118,9 +121,10 @@ def read_gguf(path: Path, kv_dtype: str, state_dtype: str | None, weight_format:
     recurrent = None
     if linear:
         recurrent = _recurrent_state(meta, len(linear), precision.dtype, state_dtype)
+    mtp_layers = blocks - layers if mtp else 0
     shape = KVShape(
         num_layers=layers,
-        num_kv_layers=len(attention),
+        num_kv_layers=len(attention) + mtp_layers,
         num_kv_heads=kv_heads,
         head_dim=key_dim,
         dtype=precision.kv_dtype(kv_dtype),
@@ -149,6 +153,6 @@ def read_gguf(path: Path, kv_dtype: str, state_dtype: str | None, weight_format:
     )
     weights = None
     if weight_format == "auto":
-        weights = count_gguf_weights(gguf_file.reader, gguf_file.metadata, precision.torch_dtype)
+        weights = count_gguf_weights(gguf_file.reader, gguf_file.metadata, precision.torch_dtype, mtp)
     file_bytes = sum(int(t.n_bytes) for t in gguf_file.reader.tensors)
     return GGUFPlan(shape, precision, config, problem, file_bytes, weights, dims)

@@ -168,10 +168,12 @@ def count_gguf_tensors(
     infos: Iterable[tuple[str, GGMLQuantizationType, tuple[int, ...], int]],
     metadata: Mapping[str, Any],
     float_dtype: torch.dtype,
+    mtp: bool = False,
 ) -> GGUFWeightCount:
-    """Tensor infos (name, type, GGUF shape, file bytes) of a file with this metadata -> what swarmkv holds."""
+    """Tensor infos (name, type, GGUF shape, file bytes) of a file with this metadata -> what swarmkv holds
+    (`mtp`: the multi-token-prediction layer's tensors too, as the engine holds them to draft)."""
     arch = str(metadata.get("general.architecture", ""))
-    skip_from = nextn_first_block(metadata, arch)
+    skip_from = None if mtp else nextn_first_block(metadata, arch)
     tensors = tuple(
         count_tensor(name, kind, shape, nbytes, float_dtype, is_held(name, skip_from))
         for name, kind, shape, nbytes in infos
@@ -180,8 +182,10 @@ def count_gguf_tensors(
     return GGUFWeightCount(tensors, str(float_dtype).removeprefix("torch."), LM_HEAD not in names)
 
 
-def count_gguf_weights(reader: Any, metadata: Mapping[str, Any], float_dtype: torch.dtype) -> GGUFWeightCount:
-    """A `gguf.GGUFReader`'s tensors (their infos only) -> what swarmkv holds."""
+def count_gguf_weights(
+    reader: Any, metadata: Mapping[str, Any], float_dtype: torch.dtype, mtp: bool = False
+) -> GGUFWeightCount:
+    """A `gguf.GGUFReader`'s tensors (their infos only) -> what swarmkv holds (`mtp`: as `count_gguf_tensors`)."""
     infos = [
         (
             t.name,
@@ -191,4 +195,4 @@ def count_gguf_weights(reader: Any, metadata: Mapping[str, Any], float_dtype: to
         )
         for t in reader.tensors
     ]
-    return count_gguf_tensors(infos, metadata, float_dtype)
+    return count_gguf_tensors(infos, metadata, float_dtype, mtp)
