@@ -1,8 +1,11 @@
 """Streams cut before their first byte: how soon the server aborts them (issue 53).
 
-Serves the embedded default model on loopback, opens N raw sockets, sends each a streamed chat request with a
-long prompt and closes it before reading a byte, then reads `requests_aborted` and the pages held every 0.25 s.
-The figure: seconds until every cut stream counts as aborted and the KV pages are back to their baseline.
+Serves the embedded default model on loopback and first times one whole request of the same prompt length
+with `max_tokens` 1 (the same run's baseline: about one prefill step, the longest a cut request in the running
+step can wait for, as a step is not interrupted). Then opens N raw sockets, sends each a streamed chat request
+with a long prompt and closes it before reading a byte, and watches the HTTP requests end. The figures: seconds
+until every cut request ended and until the engine counted them aborted with its KV pages back to their
+baseline, each also over the baseline's seconds.
 
     .venv/bin/python bench/cut_streams.py [--streams 16] [--prompt-words 1500]
 """
@@ -13,6 +16,8 @@ import argparse
 import json
 import socket
 import time
+
+import httpx
 
 from swarmkv import LLM
 from swarmkv.models.loader import load_model
@@ -33,7 +38,13 @@ def main() -> None:
     app = create_app(llm)
     ctx = app.state.ctx
     with BackgroundServer(app) as server:
-        baseline = ctx.engine.stats()["kv_pages_in_use"]
+        # Words no cut request's prompt starts with: no prefix of it is cached for them.
+        words = " ".join(f"v{(j * 31) % 10007}" for j in range(args.prompt_words))
+        start_s = time.perf_counter()
+        whole = {"messages": [{"role": "user", "content": words}], "max_tokens": 1}
+        assert httpx.post(f"{server.url}/v1/chat/completions", json=whole, timeout=600).status_code == 200
+        one_request_s = time.perf_counter() - start_s
+        baseline = ctx.engine.call(lambda engine: engine.stats()).result(120)["kv_pages_in_use"]
         socks = []
         for i in range(args.streams):
             words = " ".join(f"w{(i * 7919 + j) % 10007}" for j in range(args.prompt_words))
@@ -65,6 +76,10 @@ def main() -> None:
         # The engine's own view, from its thread between two steps.
         stats = ctx.engine.call(lambda engine: engine.stats()).result(120)
         settled_s = time.perf_counter() - cut_s
+        print(
+            f"baseline (this run): one whole request of the same length with max_tokens 1 took {one_request_s:.2f} s; "
+            f"the cut requests ended {ended_s / one_request_s:.2f}x and settled {settled_s / one_request_s:.2f}x that"
+        )
         print(
             f"{args.streams} streams cut {args.cut_after_s} s after sending, before their first byte: "
             f"{ended} HTTP requests ended {ended_s:.2f} s after the cut; at the engine's next step boundary "

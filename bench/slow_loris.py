@@ -1,9 +1,10 @@
 """Slow-loris clients against `swarmkv serve`'s HTTP protocol (issue 53): are their sockets closed, does /health answer?
 
-Serves the embedded default model on loopback with the default limits (`ServerConfig`), opens N sockets that
+Serves the embedded default model on loopback with the default limits (`ServerConfig`), times /health every
+`--probe-interval-s` for `--baseline-s` with no other client (the same run's baseline), then opens N sockets that
 trickle a byte every `--interval-s` (half of them in the header, half in the body, after a complete header
 announcing a 1 KB body), and times /health meanwhile. Prints when the server closed each socket, what it
-answered, and /health's latency percentiles.
+answered, and /health's latency percentiles with and without them.
 
     .venv/bin/python bench/slow_loris.py [--sockets 12] [--interval-s 2] [--duration-s 60]
 """
@@ -16,7 +17,7 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
 import httpx
@@ -80,18 +81,44 @@ def plain_uvicorn(app: ASGIApp) -> Iterator[SimpleNamespace]:
         sock.close()
 
 
+def health_latencies_ms(url: str, interval_s: float, keep_going: Callable[[], bool]) -> list[float]:
+    """/health's latency every `interval_s` while `keep_going()`."""
+    latencies_ms = []
+    with httpx.Client(timeout=30) as client:
+        while keep_going():
+            start_s = time.perf_counter()
+            assert client.get(f"{url}/health").status_code == 200
+            latencies_ms.append(1000 * (time.perf_counter() - start_s))
+            time.sleep(interval_s)
+    return latencies_ms
+
+
+def summary(latencies_ms: list[float]) -> tuple[str, float]:
+    """A line of p50, p99 and max, and the p99."""
+    ordered = sorted(latencies_ms)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    line = f"{len(ordered)} probes, p50 {statistics.median(ordered):.1f} ms, p99 {p99:.1f} ms, max {ordered[-1]:.1f} ms"
+    return line, p99
+
+
 def main() -> None:
     """Run the trickling sockets and /health's probe; print what happened."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sockets", type=int, default=12)
     parser.add_argument("--interval-s", type=float, default=2.0)
     parser.add_argument("--duration-s", type=float, default=60.0)
+    parser.add_argument("--probe-interval-s", type=float, default=0.1, help="between two /health probes")
+    parser.add_argument("--baseline-s", type=float, default=10.0, help="/health alone, before the sockets")
     parser.add_argument(
         "--plain-uvicorn", action="store_true", help="serve with uvicorn's own protocol: the figure before"
     )
     args = parser.parse_args()
     app = create_app(LLM(loaded=load_model()))
     with plain_uvicorn(app) if args.plain_uvicorn else BackgroundServer(app) as server:
+        baseline_end_s = time.monotonic() + args.baseline_s
+        baseline_ms = health_latencies_ms(
+            server.url, args.probe_interval_s, lambda: time.monotonic() < baseline_end_s
+        )
         closed: dict[str, list[tuple[float, bytes]]] = {"header": [], "body": []}
         threads = [
             threading.Thread(
@@ -108,13 +135,9 @@ def main() -> None:
         ]
         for thread in threads:
             thread.start()
-        latencies_ms = []
-        with httpx.Client(timeout=30) as client:
-            while any(thread.is_alive() for thread in threads):
-                start_s = time.perf_counter()
-                assert client.get(f"{server.url}/health").status_code == 200
-                latencies_ms.append(1000 * (time.perf_counter() - start_s))
-                time.sleep(0.5)
+        latencies_ms = health_latencies_ms(
+            server.url, args.probe_interval_s, lambda: any(thread.is_alive() for thread in threads)
+        )
         for thread in threads:
             thread.join()
     for part, ends in closed.items():
@@ -128,12 +151,10 @@ def main() -> None:
             f"{len(ends)} sockets trickling in the {part}: {span}, answered {statuses or 'nothing'}, "
             f"{still_open} still open after {args.duration_s:g} s"
         )
-    ordered = sorted(latencies_ms)
-    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    print(
-        f"/health meanwhile: {len(ordered)} probes, p50 {statistics.median(ordered):.1f} ms, p99 {p99:.1f} ms, "
-        f"max {ordered[-1]:.1f} ms"
-    )
+    base_line, base_p99 = summary(baseline_ms)
+    line, p99 = summary(latencies_ms)
+    print(f"/health alone (baseline, this run): {base_line}")
+    print(f"/health meanwhile: {line}; p99 {p99 / base_p99:.1f}x the baseline's")
 
 
 if __name__ == "__main__":
