@@ -210,9 +210,7 @@ def test_health_answers_while_21mb_bodies_are_refused(url: str) -> None:
         ("/v1/cache/pin", {"messages": [{"role": "system", "content": huge_text}]}),
     ]
     # Rendering and tokenizing run on a worker thread, and a text too long for the context is refused before
-    # it is tokenized; decoding the body and writing the request log run on worker threads too. What is left
-    # is the GIL: decoding (and, under --log-requests, encoding) one 21 MB string is one C call that holds
-    # it, 0.1-0.2 s on this machine. The 100 ms needs those in another process; this bounds the rest.
-    # The bound is far from both: a minute on the event loop fails it, and 0.8 s under other load on 2 cores
-    # (seen once with other work running) does not.
+    # it is tokenized; the body is decoded in the JSON worker's process and the request log written on worker
+    # threads. The bound is far from what is left: a minute on the event loop fails it, and 0.8 s under other
+    # load on 2 cores (seen once with other work running, and with this test process's own GIL) does not.
     assert max_health_latency_s(url, bodies) < 2.0
