@@ -32,7 +32,6 @@ def main() -> None:
     parser.add_argument("--prompt-words", type=int, default=1500, help="about 2,000 tokens at 1500")
     parser.add_argument("--wait-s", type=float, default=30.0)
     parser.add_argument("--cut-after-s", type=float, default=1.0, help="close the sockets this long after")
-    parser.add_argument("--min-s", type=float, default=3.0, help="watch at least this long")
     args = parser.parse_args()
     llm = LLM(loaded=load_model(), max_model_len=4096)
     app = create_app(llm)
