@@ -439,9 +439,13 @@ class DecodeModel:
         for index in (kept.conv_index, kept.ssm_index):
             assert index.dtype == torch.int64 and index.is_contiguous()
         if self._kept_conv.dim() < 2 or self._kept_conv.shape[1] < kept.num_conv:
-            self._kept_conv = torch.empty((self._linear_layers, kept.num_conv, *self._conv_shape))
+            self._kept_conv = torch.empty(
+                (self._linear_layers, kept.num_conv, *self._conv_shape), dtype=torch.float32
+            )
         if self._kept_ssm.dim() < 2 or self._kept_ssm.shape[1] < kept.num_ssm:
-            self._kept_ssm = torch.empty((self._linear_layers, kept.num_ssm, *self._ssm_shape))
+            self._kept_ssm = torch.empty(
+                (self._linear_layers, kept.num_ssm, *self._ssm_shape), dtype=torch.float32
+            )
         return _Kept(
             conv_index=kept.conv_index.data_ptr(),
             ssm_index=kept.ssm_index.data_ptr(),
