@@ -1,6 +1,6 @@
 """Hostile bodies against a live `swarmkv serve` (issue 53, items 1 to 4): time to the 400 and `/health`'s
 latency meanwhile, against its latency with no hostile load in the same run; the server's peak RSS growth
-and its body-decoding worker's peak RSS, a child process's) and the request log's growth per refused body.
+and its body-decoding worker's peak RSS (a child process), and the request log's growth per refused body.
 
 Starts `swarmkv serve` on the embedded default model (SmolLM2, 8,192-token context) in a subprocess with
 `--log-requests`, warms it with one refusal of each kind, then times `/health` every 10 ms for `--baseline-s`
