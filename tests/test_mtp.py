@@ -5,7 +5,9 @@ constructed bigram whose MTP layer passes the next token's embedding to the head
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -229,3 +231,30 @@ def test_the_draft_length_pays_for_its_head_passes(
     rate: float, head_cost: float, longest: int, length: int
 ) -> None:
     assert mtp_draft_length(rate, head_cost, longest) == length
+
+
+def _bench_mtp() -> ModuleType:
+    """bench/mtp.py, whose exact-MTP file builder works on any qwen35 GGUF with an MTP block."""
+    spec = importlib.util.spec_from_file_location("bench_mtp", Path(__file__).parents[1] / "bench" / "mtp.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_c_decode_step_feeds_the_drafter(tmp_path: Path) -> None:
+    """Quantized projections take the C decode step, which hands the drafter its rows' hidden states: the
+    exact-MTP file bench/mtp.py builds has every draft accepted, and both files match speculation off."""
+    source = write_tiny_gguf(tmp_path / "q8.gguf", "qwen35", projections=Q.Q8_0, mtp=True)
+    exact = _bench_mtp().exact_mtp_file(source, tmp_path / "q8-exact.gguf")
+    for path in (source, exact):
+        loaded = load_model(path, dtype="float32", mtp=True)
+        off = _generate(LLM(loaded=loaded, speculation="off", cpu_int8_activations=False), _prompts(), GREEDY)
+        llm = LLM(loaded=loaded, speculative_method="mtp", cpu_int8_activations=False)
+        assert llm.engine.runner.cpu_decode is not None
+        assert _generate(llm, _prompts(), GREEDY) == off
+        stats = llm.engine.snapshot()
+        assert stats.spec_mtp_draft_tokens > 0
+        if path == exact:
+            assert stats.spec_accepted_mtp_tokens == stats.spec_mtp_draft_tokens
+            assert stats.steps < 0.6 * stats.generated_tokens  # draft lengths follow measured costs

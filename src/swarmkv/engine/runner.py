@@ -87,8 +87,6 @@ class ModelRunner:
         self.cpu_decode: DecodeModel | None = None
         if fused_cpu_decode and backend == "torch":
             reason = cpu_decode.why_not(model, kv_cache, self.device)
-            if model.mtp is not None:
-                reason = "the MTP drafter reads every row's hidden state, which the C step does not return"
             if reason is None:
                 self.cpu_decode = cpu_decode.describe(
                     model, kv_cache, page_table, cpu_int8_activations, cpu_int8_residual_groups, states
@@ -124,7 +122,13 @@ class ModelRunner:
             if not prefills:
                 return self._run_cpu_decode(self.cpu_decode, decodes, plan.state_slots, provisional)
             prefill_sampling, prefill_logits = self._run_modules(plan, prefills, [], [], provisional)
+            modules_rows = self.step_rows
             sampling, logits = self._run_cpu_decode(self.cpu_decode, decodes, plan.state_slots, provisional)
+            if modules_rows is not None and self.step_rows is not None:  # the modules' rows, then C's
+                self.step_rows = (
+                    modules_rows[0] + self.step_rows[0],
+                    torch.cat([modules_rows[1].to(self.dtype), self.step_rows[1]]),
+                )
             return prefill_sampling + sampling, torch.cat([prefill_logits, logits])
         groups, decodes = self._group_decodes(decodes, self.min_saved_tokens)
         return self._run_modules(plan, prefills, decodes, groups, provisional)
@@ -209,6 +213,7 @@ class ModelRunner:
             shared,
             slots,
             None if drafts is None else drafts.rows,
+            hidden := torch.empty(len(order), self.model.config.hidden_size) if self.model.mtp else None,
         )
         if self.states is not None:
             cpu_decode.keep_positions(self.states, step, drafts)
@@ -216,6 +221,9 @@ class ModelRunner:
             inverse = torch.empty(len(order), dtype=torch.int64)
             inverse[torch.tensor(order)] = torch.arange(len(order))
             logits = logits[inverse]
+            hidden = None if hidden is None else hidden[inverse]
+        if hidden is not None:  # the MTP drafter's: each chunk's positions, in the chunks' order
+            self.step_rows = (decodes, hidden)
         return decodes, logits
 
     def _group_decodes(

@@ -262,7 +262,7 @@ class DecodeModel:
         # positions, groups, their sizes and shared positions, each row's state slot and the kept states
         # (hybrids), the logits, threads
         self._step = library["swarmkv_decode_step"]
-        self._step.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _P, ctypes.c_int]
+        self._step.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, ctypes.c_int]
         self._step.restype = ctypes.c_int
         self._keep: list[object] = [k_slabs, v_slabs, page_table, cos_sin, final_norm]
         self.vocab = shape.vocab
@@ -381,13 +381,15 @@ class DecodeModel:
         group_shared: list[int],
         state_slots: torch.Tensor | None = None,
         kept: KeptRows | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Float32 logits [M, vocab] for M rows each decoding token ids[m] at positions[m] (int64), whose K and
         V are addressed through page-table rows rows[m]. Rows come in groups (sizes summing to M) whose members
         share their first group_shared[g] positions' pages: those keys are read once for the group. A hybrid's
         row m continues the recurrent state in slot state_slots[m], which the step updates in place; rows of
         one slot run in position order, each from the state the one before left, and `kept` names the rows
-        whose states after them are kept (`kept_states` then holds them, until the next step with `kept`)."""
+        whose states after them are kept (`kept_states` then holds them, until the next step with `kept`).
+        `hidden`: a float32 [M, hidden] tensor the rows' last hidden states (after the final norm) go to."""
         count = ids.numel()
         assert sum(group_sizes) == count and len(group_sizes) == len(group_shared)
         assert (state_slots is not None) == self.hybrid, (
@@ -395,6 +397,9 @@ class DecodeModel:
         )
         ids, rows, positions = (t.to(torch.int64).contiguous() for t in (ids, rows, positions))
         slots = None if state_slots is None else state_slots.to(torch.int64).contiguous()
+        assert hidden is None or (
+            hidden.dtype == torch.float32 and hidden.is_contiguous() and hidden.shape[0] == count
+        )
         c_kept = None
         if kept is not None:
             assert self.hybrid and kept.conv_index.numel() == kept.ssm_index.numel() == count
@@ -419,6 +424,7 @@ class DecodeModel:
                     shared.data_ptr(),
                     None if slots is None else slots.data_ptr(),
                     None if c_kept is None else ctypes.addressof(c_kept),
+                    None if hidden is None else hidden.data_ptr(),
                     logits.data_ptr(),
                     threads,
                 )

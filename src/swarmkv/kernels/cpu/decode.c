@@ -16,6 +16,7 @@
  * alone, and at any batch size.
  */
 #include <math.h>
+#include <string.h>
 
 #include "grouped.c" /* one translation unit: the matmul's inline kernels are shared, not exported */
 
@@ -712,8 +713,8 @@ static void embed_row(const linear_t *e, int64_t id, float *out) {
  * names are kept there (delta.c). */
 int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const int64_t *rows,
                         const int64_t *positions, int64_t num_groups, const int64_t *group_sizes,
-                        const int64_t *group_shared, const int64_t *state_slots, const kept_t *kept, float *logits,
-                        int threads) {
+                        const int64_t *group_shared, const int64_t *state_slots, const kept_t *kept, float *hidden,
+                        float *logits, int threads) {
     const int64_t H = m->hidden, D = m->head_dim, I = m->intermediate, R = m->rotary_dim;
     const int64_t qkv_width = (m->heads + 2 * m->kv_heads) * D;
     const int64_t raw_qkv_width = qkv_width + (m->attn_gate ? m->heads * D : 0);
@@ -865,6 +866,7 @@ int swarmkv_decode_step(const model_t *m, int64_t M, const int64_t *ids, const i
         for (int64_t r = 0; r < M; r++) {
             for (int64_t k = 0; k < H; k++) s.resid[r * H + k] += s.out[r * H + k];
             rms_norm_row(s.resid + r * H, m->final_norm, m->eps, H, s.x + r * H);
+            if (hidden != NULL) memcpy(hidden + r * H, s.x + r * H, sizeof(float) * (size_t)H); /* an MTP drafter's */
         }
         linear(&m->lm_head, M, s.x, logits, &s, m->int8_activations, 0);
         if (m->int8_activations) rescore_top(&m->lm_head, M, s.x, logits);
