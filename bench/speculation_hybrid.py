@@ -10,7 +10,9 @@ that sibling's reply (every draft accepted while its state stays exact). The div
 token of P halfway through before appending R[:16]: the drafter proposes R's continuation as before, but the
 reply soon parts from R, so it prices rejected drafts and the drafter's back-off. The control workload is a
 fresh random prompt under its own salt: nothing to draft from but its own context, which a random model
-rarely repeats (speculation on should cost nothing there).
+rarely repeats (speculation on should cost nothing there). With --model, a GGUF runs instead (a Qwen3.5 file
+at its own bits, bench-models/qwen35-0.8b-24L-Q4_K_M.gguf: the whole-step C decode takes its decodes and, since it
+runs a hybrid's speculative chunks, its verification steps too).
 
 Each timed request is stepped by hand: its first step (the prefill and first token) is left out, every later
 step is timed. Decode tokens/s is the tokens after the first over those steps' time; a verification step is
@@ -19,7 +21,7 @@ swapped each repeat, and each figure is the best (tokens/s) or the median (step 
 identity on against off is checked on every run. Prints JSON.
 
     .venv/bin/python bench/speculation_hybrid.py [--prompt-tokens 128] [--max-tokens 48] [--repeats 3]
-        [--threads 1] [--json out.json]
+        [--threads 1] [--model a.gguf] [--workloads copy diverge control] [--json out.json]
 """
 
 from __future__ import annotations
@@ -114,7 +116,12 @@ def make_engines(loaded: LoadedModel, **options: Any) -> dict[str, LLMEngine]:
 
 
 def measure(
-    engines: dict[str, LLMEngine], prompt_tokens: int, max_tokens: int, repeats: int, vocab: int
+    engines: dict[str, LLMEngine],
+    prompt_tokens: int,
+    max_tokens: int,
+    repeats: int,
+    vocab: int,
+    workloads: tuple[str, ...] = WORKLOADS,
 ) -> dict[str, Any]:
     """Every workload, on and off alternating, over `repeats`: per workload the figures (see the docstring)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -122,7 +129,7 @@ def measure(
     for engine in engines.values():  # warm-up
         timed_request(engine, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), "w")
     out: dict[str, Any] = {}
-    for name in WORKLOADS:
+    for name in workloads:
         start = time.perf_counter()
         runs: dict[str, list[Run]] = {mode: [] for mode in MODES}
         for rep in range(repeats):
@@ -179,18 +186,32 @@ def main() -> None:
     # One thread: on a 2-core machine shared with other work, a second one's spinning tripled step times.
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--model", type=Path, default=None, help="a hybrid GGUF (default: the random model)")
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        build_checkpoint(Path(tmp))
-        loaded = load_model(Path(tmp), dtype="float32")
+    if args.model is not None:
+        loaded = load_model(args.model)
+        model: Any = str(args.model)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            build_checkpoint(Path(tmp))
+            loaded = load_model(Path(tmp), dtype="float32")
+        model = {k: SMALL_SHAPE[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}
     start = time.perf_counter()
+    engines = make_engines(loaded)
+    print(f"C decode step: {engines['on'].runner.cpu_decode is not None}", file=sys.stderr, flush=True)
     results = measure(
-        make_engines(loaded), args.prompt_tokens, args.max_tokens, args.repeats, SMALL_SHAPE["vocab_size"]
+        engines,
+        args.prompt_tokens,
+        args.max_tokens,
+        args.repeats,
+        loaded.config.vocab_size,
+        tuple(args.workloads),
     )
     report = {
-        "model": {k: SMALL_SHAPE[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")},
-        "dtype": "float32",
+        "model": model,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
         "threads": args.threads,
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
