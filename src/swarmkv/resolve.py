@@ -21,6 +21,7 @@ from swarmkv.choices import (
     JumpForwardMode,
     KVCacheDtype,
     PrefillBf16Mode,
+    PrefillInt8Mode,
     PromptLayout,
     SpeculationMode,
     SpeculativeMethod,
@@ -162,6 +163,17 @@ def cpu_prefill_bf16(
     return mode == "on" or (mode == "auto" and decodes_read_int8 and amx_tiles)
 
 
+def cpu_prefill_int8(
+    mode: PrefillInt8Mode, device_type: str, decodes_read_int8: bool, has_int8_gemm: bool
+) -> bool:
+    """Whether a CPU step's prefill chunks multiply K-quant weights on int8 activations (`EngineConfig.
+    cpu_prefill_int8`): auto where the C decode step already reads int8 activations; never without the int8
+    GEMM's vector build (AVX2) or off the CPU."""
+    if device_type != "cpu" or not has_int8_gemm:
+        return False
+    return mode == "on" or (mode == "auto" and decodes_read_int8)
+
+
 def prompt_layout(setting: PromptLayout, api: Api) -> Layout:
     """The layout a request on `api` gets under `--prompt-layout setting`: auto is tools-first on every API
     (Anthropic's cache order: agents whose system texts differ still share their tools), which leaves a
@@ -211,6 +223,7 @@ class EngineSettings:
     jump_forward: bool
     fused_cpu_decode: bool  # whether decode-only steps run the CPU's C step
     cpu_prefill_bf16: bool
+    mtp_drafts: bool = False  # whether the model's MTP layer drafts (`speculative_method` mtp or both)
 
     def to_dict(self) -> dict[str, Any]:
         """As JSON shows it."""

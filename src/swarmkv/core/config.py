@@ -22,6 +22,7 @@ from swarmkv.choices import (
     LOOP_GUARD_MODES,
     MAX_CPU_INT8_RESIDUAL_GROUPS,
     PREFILL_BF16_MODES,
+    PREFILL_INT8_MODES,
     SPECULATION_MODES,
     SPECULATIVE_METHODS,
     AsyncSchedulingMode,
@@ -32,6 +33,7 @@ from swarmkv.choices import (
     KVCacheDtype,
     LoopGuardMode,
     PrefillBf16Mode,
+    PrefillInt8Mode,
     SpeculationMode,
     SpeculativeMethod,
     WeightsOption,
@@ -116,6 +118,14 @@ class EngineConfig:
         "already run that C step on int8 activations (a model held at its GGUF bits) and the CPU has AMX tiles; "
         "off for float checkpoints",
     )
+    cpu_prefill_int8: PrefillInt8Mode = _opt(
+        "auto",
+        "on the CPU, multiply prefill chunks' projections held at Q4_K, Q5_K or Q6_K bits on int8 activations "
+        "(quantised per 256 as llama.cpp's Q8_K) with the integer dot products, instead of dequantising the "
+        "weights for a float32 matmul (exact to the file's float values); other types stay float32. auto: on "
+        "where the C decode step already reads int8 activations (cpu_int8_activations, a model held at its GGUF "
+        "bits) and the CPU has AVX2",
+    )
     cpu_int8_activations: bool = _opt(
         True,
         "in that C decode step, quantise each projection's input to int8 per group of 32 (as llama.cpp does) "
@@ -166,7 +176,8 @@ class EngineConfig:
     num_speculative_tokens: int = _opt(8, "draft tokens a request may verify in one step at most")
     speculative_method: SpeculativeMethod = _opt(
         "auto",
-        "where drafts come from: text (the suffix automata above), mtp (the model's own multi-token-prediction "
+        "where drafts come from: text (suffix automata over the request's context and its siblings' and "
+        "session's replies), mtp (the model's own multi-token-prediction "
         "layer, Qwen3.5's: held at the file's bits, with a KV slab of its own, so it costs one attention layer's "
         "KV a token), or both (per request and step, the draft expected to yield more tokens per unit of step "
         "time, none when neither pays). A model without an MTP layer drafts from text. auto: text",
@@ -243,6 +254,10 @@ class EngineConfig:
         if self.cpu_prefill_bf16 not in PREFILL_BF16_MODES:
             raise ValueError(
                 f"cpu_prefill_bf16 must be one of {PREFILL_BF16_MODES}, got {self.cpu_prefill_bf16!r}"
+            )
+        if self.cpu_prefill_int8 not in PREFILL_INT8_MODES:
+            raise ValueError(
+                f"cpu_prefill_int8 must be one of {PREFILL_INT8_MODES}, got {self.cpu_prefill_int8!r}"
             )
         groups = self.cpu_int8_residual_groups
         if (

@@ -68,9 +68,11 @@ class Executor:
         self.lookahead = lookahead
         runner.keep_hidden_states = processors.wants_hidden_states
         # The model's MTP layer drafts after each step where the drafts' chooser takes its drafts.
+        # (The Triton runner keeps no hidden states yet: there the chooser gets text drafts only.)
         self.mtp: MTPDrafter | None = None
-        if drafts is not None and isinstance(drafts.drafter, DraftChooser) and runner.model.mtp is not None:
-            self.mtp = MTPDrafter(runner.model, runner.kv_cache, runner.page_table, drafts.drafter)
+        chooser = drafts.drafter if drafts is not None else None
+        if isinstance(chooser, DraftChooser) and runner.model.mtp is not None and runner.triton is None:
+            self.mtp = MTPDrafter(runner.model, runner.kv_cache, runner.page_table, chooser)
 
     @staticmethod
     def runner_for(

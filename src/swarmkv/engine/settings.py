@@ -37,4 +37,5 @@ def engine_settings(
         jump_forward=jump_forward,
         fused_cpu_decode=runner.cpu_decode is not None,
         cpu_prefill_bf16=runner.prefill_bf16,
+        mtp_drafts=speculation and runner.model.mtp is not None and runner.triton is None,
     )

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+import swarmkv.resolve as resolve
 from swarmkv.core.config import EngineConfig
 from swarmkv.engine.kv_budget import kv_page_dtype
 from swarmkv.engine.kv_cache import kv_storage_dtype
@@ -131,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if args.server:
         return run_over_http(args, console)
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device, weights=args.weights)
+    mtp = resolve.mtp_drafts(args.speculation, args.speculative_method)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device, weights=args.weights, mtp=mtp)
     tokenizer = loaded.tokenizer
     workload = _workload(args, tokenizer)
     shared_prefix = prefix_token_count(tokenizer, workload.system_prompt, workload.tools)

@@ -70,7 +70,8 @@ def run_long(args: argparse.Namespace) -> int:
     the policies' transcripts differ where numerics are exact (`exact_numerics`)."""
     policies = check_long_args(args)
     console = Console()
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device, weights=args.weights)
+    mtp = resolve.mtp_drafts(args.speculation, args.speculative_method)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device, weights=args.weights, mtp=mtp)
     options = engine_kwargs(args)
     options.pop("offload_memory", None)  # each policy sets its own
     options.pop("kv_cache_memory")  # sized from the workload below unless --kv-cache-memory says otherwise
