@@ -26,6 +26,8 @@ AsyncSchedulingMode = Literal["auto", "on", "off"]
 ASYNC_SCHEDULING_MODES: tuple[AsyncSchedulingMode, ...] = ("auto", "on", "off")
 PrefillBf16Mode = Literal["auto", "on", "off"]
 PREFILL_BF16_MODES: tuple[PrefillBf16Mode, ...] = ("auto", "on", "off")
+PrefillInt8Mode = Literal["auto", "on", "off"]
+PREFILL_INT8_MODES: tuple[PrefillInt8Mode, ...] = ("auto", "on", "off")
 # The CPU decode step's second int8 pass: groups a row (EngineConfig.cpu_int8_residual_groups has its figures).
 CPU_INT8_RESIDUAL_GROUPS = 3
 MAX_CPU_INT8_RESIDUAL_GROUPS = 4  # kernels/cpu/grouped.c's MAX_RESIDUAL_GROUPS
