@@ -50,7 +50,10 @@ class KVCache:
         return self.storage_dtype == FP8
 
     def calibrate(self, k_amax: list[float], v_amax: list[float]) -> None:
-        """Set each fp8 layer's scales from the largest |K| and |V| seen, with 2x headroom for longer texts."""
+        """Set each fp8 layer's scales from the largest |K| and |V| seen, with 2x headroom for longer texts. A
+        layer the calibration text never ran (an MTP layer's slab) takes the largest of the others'."""
+        k_amax = [a or max(k_amax) for a in k_amax]
+        v_amax = [a or max(v_amax) for a in v_amax]
         self.k_scales = [max(a * 2 / FP8_MAX, 1e-6) for a in k_amax]
         self.v_scales = [max(a * 2 / FP8_MAX, 1e-6) for a in v_amax]
 
