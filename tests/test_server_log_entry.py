@@ -4,13 +4,15 @@ bounds (`api/limits.count_json_values`), else the body with each long string cut
 from __future__ import annotations
 
 import hashlib
+import json
+import tracemalloc
 from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from swarmkv.api.limits import count_json_values
-from swarmkv.server.observability.log_entry import cap_strings
+from swarmkv.server.observability.log_entry import cap_strings, refused_line
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=12),
@@ -59,3 +61,17 @@ def _long_strings(value: Any, max_chars: int) -> Any:
     children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
     for child in children:
         yield from _long_strings(child, max_chars)
+
+
+def test_a_refused_body_of_a_million_values_is_named_without_walking_them() -> None:
+    # The count stops at the line's bound; a walk that made each value's path first held a path string and a
+    # tuple for each of them (1.7 GB for 7.5 million stops) before it counted.
+    body = {"stop": ["a"] * 1_000_000}
+    tracemalloc.start()
+    try:
+        line = refused_line({"route": "/v1/chat/completions"}, body, b"raw body")
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert json.loads(line)["body_bytes"] == len(b"raw body")
+    assert peak_bytes < 4 * 2**20
