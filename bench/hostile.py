@@ -50,8 +50,9 @@ def _kib(pid: int, field: str) -> int:
 
 def _children(pid: int) -> list[int]:
     """The server's child processes (its body-decoding worker, once started)."""
-    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    return [int(child) for child in text.split()]
+    # Per thread: the worker is started from whichever thread decoded the first large body.
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    return [int(child) for task in tasks for child in (task / "children").read_text().split()]
 
 
 def _reset_peaks(pids: list[int]) -> None:
