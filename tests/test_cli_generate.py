@@ -28,6 +28,12 @@ def run_generate(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, s
     return code, out, err
 
 
+def run_tiny(capsys: pytest.CaptureFixture[str], tiny: Path, *args: str) -> tuple[int, str, str]:
+    """`run_generate` on the tiny model, with a pool of a few pages: the default 1 GiB took a second or more
+    to zero a run."""
+    return run_generate(capsys, "--model", str(tiny), "--kv-cache-memory", "16MiB", *args)
+
+
 def assert_one_line_error(code: int, out: str, err: str, expected: str) -> None:
     """Exit code 2, nothing on stdout, and exactly one line on stderr that contains `expected`."""
     assert code == 2
@@ -64,9 +70,7 @@ def test_default_model_answers_paris_end_to_end() -> None:
 def test_json_output_on_a_chat_prompt(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from transformers import AutoTokenizer
 
-    code, out, err = run_generate(
-        capsys, "--model", str(tiny), "--prompt", "Hello there", "--max-tokens", "5", "--json"
-    )
+    code, out, err = run_tiny(capsys, tiny, "--prompt", "Hello there", "--max-tokens", "5", "--json")
 
     assert code == 0, err
     record = json.loads(out)
@@ -81,16 +85,12 @@ def test_json_output_on_a_chat_prompt(tiny: Path, capsys: pytest.CaptureFixture[
 
 
 def test_raw_prompt_skips_the_chat_template(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run_generate(
-        capsys, "--model", str(tiny), "--prompt", "Hello there", "--max-tokens", "3", "--raw", "--json"
-    )
+    code, out, err = run_tiny(capsys, tiny, "--prompt", "Hello there", "--max-tokens", "3", "--raw", "--json")
 
     assert code == 0, err
     record = json.loads(out)
     assert record["prompt_token_ids"] == Tokenizer.from_hf_dir(tiny).encode("Hello there")
-    code, out, err = run_generate(
-        capsys, "--model", str(tiny), "--prompt", "Hello", "--max-tokens", "3", "--raw"
-    )
+    code, out, err = run_tiny(capsys, tiny, "--prompt", "Hello", "--max-tokens", "3", "--raw")
     assert code == 0, err
     assert out.endswith("\n") and not out.lstrip().startswith("{")
 
