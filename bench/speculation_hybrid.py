@@ -21,7 +21,7 @@ swapped each repeat, and each figure is the best (tokens/s) or the median (step 
 identity on against off is checked on every run. Prints JSON.
 
     .venv/bin/python bench/speculation_hybrid.py [--prompt-tokens 128] [--max-tokens 48] [--repeats 3]
-        [--threads 1] [--model a.gguf] [--workloads copy diverge control] [--json out.json]
+        [--threads 1] [--model a.gguf] [--float] [--workloads copy diverge control] [--json out.json]
 """
 
 from __future__ import annotations
@@ -188,6 +188,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--model", type=Path, default=None, help="a hybrid GGUF (default: the random model)")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    # A GGUF's decodes read int8 activations by default, its prefills float32 ones: the copy workload's
+    # prompt (the sibling's reply prefilled) then leaves a state the reply's decodes did not, and it parts.
+    parser.add_argument("--float", action="store_true", help="float32 activations in the C step")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.model is not None:
@@ -199,7 +202,7 @@ def main() -> None:
             loaded = load_model(Path(tmp), dtype="float32")
         model = {k: SMALL_SHAPE[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}
     start = time.perf_counter()
-    engines = make_engines(loaded)
+    engines = make_engines(loaded, **({"cpu_int8_activations": False} if args.float else {}))
     print(f"C decode step: {engines['on'].runner.cpu_decode is not None}", file=sys.stderr, flush=True)
     results = measure(
         engines,
@@ -213,6 +216,7 @@ def main() -> None:
         "model": model,
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "threads": args.threads,
+        "int8_activations": args.model is not None and not args.float,
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
         "seconds": round(time.perf_counter() - start, 1),
