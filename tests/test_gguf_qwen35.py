@@ -17,7 +17,7 @@ from fixtures.make_qwen35_gguf import FIXTURE, GGUF_NAME, HF_FILES, copy_tokeniz
 from swarmkv import LLM, SamplingParams
 from swarmkv.config import ModelConfig
 from swarmkv.errors import ModelLoadError, UnsupportedModelError
-from swarmkv.models.gguf_file import open_gguf
+from swarmkv.models.gguf_file import GGUFFile, open_gguf
 from swarmkv.models.gguf_qwen35 import qwen35_hf_name, qwen35_tensor
 from swarmkv.models.loader import LoadedModel, load_model
 
@@ -55,14 +55,22 @@ def from_hf(hf_dir: Path) -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def gguf_meta() -> dict[str, Any]:
-    """The fixture GGUF's metadata (parsing its 151,669 tokens and merges takes seconds: done once)."""
-    return open_gguf(GGUF).metadata
+def gguf_file() -> GGUFFile:
+    """The fixture GGUF parsed (its 151,669 tokens and merges take about 10 s of CPU): once for the module."""
+    return open_gguf(GGUF)
 
 
 @pytest.fixture(scope="module")
-def from_gguf() -> LoadedModel:
-    return load_model(GGUF, dtype="float32")
+def gguf_meta(gguf_file: GGUFFile) -> dict[str, Any]:
+    return gguf_file.metadata
+
+
+@pytest.fixture(scope="module")
+def from_gguf(gguf_file: GGUFFile) -> LoadedModel:
+    """load_model on the fixture GGUF, handed the module's parse of it instead of parsing the file again."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("swarmkv.models.gguf_file.open_gguf", lambda path: gguf_file)
+        return load_model(GGUF, dtype="float32")
 
 
 def tiled(tensor: torch.Tensor, dim: int, num_key_heads: int, head_dim: int) -> torch.Tensor:
