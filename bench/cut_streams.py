@@ -57,19 +57,24 @@ def main() -> None:
             ).encode()
             sock.sendall(head + body)
             socks.append(sock)
-        time.sleep(args.cut_after_s)
-        cut_s = time.perf_counter()
-        for sock in socks:
-            sock.close()  # before the first byte of the answer was read
         registry = ctx.metrics.registry
-        ended = 0
-        while ended < args.streams and time.perf_counter() - cut_s < args.wait_s:
-            ended = sum(
+
+        def num_ended() -> int:
+            return sum(
                 int(registry.get_sample_value(
                     "swarmkv_http_requests_total", {"route": "/v1/chat/completions", "status": status}
                 ) or 0)
                 for status in ("200", "499")
             )  # fmt: skip
+
+        ended_before = num_ended()  # the baseline's request; none of the cut ones yet
+        time.sleep(args.cut_after_s)
+        cut_s = time.perf_counter()
+        for sock in socks:
+            sock.close()  # before the first byte of the answer was read
+        ended = 0
+        while ended < args.streams and time.perf_counter() - cut_s < args.wait_s:
+            ended = num_ended() - ended_before
             time.sleep(0.05)
         ended_s = time.perf_counter() - cut_s
         # The engine's own view, from its thread between two steps.
@@ -83,7 +88,7 @@ def main() -> None:
             f"{args.streams} streams cut {args.cut_after_s} s after sending, before their first byte: "
             f"{ended} HTTP requests ended {ended_s:.2f} s after the cut; at the engine's next step boundary "
             f"({settled_s:.2f} s): {ctx.engine.num_aborted} counted aborted, {stats['requests_finished']} "
-            f"finished, {stats['requests_running'] + stats['requests_waiting']} running or waiting, "
+            f"finished (the baseline included), {stats['requests_running'] + stats['requests_waiting']} running or waiting, "
             f"{stats['kv_pages_in_use'] - baseline} pages held above the baseline, "
             f"{stats['prefill_tokens_computed']} prompt tokens computed in all"
         )
