@@ -133,6 +133,10 @@ def build(arch: tuple[str, ...]) -> ctypes.CDLL | None:
     library.swarmkv_decode_step.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _INT]
     library.swarmkv_grouped_dequantize.argtypes = [_I64, _I64, _PTR, _PTR, *common]
     library.swarmkv_grouped_matmul.restype = library.swarmkv_grouped_dequantize.restype = _INT
+    library.swarmkv_grouped_gemm_int8.argtypes = [_I64, _I64, _I64, _PTR, _PTR, _I64, *common]
+    library.swarmkv_gemm_int8_reads.argtypes = common[:-1]
+    library.swarmkv_grouped_gemm_int8.restype = library.swarmkv_gemm_int8_reads.restype = _INT
+    library.swarmkv_gemm_int8_vector.restype = _INT
     return library
 
 
@@ -246,6 +250,42 @@ def matmul_int8(
         torch.get_num_threads(),
     )
     assert status == 0, "the int8 grouped matmul refused its layout"
+    return out
+
+
+def has_int8_gemm(library: ctypes.CDLL | None = None) -> bool:
+    """Whether the build has the int8 GEMM's vector kernel (x86 with AVX2; else plain C, slower than float)."""
+    library = library or _library()
+    return library is not None and bool(library.swarmkv_gemm_int8_vector())
+
+
+def gemm_int8_reads(w: GroupedQuant, library: ctypes.CDLL | None = None) -> bool:
+    """Whether `gemm_int8` reads this layout: the K-quants Q4_K, Q5_K and Q6_K, K a multiple of 256."""
+    library = library or _library()
+    return (
+        library is not None
+        and w.shape[1] % 256 == 0
+        and bool(library.swarmkv_gemm_int8_reads(*layout_args(w)))
+    )
+
+
+def gemm_int8(
+    x: torch.Tensor, w: GroupedQuant, out: torch.Tensor | None = None, library: ctypes.CDLL | None = None
+) -> torch.Tensor:
+    """x [M, K] float32 (contiguous) quantised to int8 per super-group of 256 (scale max |x| / 127, as
+    llama.cpp's Q8_K), times W^T -> [M, N] float32, the sub-scales and dot products in integers; a prefill
+    chunk's GEMM, for layouts `gemm_int8_reads` accepts. `out` may be a column slice of a wider output."""
+    library = library or _library()
+    assert library is not None and x.dtype == torch.float32 and x.is_contiguous()
+    rows, cols = w.shape
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty(m, rows, dtype=torch.float32)
+    assert out.shape == (m, rows) and out.stride(1) == 1
+    status = library.swarmkv_grouped_gemm_int8(
+        m, rows, cols, x.data_ptr(), out.data_ptr(), out.stride(0), *layout_args(w), torch.get_num_threads()
+    )
+    assert status == 0, f"the int8 GEMM refused its layout or ran out of memory (status {status})"
     return out
 
 

@@ -5,7 +5,8 @@ head as well, once in memory; the weight format "int8" holds the projections of 
 8-bit groups (`gguf_quants.int8_groups`) as they load.
 
 On the CPU the matmul runs the C kernel of `kernels/cpu_grouped.py`: at small batches (decode) a GEMV that reads
-each weight byte once, at larger ones an exact dequantisation into a float tile and torch's matmul. Where the C
+each weight byte once, at larger ones (prefill) an exact dequantisation into a float tile and torch's matmul, or,
+with `prefill_int8` (`EngineConfig.cpu_prefill_int8`), the int8 GEMM over K-quant blocks. Where the C
 kernel is unavailable both use the torch dequantisation of `GroupedQuant`, exact but slow. On a CUDA or ROCm GPU
 the Triton kernel of `kernels/grouped_matmul.py` reads the same layout, at every batch size.
 """
@@ -91,6 +92,9 @@ class GGUFLinear(HeldBlocks):
         self.int8_from_float = int8_from_float
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel: Literal["auto", "triton"] = "auto"
+        # Batches past GEMV_MAX_ROWS multiply K-quant blocks on int8 activations (`use_prefill_int8`); off, every
+        # block is dequantised exactly for a float matmul.
+        self.prefill_int8 = False
 
     def share_blocks(self, other: HeldBlocks) -> None:
         """Hold the same blocks as `other` (an LM head tied to the embedding): no bytes of its own."""
@@ -127,12 +131,18 @@ class GGUFLinear(HeldBlocks):
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
         out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32, device=x.device)
-        gemv = flat.shape[0] <= GEMV_MAX_ROWS and x.device.type == "cpu" and cpu_grouped.available()
-        wide = flat.float().contiguous() if gemv or flat.dtype == torch.float32 else flat
+        kernels = x.device.type == "cpu" and cpu_grouped.available()
+        gemv = flat.shape[0] <= GEMV_MAX_ROWS and kernels
+        gemm = not gemv and self.prefill_int8 and kernels
+        wide = flat.float().contiguous() if gemv or gemm or flat.dtype == torch.float32 else flat
         for block in self.blocks:
             dest = out[:, block.start : block.start + block.rows]
             if gemv and isinstance(block.weight, GroupedQuant):
                 cpu_grouped.matmul(wide, block.weight, dest)
+            elif (
+                gemm and isinstance(block.weight, GroupedQuant) and cpu_grouped.gemm_int8_reads(block.weight)
+            ):
+                cpu_grouped.gemm_int8(wide, block.weight, dest)
             else:
                 dest.copy_(wide @ dequantize_block(block.weight).to(wide.dtype).t())
         if self.bias is not None:
@@ -188,6 +198,18 @@ def _stack(weights: list[Block]) -> Block:
     if isinstance(weights[0], GroupedQuant):
         return GroupedQuant.cat_rows([w for w in weights if isinstance(w, GroupedQuant)])
     return torch.cat([w for w in weights if isinstance(w, torch.Tensor)])
+
+
+def use_prefill_int8(model: nn.Module, on: bool) -> int:
+    """Set every GGUF-held linear layer's `prefill_int8` (`swarmkv.resolve.cpu_prefill_int8` decides `on`);
+    returns how many layers hold a block the int8 GEMM reads."""
+    reading = 0
+    for module in model.modules():
+        if isinstance(module, GGUFLinear):
+            module.prefill_int8 = on
+            blocks = [b.weight for b in module.blocks if isinstance(b.weight, GroupedQuant)]
+            reading += any(cpu_grouped.gemm_int8_reads(w) for w in blocks)
+    return reading
 
 
 def gguf_modules(model: nn.Module) -> dict[str, GGUFLinear | GGUFEmbedding]:

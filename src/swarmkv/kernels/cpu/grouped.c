@@ -12,6 +12,7 @@
 #include <string.h>
 
 #define MAX_GROUP 256
+#define FAST_ROWS 8 /* rows of x one pass over a weight row serves (every build: the int8 forms' sizes use it) */
 
 typedef struct {
     int bits, group, offset;
@@ -187,7 +188,6 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(h);
 }
 
-#define FAST_ROWS 8 /* rows of x one pass over a weight row serves */
 
 /* 8 codes as int32 lanes: nibbles from 8 bytes (low or high halves), plus the bits above them from `hi`
  * (a group's high plane as one 32-bit word) shifted right by `shifts` lane by lane. */
@@ -1566,3 +1566,5 @@ int swarmkv_grouped_dequantize(int64_t R, int64_t K, const int64_t *rows, float 
     for (int64_t r = 0; r < R; r++) dequantize_row(&w, K, rows ? rows[r] : r, out + r * K);
     return 0;
 }
+
+#include "gemm_int8.c" /* prefill's int8 GEMM over the K-quants */
