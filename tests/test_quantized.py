@@ -134,7 +134,12 @@ def smol_int8() -> LoadedModel:
 @pytest.mark.slow
 @pytest.mark.parametrize("weights", ["int8", "auto"])
 def test_quantized_default_model_still_answers_paris(weights: str, smol_int8: LoadedModel) -> None:
-    llm = LLM(loaded=smol_int8) if weights == "int8" else LLM(weights="auto", kv_cache_memory="64MiB")
+    pool = "64MiB"  # a short chat's pages: the default 1 GiB took about a second to zero
+    llm = (
+        LLM(loaded=smol_int8, kv_cache_memory=pool)
+        if weights == "int8"
+        else LLM(weights="auto", kv_cache_memory=pool)
+    )
     assert llm.loaded.weights == ("int8" if weights == "int8" else "gguf")
     question = [{"role": "user", "content": "What is the capital of France?"}]
     out = llm.generate([question], SamplingParams(temperature=0.0, max_tokens=12))
