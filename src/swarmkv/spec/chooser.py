@@ -8,8 +8,10 @@ k tokens is expected to yield a + a^2 + ... + a^k tokens and costs k passes of t
 of a step (the engine measures it); its length is the one with the most tokens per unit of step time, none
 when no length beats a plain step. A text draft costs no head pass: the chooser takes the source with the
 higher expected tokens per unit of time. A request whose MTP drafts stop paying backs off (its MTP drafts are
-skipped for 1, 2, 4, ... steps, then one token is tried again), so a model whose MTP layer predicts nothing
-costs little more than the layer's own pass over each step's tokens, which keeps its KV current.
+skipped for 1, 2, 4, ... steps, then one token is tried again). While a back-off has two or more steps to go,
+the layer's pass over the request's new rows is skipped too (`keeps_kv`): a model whose MTP layer predicts
+nothing then costs a pass now and then, and the positions skipped hold no MTP KV of their own, which a later
+draft reads as it is (it can cost acceptance, never a token).
 """
 
 from __future__ import annotations
@@ -115,6 +117,12 @@ class DraftChooser:
             return 0
         length = mtp_draft_length(req.mtp.rate, self.head_cost, self.mtp_tokens)
         return max(length, 1) if req.misses else length  # a back-off ends with a one-token try
+
+    def keeps_kv(self, request_id: str) -> bool:
+        """Whether the MTP layer should run over the request's new rows this step (write their KV): not while
+        its MTP drafts back off for two or more steps yet."""
+        req = self._requests.get(request_id)
+        return req is not None and req.wait_steps < 2
 
     def set_proposal(self, request_id: str, tokens: list[int]) -> None:
         """The MTP layer's draft after the request's last token."""
