@@ -17,6 +17,7 @@ default keeps it; speculation off is the baseline (as llama.cpp's tg128 drafts n
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from pathlib import Path
@@ -103,6 +104,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-mtp-tokens", type=int, default=3)
+    parser.add_argument(
+        "--kv-cache-memory", default="1GiB", help="each engine's pool (two files' engines in turn)"
+    )
     args = parser.parse_args()
 
     import torch
@@ -120,9 +124,10 @@ def main() -> None:
     print(f"torch threads {torch.get_num_threads()}; {args.tokens} tokens a request, {args.repeats} repeats")
     for label, path in (("random weights", source), ("exact MTP", exact)):
         loaded = load_model(path, mtp=True)
+        pool = {"kv_cache_memory": args.kv_cache_memory}
         engines = {
-            "off": LLM(loaded=loaded, speculation="off"),
-            "mtp": LLM(loaded=loaded, speculative_method="mtp", num_mtp_tokens=args.num_mtp_tokens),
+            "off": LLM(loaded=loaded, speculation="off", **pool),
+            "mtp": LLM(loaded=loaded, speculative_method="mtp", num_mtp_tokens=args.num_mtp_tokens, **pool),
         }
         for llm in engines.values():
             decode_rate(llm, prompt, 4)  # warm-up: kernels built, pages touched
@@ -141,6 +146,8 @@ def main() -> None:
             f"mtp {mtp:6.1f} tok/s ({min(rates['mtp']):.1f}-{max(rates['mtp']):.1f})  "
             f"{mtp / off:.2f}x   MTP tokens drafted {counts['drafted']}, accepted {accepted:.0%}"
         )
+        del engines, loaded  # one file's engines and weights at a time
+        gc.collect()
 
 
 if __name__ == "__main__":
