@@ -5,7 +5,7 @@ prefill, beside llama.cpp's pp512 on the same file.
 - `--kernels`: the GEMM of `--rows` rows of x (512, a prefill chunk) at the shapes of a Qwen3.5 Q4_K_M file's
   projections, random weights in swarmkv's own quantizer's blocks: GFLOP/s of `cpu_grouped.gemm_int8`, of the
   dequantise-then-matmul path, and of torch's float32 mm on the already dequantised weight, each ratio against
-  that mm measured in the same run (best of --repeats, interleaved).
+  that mm measured in the same run (best of --repeats, interleaved; with one thread, the thread's CPU time).
 - `--model FILE`: a 512-token prefill with no prefix hit (as bench/versus_llama.py times it: `generate` with
   max_tokens=1), float path and int8 path toggled on the same engine (`gguf_linear.use_prefill_int8`) and
   `llama-bench -p 512 -n 0 -r 1`, interleaved a repeat at a time; median and spread of each.
@@ -48,14 +48,17 @@ SHAPES = [
 
 def best_seconds(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
     """Each callable's least seconds over `repeats` rounds, the callables interleaved within a round."""
+    # One thread runs on the caller's (torch's and the kernel's alike): its CPU time leaves out the time other
+    # work on a shared machine took from it.
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     best = dict.fromkeys(runs, float("inf"))
     for run in runs.values():
         run()
     for _ in range(repeats):
         for name, run in runs.items():
-            start = time.perf_counter()
+            start = clock()
             run()
-            best[name] = min(best[name], time.perf_counter() - start)
+            best[name] = min(best[name], clock() - start)
     return best
 
 
@@ -104,6 +107,7 @@ def prefill(path: Path, llama_bench: Path | None, threads: int, tokens: int, rep
         if llama_bench is not None:
             tests = run_llama_bench(llama_bench, path, threads, tokens, 0, 1)["tests"]
             samples["llama.cpp"].append(tests[f"pp{tokens}"]["best_tok_s"])
+        print("  repeat: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in samples.items() if v), flush=True)
     print(
         f"{path.name}: prefill {tokens} tokens, {threads} threads, {repeats} repeats (tok/s, median (min-max))"
     )
