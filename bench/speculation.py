@@ -179,14 +179,15 @@ def decode_tok_s(long: Run, short_s: float) -> float | None:
 
 
 def make_llms(
-    loaded: LoadedModel, max_tokens: int, no_siblings: bool = False, **options: Any
+    loaded: LoadedModel, max_tokens: int, no_siblings: bool = False, method: str = "text", **options: Any
 ) -> dict[str, LLM]:
     """An engine with speculation off and one with it on, over the same weights; with `no_siblings` also one
     on whose drafts come from everything but siblings (NO_SIBLINGS: what siblings add)."""
     common: dict[str, Any] = {"prefix_caching": False, "max_num_seqs": 8, **options}
     budget = 8 * (2048 + max_tokens) * loaded.config.kv_bytes_per_token(loaded.dtype)
     common.setdefault("kv_cache_memory", int(budget * 1.25))
-    llms = {mode: LLM(loaded=loaded, speculation=mode, **common) for mode in MODES}
+    # The engine with speculation on drafts by `method` (text, mtp or both: a Qwen3.5 file's MTP layer).
+    llms = {mode: LLM(loaded=loaded, speculation=mode, speculative_method=method, **common) for mode in MODES}
     if no_siblings:
         sources = tuple(s for s in DRAFT_SOURCES if s != "sibling")
         llms[NO_SIBLINGS] = LLM(loaded=loaded, speculation="on", draft_sources=sources, **common)
@@ -373,6 +374,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--stagger-steps", type=int, default=8, help="swarm_staggered: engine steps between arrivals"
     )
+    parser.add_argument(
+        "--speculative-method",
+        choices=("text", "mtp", "both"),
+        default="text",
+        help="the on engine's drafts: text (default), or with a Qwen3.5 file's MTP layer (mtp, both); run it "
+        "with text and with both to compare MTP and text together against text alone, each against its off",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write every figure and sample here")
     parser.add_argument("--quick", action="store_true", help="96 tokens, 1 repeat")
     args = parser.parse_args(argv)
@@ -385,17 +393,19 @@ def main(argv: list[str] | None = None) -> None:
     """Run the bench and print its table and verdicts."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    loaded = load_model(resolve_model_path(args.model), dtype="float32")
+    mtp = args.speculative_method != "text"
+    loaded = load_model(resolve_model_path(args.model), dtype="float32", mtp=mtp)
     prompts = load_prompts()
     grammars = load_grammars(loaded.tokenizer)
-    llms = make_llms(loaded, args.max_tokens, no_siblings=STAGGERED in args.workloads)
+    method = args.speculative_method
+    llms = make_llms(loaded, args.max_tokens, no_siblings=STAGGERED in args.workloads, method=method)
     started = time.perf_counter()
     results = measure(
         llms, prompts, args.workloads, args.max_tokens, args.repeats, args.stagger_steps, grammars
     )
     float_identity = None
     if not args.no_float_check:
-        float_llms = make_llms(loaded, args.max_tokens, cpu_int8_activations=False)
+        float_llms = make_llms(loaded, args.max_tokens, method=method, cpu_int8_activations=False)
         float_identity = identity_check(
             float_llms, prompts, args.workloads, args.max_tokens, args.stagger_steps, grammars
         )
