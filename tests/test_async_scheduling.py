@@ -261,6 +261,7 @@ def test_triton_graph_replays_read_their_inputs_from_the_step_before(tmp_path: P
             block_size=4,
             async_scheduling=mode,
             speculation="off",
+            kv_cache_memory="8MiB",  # the default 1 GiB pool took seconds to zero, for 100 tokens
         )
         runner = llm.engine.runner.triton
         if runner is not None and device == "cpu":
