@@ -61,7 +61,9 @@ def test_drafts_are_verified_in_float32(tiny: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     replies = {}
     for mode in ("off", "on"):
-        llm = LLM(str(tiny), dtype="float32", speculation=mode, cpu_prefill_bf16="on")
+        llm = LLM(
+            str(tiny), dtype="float32", speculation=mode, cpu_prefill_bf16="on", kv_cache_memory="16MiB"
+        )
         (out,) = llm.generate([prompt], params)
         replies[mode] = out.token_ids
         if mode == "on":
@@ -78,7 +80,7 @@ def test_auto_follows_the_decode_steps_rounding_and_the_cpu(
     (a GGUF-held model with int8-readable layouts); float checkpoints, weights the int8 kernel does not read
     (float16 rows, held as float32) and float32 decode activations keep float32 prefills. `on` forces it."""
     monkeypatch.setattr(runner, "amx_tiles", lambda: amx)
-    assert not LLM(str(tiny), dtype="float32").engine.runner.prefill_bf16
+    assert not LLM(str(tiny), dtype="float32", kv_cache_memory="16MiB").engine.runner.prefill_bf16
     quantised = write_tiny_gguf(tmp_path / "q4.gguf", projections=Q.Q4_1)
     halves = write_tiny_gguf(
         tmp_path / "f16.gguf",

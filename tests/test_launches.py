@@ -33,6 +33,7 @@ def _decode_step_launches(folder: Path, arch: TinyArch) -> tuple[list[int], list
         enforce_eager=True,
         cascade_attention="off",
         block_size=4,
+        kv_cache_memory="8MiB",  # a few pages: the default 1 GiB pool is half a million pages of 4 here
     )
     engine = llm.engine
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
