@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,10 +56,21 @@ def _field_value(field: gguf.ReaderField) -> Any:
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
-    """Parse a GGUF file's header; raise ModelLoadError if it is truncated or not GGUF."""
+    """Parse a GGUF file's header; raise ModelLoadError if it is truncated or not GGUF. The last few files
+    parsed are kept (keyed by path, size and modification time: a rewritten file is parsed again), so loading
+    one model several times in a process (a CLI run, a test session) decodes its vocabulary once; each caller
+    gets its own metadata dict."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
+    stat = path.stat()
+    parsed = _parse(path, stat.st_size, stat.st_mtime_ns)
+    return GGUFFile(path=path, metadata=dict(parsed.metadata), reader=parsed.reader)
+
+
+@functools.lru_cache(maxsize=4)
+def _parse(path: Path, size: int, mtime_ns: int) -> GGUFFile:
+    """The header of `path` as it is at (`size`, `mtime_ns`)."""
     with path.open("rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
