@@ -376,7 +376,9 @@ int swarmkv_grouped_gemm_int8(int64_t M, int64_t N, int64_t K, const float *x, f
         const int64_t blocks = (N + GEMM_BLOCK - 1) / GEMM_BLOCK;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
         {
-#pragma omp for schedule(static)
+            /* dynamic: on a shared machine one thread may run slower than another; which thread takes a row or a
+             * block changes nothing in its result */
+#pragma omp for schedule(dynamic, 16)
             for (int64_t m = 0; m < M; m++) gemm_quantize_row(K, x, &q, m);
             gemm_tile_t t;
             t.codes = malloc((size_t)(GEMM_BLOCK * K));
@@ -386,7 +388,7 @@ int swarmkv_grouped_gemm_int8(int64_t M, int64_t N, int64_t K, const float *x, f
             t.mins = malloc(sizeof(float) * (size_t)(GEMM_BLOCK * groups));
             const int have = t.codes && t.scales && t.offset && t.d && t.mins;
             failed |= !have;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic)
             for (int64_t b = 0; b < blocks; b++) {
                 if (!have) continue;
                 const int64_t n0 = b * GEMM_BLOCK, rows = N - n0 < GEMM_BLOCK ? N - n0 : GEMM_BLOCK;
