@@ -15,6 +15,8 @@
  * result depends neither on its neighbours nor on the batch size.
  */
 
+#include <omp.h>
+
 #ifndef GEMM_BLOCK /* (the tile sizes may be set by the compiler's flags, for a benchmark's variants) */
 #define GEMM_BLOCK 32 /* weight rows a thread decodes at a time */
 #endif
@@ -370,34 +372,35 @@ int swarmkv_grouped_gemm_int8(int64_t M, int64_t N, int64_t K, const float *x, f
     q.dx = malloc(sizeof(float) * (size_t)(M * supers));
     q.sum32 = malloc(sizeof(float) * (size_t)(M * groups));
     q.sum16 = malloc(sizeof(int16_t) * (size_t)(M * (K / 16)));
-    int failed = q.codes == NULL || q.dx == NULL || q.sum32 == NULL || q.sum16 == NULL;
+    const int64_t tile_bytes = (GEMM_BLOCK * (K + K / 2 + supers * 32 + supers * 4 + groups * 4) + 63) / 64 * 64;
+    uint8_t *scratch = aligned_alloc(64, (size_t)(threads * tile_bytes));
+    int failed = q.codes == NULL || q.dx == NULL || q.sum32 == NULL || q.sum16 == NULL || scratch == NULL;
     if (!failed) {
         const int six = w.bits == 6;
         const int64_t blocks = (N + GEMM_BLOCK - 1) / GEMM_BLOCK;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
+#pragma omp parallel num_threads(threads)
         {
             /* dynamic: on a shared machine one thread may run slower than another; which thread takes a row or a
              * block changes nothing in its result */
 #pragma omp for schedule(dynamic, 16)
             for (int64_t m = 0; m < M; m++) gemm_quantize_row(K, x, &q, m);
+            /* each thread's tile in the one scratch allocation made before the region: workers allocate nothing */
+            const int64_t bytes = GEMM_BLOCK * (K + K / 2 + supers * 32 + supers * 4 + groups * 4);
+            uint8_t *mine = scratch + (int64_t)omp_get_thread_num() * ((bytes + 63) / 64 * 64);
             gemm_tile_t t;
-            t.codes = malloc((size_t)(GEMM_BLOCK * K));
-            t.scales = malloc(sizeof(int16_t) * (size_t)(GEMM_BLOCK * K / 4));
-            t.offset = malloc(sizeof(int16_t) * (size_t)(GEMM_BLOCK * supers * 16));
-            t.d = malloc(sizeof(float) * (size_t)(GEMM_BLOCK * supers));
-            t.mins = malloc(sizeof(float) * (size_t)(GEMM_BLOCK * groups));
-            const int have = t.codes && t.scales && t.offset && t.d && t.mins;
-            failed |= !have;
+            t.codes = mine;
+            t.scales = (int16_t *)(mine + GEMM_BLOCK * K);
+            t.offset = (int16_t *)(mine + GEMM_BLOCK * (K + K / 2));
+            t.d = (float *)(mine + GEMM_BLOCK * (K + K / 2 + supers * 32));
+            t.mins = (float *)(mine + GEMM_BLOCK * (K + K / 2 + supers * 32 + supers * 4));
 #pragma omp for schedule(dynamic)
             for (int64_t b = 0; b < blocks; b++) {
-                if (!have) continue;
                 const int64_t n0 = b * GEMM_BLOCK, rows = N - n0 < GEMM_BLOCK ? N - n0 : GEMM_BLOCK;
                 for (int64_t r = 0; r < rows; r++) gemm_decode_row(&w, K, n0 + r, &t, r);
                 gemm_block(&t, rows, K, &q, M, six, y, ldy, n0);
             }
-            free(t.codes), free(t.scales), free(t.offset), free(t.d), free(t.mins);
         }
     }
-    free(q.codes), free(q.dx), free(q.sum32), free(q.sum16);
+    free(q.codes), free(q.dx), free(q.sum32), free(q.sum16), free(scratch);
     return failed ? 2 : 0;
 }
