@@ -146,7 +146,7 @@ def main() -> None:
             f"mtp {mtp:6.1f} tok/s ({min(rates['mtp']):.1f}-{max(rates['mtp']):.1f})  "
             f"{mtp / off:.2f}x   MTP tokens drafted {counts['drafted']}, accepted {accepted:.0%}"
         )
-        del engines, loaded  # one file's engines and weights at a time
+        del engines, loaded, llm  # one file's engines and weights at a time
         gc.collect()
 
 
