@@ -7,6 +7,7 @@ that is not valid text logged escaped)."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,18 @@ class Served:
 
     def log_lines(self) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.log_path.read_text(encoding="ascii").splitlines()]
+
+    def lines_of(self, request_id: str, timeout_s: float = 10.0) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A request's first and last log lines once its end line is there: the end line is written off the
+        event loop, so it may land after the response has ended."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            lines = [line for line in self.log_lines() if line.get("request_id") == request_id]
+            ends = [line for line in lines if "cached_tokens" in line]
+            if ends or time.monotonic() > deadline:
+                assert lines and ends, f"no request line and end line name {request_id}: {lines}"
+                return lines[0], ends[-1]
+            time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +182,7 @@ def test_the_log_says_what_the_cache_served_each_request(served: Served) -> None
             events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
         usage = next(e for e in events if e["type"] == "message_delta")["usage"]
         # The request's line names it; its end line follows, with what the server's prefix cache served it.
-        logged, ended = served.log_lines()[-2:]
+        logged, ended = served.lines_of(request_id)
         assert logged["request_id"] == ended["request_id"] == request_id and "body" not in ended
         assert ended["prompt_tokens"] == _sum(usage)
         assert (

@@ -149,8 +149,12 @@ class DecoderForCausalLM(nn.Module):
             for ordinal, is_linear in zip(ordinals, linear, strict=True)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Qwen3.5's MTP draft layer, where the config runs it (`ModelConfig.with_mtp`).
-        self.mtp: MTPHead | None = MTPHead(config, self.rotary, weights) if config.mtp_layers else None
+        # Qwen3.5's MTP draft layer, where the config runs it (`ModelConfig.with_mtp`): its attention on the KV
+        # slab after the decoder's own.
+        self.mtp: MTPHead | None = None
+        if config.mtp_layers:
+            slab = config.num_decoder_attention_layers
+            self.mtp = MTPHead(config, DecoderLayer(config, slab, self.rotary, weights), weights)
 
     def tie_weights(self) -> None:
         """Point the LM head at the embedding matrix when the checkpoint ties them."""

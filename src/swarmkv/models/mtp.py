@@ -16,16 +16,16 @@ from torch import nn
 from swarmkv.config import ModelConfig
 from swarmkv.errors import UnsupportedModelError
 from swarmkv.models.attention import AttentionBackend
-from swarmkv.models.layers import TORCH_OPS, LayerOps, RMSNorm, RotaryEmbedding
+from swarmkv.models.layers import TORCH_OPS, LayerOps, RMSNorm
 from swarmkv.models.quantized import WeightFormat, make_linear
 
 
 class MTPHead(nn.Module):
     """The MTP layer; it shares the decoder's embedding and LM head (neither is its own)."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, weights: WeightFormat = "float") -> None:
-        from swarmkv.models.decoder import DecoderLayer  # the decoder builds this head
-
+    def __init__(self, config: ModelConfig, layer: nn.Module, weights: WeightFormat = "float") -> None:
+        """`layer`: its decoder layer, gated attention on the KV slab after the decoder's (the decoder builds
+        it, as it builds its own)."""
         super().__init__()
         if config.mtp_layers != 1:
             raise UnsupportedModelError(
@@ -36,9 +36,7 @@ class MTPHead(nn.Module):
         self.pre_fc_norm_embedding = RMSNorm(hidden, config.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(hidden, config.rms_norm_eps)
         self.fc = make_linear(2 * hidden, hidden, False, weights)
-        # Its attention layer indexes the KV slab after the decoder's own.
-        kv_slab = config.num_decoder_attention_layers
-        self.layers = nn.ModuleList([DecoderLayer(config, kv_slab, rotary, weights, linear=False)])
+        self.layers = nn.ModuleList([layer])
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
 
     def forward(
