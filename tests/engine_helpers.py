@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from conftest_tokenizer_helpers import qwen_tokenizer
-from swarmkv import LLM
+from swarmkv import LLM, SamplingParams
 from swarmkv.config import ModelConfig
 from swarmkv.models.decoder import DecoderForCausalLM
 from swarmkv.models.loader import LoadedModel
@@ -53,3 +53,18 @@ def tiny_llm(**kwargs: object) -> LLM:
     """An LLM over the tiny model; kwargs go to LLM (pool size, block size, budgets, caching)."""
     kwargs.setdefault("kv_cache_memory", 64 * 2**20)
     return LLM(loaded=tiny_loaded(), **kwargs)  # type: ignore[arg-type]
+
+
+def checked_generate(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, **kw: object
+) -> list[list[int]]:
+    """Each prompt's reply, the engine's books checked after every step (kw: add_request's salt, session)."""
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{engine.core.num_arrivals}-{i}", prompt, params, **kw)  # type: ignore[arg-type]
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+        engine.check_integrity()
+    return [out[k] for k in sorted(out, key=lambda k: int(k.rsplit("-", 1)[1]))]

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_helpers import tiny_llm
+from engine_helpers import checked_generate, tiny_llm
 from swarmkv import LLM, SamplingParams
 from swarmkv.engine.sampler import probabilities
 from swarmkv.engine.speculative import verify_greedy, verify_sampled
@@ -243,21 +243,6 @@ def _repetitive_prompts(seed: int, count: int) -> list[list[int]]:
     return prompts
 
 
-def _checked_generate(
-    llm: LLM, prompts: list[list[int]], params: SamplingParams, **kw: object
-) -> list[list[int]]:
-    """Generate while asserting the books after every step."""
-    engine = llm.engine
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{engine.core.num_arrivals}-{i}", prompt, params, **kw)  # type: ignore[arg-type]
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for delta in engine.step():
-            out.setdefault(delta.request_id, []).extend(delta.new_token_ids)
-        engine.check_integrity()
-    return [out[k] for k in sorted(out, key=lambda k: int(k.rsplit("-", 1)[1]))]
-
-
 @pytest.mark.parametrize(
     "options",
     [
@@ -270,9 +255,9 @@ def _checked_generate(
 )
 def test_greedy_output_is_identical_with_speculation_on(options: dict[str, object]) -> None:
     prompts = _repetitive_prompts(0, 6)
-    off = _checked_generate(tiny_llm(speculation="off", **options), prompts, GREEDY)
+    off = checked_generate(tiny_llm(speculation="off", **options), prompts, GREEDY)
     llm = tiny_llm(speculation="on", **options)
-    on = _checked_generate(llm, prompts, GREEDY)
+    on = checked_generate(llm, prompts, GREEDY)
     assert on == off
     stats = llm.engine.snapshot()
     assert stats.spec_accepted_tokens > 0 and stats.spec_draft_tokens >= stats.spec_accepted_tokens
@@ -289,10 +274,10 @@ def test_sessions_and_siblings_draft_and_stay_exact() -> None:
     runs = {}
     for mode in ("off", "on"):
         llm = tiny_llm(speculation=mode)
-        first = _checked_generate(llm, prompts[:1], GREEDY, session_id="s")
+        first = checked_generate(llm, prompts[:1], GREEDY, session_id="s")
         # The next turn continues the first; its reply repeats the first's text, a session draft source.
-        second = _checked_generate(llm, [prompts[0] + first[0] + [7]], GREEDY, session_id="s")
-        swarm = _checked_generate(llm, prompts[1:], GREEDY)
+        second = checked_generate(llm, [prompts[0] + first[0] + [7]], GREEDY, session_id="s")
+        swarm = checked_generate(llm, prompts[1:], GREEDY)
         runs[mode] = (first, second, swarm, llm.engine.snapshot())
     assert runs["on"][:3] == runs["off"][:3]
     stats = runs["on"][3]
@@ -304,22 +289,22 @@ def test_sampling_with_drafts_runs_and_a_seed_reproduces() -> None:
     llm = tiny_llm(speculation="on")
     prompts = _repetitive_prompts(2, 3)
     sampled = SamplingParams(max_tokens=32, temperature=0.7, ignore_eos=True)
-    outs = _checked_generate(llm, prompts, sampled)
+    outs = checked_generate(llm, prompts, sampled)
     assert all(len(o) == 32 for o in outs)
     seeded = SamplingParams(max_tokens=16, temperature=0.7, seed=5, ignore_eos=True)
-    again = [_checked_generate(llm, prompts[:1], seeded)[0] for _ in range(2)]
+    again = [checked_generate(llm, prompts[:1], seeded)[0] for _ in range(2)]
     assert again[0] == again[1]  # a seeded request is not drafted: its draws never depend on others' text
 
 
 def test_max_tokens_and_stop_ids_hold_inside_an_accepted_draft() -> None:
     prompts = _repetitive_prompts(3, 2)
-    off = _checked_generate(tiny_llm(speculation="off"), prompts, GREEDY)
+    off = checked_generate(tiny_llm(speculation="off"), prompts, GREEDY)
     stop = off[0][20]
     for params in (
         SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,)),
     ):
-        assert _checked_generate(tiny_llm(speculation="on"), prompts, params) == _checked_generate(
+        assert checked_generate(tiny_llm(speculation="on"), prompts, params) == checked_generate(
             tiny_llm(speculation="off"), prompts, params
         )
 
@@ -346,7 +331,7 @@ def test_the_c_decode_step_verifies_drafts_exactly(tmp_path: Path) -> None:
             str(path), dtype="float32", kv_cache_memory="64MiB", speculation=mode, cpu_int8_activations=False
         )
         assert llm.engine.runner.cpu_decode is not None
-        outs[mode] = _checked_generate(llm, prompts, GREEDY)
+        outs[mode] = checked_generate(llm, prompts, GREEDY)
         if mode == "on":
             assert llm.engine.snapshot().spec_accepted_tokens > 0
     assert outs["on"] == outs["off"]
@@ -375,6 +360,9 @@ def test_kept_replies_stay_bounded_as_heads_and_sessions_come_and_go() -> None:
         ("num_speculative_tokens", 0),
         ("draft_sources", ("own", "siblings")),
         ("draft_sources", "own"),  # a string is not a tuple of sources
+        ("speculative_method", "draft-model"),
+        ("num_mtp_tokens", 0),
+        ("num_mtp_tokens", True),
     ],
 )
 def test_bad_speculation_settings_are_refused(option: str, value: object) -> None:
@@ -409,7 +397,7 @@ def test_a_stop_string_inside_an_accepted_draft_ends_the_reply_at_its_token() ->
     results = {}
     for mode in ("off", "on"):
         run = tiny_llm(speculation=mode)
-        tokens = _checked_generate(run, prompts, params)[0]
+        tokens = checked_generate(run, prompts, params)[0]
         results[mode] = (tokens, run.engine.snapshot().generated_tokens)
     assert results["on"] == results["off"]
     assert len(results["off"][0]) == inside + 1  # it stopped at the token that completed the stop string

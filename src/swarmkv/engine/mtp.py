@@ -16,6 +16,7 @@ LM head passes multiply int8 activations on the CPU where the kernels read the f
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ from swarmkv.engine.page_table import PageTable
 from swarmkv.engine.paged_attention import PagedAttention, build_layout
 from swarmkv.kernels import cpu_grouped
 from swarmkv.models.decoder import DecoderForCausalLM
-from swarmkv.models.gguf_linear import GGUFLinear
+from swarmkv.models.gguf_linear import GGUFLinear, dequantize_block
 from swarmkv.models.gguf_quants import GroupedQuant
 from swarmkv.spec.chooser import DraftChooser
 
@@ -77,17 +78,14 @@ class MTPDrafter:
         if not items:
             return
         out = self._catch_up(items, hidden)
+        # Each item's last row in `out`, and how many tokens its request drafts (0: none).
+        lasts = [end - 1 for end in itertools.accumulate(len(r.next_tokens) for r in items)]
         lengths = [self.chooser.mtp_length(r.chunk.request_id) if r.chunk.samples else 0 for r in items]
         drafting = [(r, n) for r, n in zip(items, lengths, strict=True) if n]
         if not drafting:
             return
         start = time.perf_counter()
-        ends, end = [], 0
-        for r in items:
-            end += len(r.next_tokens)
-            ends.append(end - 1)
-        last = {id(r): ends[i] for i, r in enumerate(items)}
-        states = out[torch.tensor([last[id(r)] for r, _ in drafting])]
+        states = out[torch.tensor([last for last, n in zip(lasts, lengths, strict=True) if n])]
         drafts = self._chain(drafting, states)
         for (r, _), tokens in zip(drafting, drafts, strict=True):
             self.chooser.set_proposal(r.chunk.request_id, tokens)
@@ -219,14 +217,7 @@ class Int8Draft(torch.nn.Module):
             if isinstance(w, GroupedQuant) and cpu_grouped.reads_int8(w):
                 out[:, block.start : block.start + block.rows] = cpu_grouped.matmul_int8(flat, w)
             else:
-                out[:, block.start : block.start + block.rows] = flat @ _float(w).T
+                out[:, block.start : block.start + block.rows] = flat @ dequantize_block(w).T
         if linear.bias is not None:
             out += linear.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], linear.out_features)
-
-
-def _float(weight: object) -> torch.Tensor:
-    """A block's float32 rows."""
-    from swarmkv.models.gguf_linear import dequantize_block
-
-    return dequantize_block(weight).float()  # type: ignore[arg-type]

@@ -194,17 +194,27 @@ def matmul(
     """x [M, K] float32 (contiguous) times W^T -> [M, N] float32; `out` may be a column slice of a wider
     output (row stride its own). `library`: a `build` of the kernel other than this machine's."""
     library = library or _library()
-    assert library is not None and x.dtype == torch.float32 and x.is_contiguous()
+    assert library is not None
+    status, out = _call_matmul(library.swarmkv_grouped_matmul, x, w, out)
+    assert status == 0, "the grouped matmul refused its layout"
+    return out
+
+
+def _call_matmul(
+    kernel: Any, x: torch.Tensor, w: GroupedQuant, out: torch.Tensor | None
+) -> tuple[int, torch.Tensor]:
+    """One of the C matmuls over x [M, K] float32 and W's layout into `out` ([M, N], made if None, its row
+    stride its own): the kernel's status and `out`."""
+    assert x.dtype == torch.float32 and x.is_contiguous()
     rows, cols = w.shape
     m = x.shape[0]
     if out is None:
         out = torch.empty(m, rows, dtype=torch.float32)
     assert out.shape == (m, rows) and out.stride(1) == 1
-    status = library.swarmkv_grouped_matmul(
+    status = kernel(
         m, rows, cols, x.data_ptr(), out.data_ptr(), out.stride(0), *layout_args(w), torch.get_num_threads()
     )
-    assert status == 0, "the grouped matmul refused its layout"
-    return out
+    return int(status), out
 
 
 def has_int8_dot(library: ctypes.CDLL | None = None) -> bool:
@@ -276,15 +286,8 @@ def gemm_int8(
     llama.cpp's Q8_K), times W^T -> [M, N] float32, the sub-scales and dot products in integers; a prefill
     chunk's GEMM, for layouts `gemm_int8_reads` accepts. `out` may be a column slice of a wider output."""
     library = library or _library()
-    assert library is not None and x.dtype == torch.float32 and x.is_contiguous()
-    rows, cols = w.shape
-    m = x.shape[0]
-    if out is None:
-        out = torch.empty(m, rows, dtype=torch.float32)
-    assert out.shape == (m, rows) and out.stride(1) == 1
-    status = library.swarmkv_grouped_gemm_int8(
-        m, rows, cols, x.data_ptr(), out.data_ptr(), out.stride(0), *layout_args(w), torch.get_num_threads()
-    )
+    assert library is not None
+    status, out = _call_matmul(library.swarmkv_grouped_gemm_int8, x, w, out)
     assert status == 0, f"the int8 GEMM refused its layout or ran out of memory (status {status})"
     return out
 

@@ -54,10 +54,9 @@ class _Request:
 def mtp_draft_length(rate: float, head_cost: float, max_tokens: int) -> int:
     """The MTP draft length with the most expected tokens per unit of step time, (1 + a + ... + a^k) /
     (1 + k * head_cost); 0 when no length beats a plain step."""
-    best, best_rate, expected = 0, 1.0, 1.0
+    best, best_rate = 0, 1.0
     for k in range(1, max_tokens + 1):
-        expected += rate**k
-        per_time = expected / (1 + k * head_cost)
+        per_time = (1 + _expected(rate, k)) / (1 + k * head_cost)
         if per_time > best_rate * 1.02:  # a margin: a draft must pay for its own bookkeeping
             best, best_rate = k, per_time
     return best
