@@ -5,6 +5,7 @@ constructed bigram whose MTP layer passes the next token's embedding to the head
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 from types import ModuleType
@@ -13,12 +14,15 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from engine_helpers import checked_generate
 from swarmkv import LLM, SamplingParams
 from swarmkv.engine.mtp import MTPDrafter
+from swarmkv.errors import UnsupportedModelError
 from swarmkv.models.attention import CausalSelfAttention
 from swarmkv.models.decoder import DecoderForCausalLM
 from swarmkv.models.gguf_linear import GGUFEmbedding, GGUFLinear
 from swarmkv.models.loader import LoadedModel, load_model
+from swarmkv.plan.checkpoint import load_checkpoint
 from swarmkv.spec.chooser import DraftChooser, mtp_draft_length
 from swarmkv.structured.grammars import json_schema_grammar
 from tiny_gguf import write_tiny_gguf
@@ -83,19 +87,6 @@ def make_exact_bigram(model: DecoderForCausalLM, seed: int = 0) -> None:
         norm.weight.fill_(1.0)
 
 
-def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    """Greedy replies, the engine's books checked after every step."""
-    engine = llm.engine
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{engine.core.num_arrivals}-{i}", prompt, params)
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for delta in engine.step():
-            out.setdefault(delta.request_id, []).extend(delta.new_token_ids)
-        engine.check_integrity()
-    return [out[k] for k in sorted(out, key=lambda k: int(k.rsplit("-", 1)[1]))]
-
-
 def _prompts(count: int = 5) -> list[list[int]]:
     """A shared head of two pages, then each request's own tail."""
     generator = torch.Generator().manual_seed(7)
@@ -117,6 +108,21 @@ def test_the_layer_is_held_only_when_asked(mtp_file: Path, random_mtp: LoadedMod
     assert load_model(path, dtype="float32", mtp=True).model.mtp is None
 
 
+def test_more_than_one_mtp_layer_is_refused(random_mtp: LoadedModel) -> None:
+    config = dataclasses.replace(random_mtp.config, checkpoint_mtp_layers=2, mtp_layers=2)
+    with pytest.raises(UnsupportedModelError, match="2 MTP layers"):
+        DecoderForCausalLM(config)
+
+
+def test_the_planner_counts_the_layer_and_its_kv_only_with_mtp(mtp_file: Path) -> None:
+    without, with_mtp = (load_checkpoint(mtp_file, mtp=mtp) for mtp in (False, True))
+    plain, held = without.gguf_weights, with_mtp.gguf_weights
+    assert plain is not None and held is not None
+    assert plain.skipped and not held.skipped  # the MTP block's tensors: left out, then held
+    assert held.total_bytes > plain.total_bytes
+    assert (without.shape.num_kv_layers, with_mtp.shape.num_kv_layers) == (1, 2)
+
+
 OPTIONS = [
     {},
     # Preemption: KV pages for two or three of the five requests, state slots for all of them.
@@ -133,9 +139,9 @@ def test_greedy_output_is_identical_with_mtp(
 ) -> None:
     loaded: LoadedModel = request.getfixturevalue(f"{which}_mtp")
     prompts = _prompts()
-    off = _generate(LLM(loaded=loaded, speculation="off", **options), prompts, GREEDY)  # type: ignore[arg-type]
+    off = checked_generate(LLM(loaded=loaded, speculation="off", **options), prompts, GREEDY)  # type: ignore[arg-type]
     llm = LLM(loaded=loaded, speculative_method=method, **options)  # type: ignore[arg-type]
-    on = _generate(llm, prompts, GREEDY)
+    on = checked_generate(llm, prompts, GREEDY)
     assert on == off
     stats = llm.engine.snapshot()
     assert stats.generated_tokens == sum(len(o) for o in on)
@@ -162,9 +168,9 @@ def test_prefix_hits_and_a_grammar_stay_exact(exact_mtp: LoadedModel) -> None:
     runs = {}
     for mode in ("off", "on"):
         llm = LLM(loaded=exact_mtp, speculation=mode, speculative_method="both")
-        first = _generate(llm, _prompts(2), GREEDY)
-        again = _generate(llm, _prompts(3), GREEDY)  # the first two hit their whole prompts
-        json = _generate(llm, _prompts(2), constrained)
+        first = checked_generate(llm, _prompts(2), GREEDY)
+        again = checked_generate(llm, _prompts(3), GREEDY)  # the first two hit their whole prompts
+        json = checked_generate(llm, _prompts(2), constrained)
         runs[mode] = (first, again, json, llm.engine.snapshot())
     assert runs["on"][:3] == runs["off"][:3]
     stats = runs["on"][3]
@@ -249,10 +255,12 @@ def test_the_c_decode_step_feeds_the_drafter(tmp_path: Path) -> None:
     exact = _bench_mtp().exact_mtp_file(source, tmp_path / "q8-exact.gguf")
     for path in (source, exact):
         loaded = load_model(path, dtype="float32", mtp=True)
-        off = _generate(LLM(loaded=loaded, speculation="off", cpu_int8_activations=False), _prompts(), GREEDY)
+        off = checked_generate(
+            LLM(loaded=loaded, speculation="off", cpu_int8_activations=False), _prompts(), GREEDY
+        )
         llm = LLM(loaded=loaded, speculative_method="mtp", cpu_int8_activations=False)
         assert llm.engine.runner.cpu_decode is not None
-        assert _generate(llm, _prompts(), GREEDY) == off
+        assert checked_generate(llm, _prompts(), GREEDY) == off
         stats = llm.engine.snapshot()
         assert stats.spec_mtp_draft_tokens > 0
         if path == exact:
