@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -351,8 +352,15 @@ def _post(url: str, route: str, raw: bytes) -> httpx.Response:
     return httpx.post(f"{url}{route}", content=raw, headers=headers, timeout=120)
 
 
-def _log_lines(log: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in log.read_bytes().splitlines()] if log.exists() else []
+def _log_lines(log: Path, at_least: int = 0, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """The log's lines, once there are `at_least` of them: an accepted request's end line is written off the
+    event loop, so it may land after the response has ended."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = [json.loads(line) for line in log.read_bytes().splitlines()] if log.exists() else []
+        if len(lines) >= at_least or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.02)
 
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
@@ -365,7 +373,7 @@ def test_deep_nesting_with_the_log_on_is_a_400_and_one_line(served: tuple[str, P
         response = _post(url, route, b"[" * 100_000)
         assert response.status_code == 400, response.text[:200]
         assert "nested too deeply" in response.json()["error"]["message"]
-        (line,) = _log_lines(log)[before:]
+        (line,) = _log_lines(log, before + 1)[before:]
         assert line["route"] == route and line["status"] == 400 and line["tenant"] == "gamma"
 
 
@@ -389,11 +397,11 @@ def test_a_request_past_the_context_is_logged_once(served: tuple[str, Path]) -> 
     before = len(_log_lines(log))
     chat = {"model": "scripted", "messages": [{"role": "user", "content": long_text}], "max_tokens": 2}
     assert _post(url, "/v1/chat/completions", json.dumps(chat).encode()).status_code == 400
-    (line,) = _log_lines(log)[before:]
+    (line,) = _log_lines(log, before + 1)[before:]
     assert line["status"] == 400
     ok = {"model": "scripted", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     assert _post(url, "/v1/chat/completions", json.dumps(ok).encode()).status_code == 200
-    line, ended = _log_lines(log)[before + 1 :]  # the request, then its end
+    line, ended = _log_lines(log, before + 3)[before + 1 :]  # the request, then its end
     assert "status" not in line and line["tenant"] == "gamma" and line["body"] == ok
     assert ended["request_id"] == line["request_id"] and "body" not in ended
 
