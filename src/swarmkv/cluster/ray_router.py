@@ -3,13 +3,19 @@
 Ray Serve builds one instance per deployment handle, in the handle's process (the ingress), and calls
 `choose_replicas` with the healthy replicas. This class only adapts: it keeps each replica's in-flight count
 (requests routed and not completed), hands `Router.choose` the candidates' ids and loads, tells it to
-`forget` a replica that vanished or failed, and writes the decision (a RouteNote) into the request's kwargs,
+`forget` a replica once it is gone for good, and writes the decision (a RouteNote) into the request's kwargs,
 so the replica returns it with its response and the ingress can count decisions and label its metrics.
+
+Gone for good means Ray reported the replica's actor dead, or dropped it from its replica set: Ray never
+brings a replica back under the same id (a replacement has a new one). A replica missing from one call's
+candidates, or one that a retried request avoids (it timed out, perhaps only busy), keeps its shadow index
+and sessions: forgetting them sent an agent's next turn away from the replica holding its head.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -49,18 +55,15 @@ class SwarmkvRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         """One replica per request (a rank of one), decided once however often Ray asks again."""
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        for gone in self._known - by_id.keys():
-            self._forget(gone)
-        self._known = set(by_id)
+        self._forget_gone(by_id.keys())
         if pending_request is None or not by_id:
             return [list(candidate_replicas)] if candidate_replicas else []
         req = _forwarded(pending_request)
         if req is None:  # a plain method call: `target=<replica id>` picks its replica, else any
             target = pending_request.kwargs.get("target")
             return [[by_id[target]]] if target in by_id else [list(candidate_replicas)]
-        for failed in req.avoid:
+        for failed in req.avoid:  # left out of this request only: Ray says when a replica is gone
             if failed in by_id and len(by_id) > 1:
-                self._forget(failed)
                 del by_id[failed]
         for request_id in [i for i, (_, pr) in self._chosen.items() if pr.future.cancelled()]:
             del self._chosen[request_id]
@@ -83,6 +86,11 @@ class SwarmkvRequestRouter(RequestRouter):
         replica = replica_id.unique_id
         if self._in_flight.get(replica, 0) > 0:
             self._in_flight[replica] -= 1
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Ray's replica set changed: a replica that left it is gone for good."""
+        super().update_replicas(replicas)
+        self._forget_gone(())
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         """A dead replica's shadow index and sessions go: its sessions re-route and prefill again."""
@@ -122,6 +130,13 @@ class SwarmkvRequestRouter(RequestRouter):
         if self._router is not None:
             totals.update(self._router.decisions)
         return dict(totals)
+
+    def _forget_gone(self, candidates: Iterable[str]) -> None:
+        """Forget every known replica that is neither in Ray's replica set nor among `candidates`."""
+        live = {replica_id.unique_id for replica_id in self.curr_replicas} | set(candidates)
+        for gone in self._known - live:
+            self._forget(gone)
+        self._known = live
 
     def _forget(self, replica: str) -> None:
         self._in_flight.pop(replica, None)
