@@ -22,6 +22,7 @@ import pytest
 from conftest_tokenizer_helpers import smol_metadata, smol_tokenizer
 from swarmkv import LLM
 from swarmkv.api.chat_request import parse_chat_request
+from swarmkv.api.completion_request import parse_completion_request
 from swarmkv.api.errors import APIError
 from swarmkv.api.limits import LIMITS, count_json_values
 from swarmkv.api.messages_request import parse_messages_request
@@ -73,6 +74,19 @@ def test_20000_tools_are_refused_by_their_count_before_any_is_read() -> None:
     ):
         error = _refusal(parse)
         assert error.code == "too_many_tools" and str(LIMITS.max_tools) in error.message
+
+
+def test_a_million_stops_are_refused_by_their_count_before_any_is_read() -> None:
+    stops = Unread(["a"] * 1_000_000)
+    hi = [{"role": "user", "content": "hi"}]
+    for parse, param in (
+        (lambda: parse_chat_request({"messages": hi, "stop": stops}), "stop"),
+        (lambda: parse_completion_request({"prompt": "hi", "stop": stops}), "stop"),
+        (lambda: parse_messages_request({"max_tokens": 5, "messages": hi, "stop_sequences": stops}), None),
+    ):
+        error = _refusal(parse)
+        assert error.code == "too_many_stops" and str(LIMITS.max_stop_sequences) in error.message
+        assert error.param == (param or "stop_sequences")
 
 
 class CountingName(str):

@@ -12,7 +12,11 @@ from typing import Any
 
 import pytest
 
+from swarmkv.api.chat_request import CHAT_ARRAYS, parse_chat_request
+from swarmkv.api.completion_request import COMPLETION_ARRAYS, parse_completion_request
 from swarmkv.api.errors import APIError, parse_json_body
+from swarmkv.api.messages_request import MESSAGES_ARRAYS, parse_messages_request
+from swarmkv.api.responses_request import RESPONSES_ARRAYS, parse_responses_request
 from swarmkv.server.http import json_worker
 from swarmkv.server.http.json_worker import SLICE_CHARS, JsonWorker
 
@@ -88,7 +92,7 @@ def test_a_worker_dying_with_a_body_leaves_it_to_the_server(monkeypatch: pytest.
     decoder.decode(raw)
     started = decoder.pid
 
-    def died(raw: bytes) -> tuple[int, bytes]:
+    def died(raw: bytes, counted: object) -> tuple[int, bytes]:
         raise EOFError("the worker's answer ended after 0 of 9 bytes")
 
     monkeypatch.setattr(decoder, "_ask", died)
@@ -111,3 +115,32 @@ def test_a_closed_worker_decodes_in_the_server() -> None:
     with pytest.raises(APIError) as refused:
         decoder.decode(BODIES["an array"])
     assert refused.value.status == 400
+
+
+# Each API's counted arrays, a body over one of their bounds, and the API's parser.
+COUNTED = [
+    ("responses", RESPONSES_ARRAYS, {"input": "hi", "tools": [{"type": "function"}] * 2_000}),
+    ("chat tools", CHAT_ARRAYS, {"messages": [], "tools": [{}] * 2_000, "stop": "x"}),
+    ("chat stops", CHAT_ARRAYS, {"messages": [], "stop": ["a"] * 100}),
+    ("messages", MESSAGES_ARRAYS, {"max_tokens": 5, "messages": [], "stop_sequences": ["a"] * 100}),
+    ("completions", COMPLETION_ARRAYS, {"prompt": "hi", "stop": ["a"] * 100}),
+]
+PARSERS: dict[str, Any] = {
+    "responses": lambda body: parse_responses_request(body, []),
+    "chat tools": parse_chat_request,
+    "chat stops": parse_chat_request,
+    "messages": parse_messages_request,
+    "completions": parse_completion_request,
+}
+
+
+@pytest.mark.parametrize(("name", "counted", "body"), COUNTED, ids=[case[0] for case in COUNTED])
+def test_a_count_past_its_bound_is_refused_in_the_worker_as_the_parser_refuses_it(
+    worker: JsonWorker, name: str, counted: tuple[str, ...], body: dict[str, Any]
+) -> None:
+    raw = json.dumps(body).encode()
+    refused = _outcome(lambda raw: worker.decode(raw, counted), raw)
+    assert refused[0] == "400" and refused[1][3] in ("too_many_tools", "too_many_stops")
+    assert refused == _outcome(lambda raw: PARSERS[name](parse_json_body(raw)), raw)
+    # Uncounted, the same body comes back whole: the route's arrays alone are counted.
+    assert worker.decode(raw) == body

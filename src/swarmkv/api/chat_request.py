@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from swarmkv.api.errors import bad_request, get_field, type_name
-from swarmkv.api.limits import SchemaBudget, check_num_tools
+from swarmkv.api.limits import SchemaBudget, check_array_counts, check_num_tools
 from swarmkv.api.options import Options, parse_options
 from swarmkv.api.reasoning import CLOSE_THINK, THINKING_SWITCH
 from swarmkv.api.structured_request import ResponseFormat, parse_response_format
@@ -143,9 +143,14 @@ def _arguments_opening(schema: Any) -> str:
     return f"{{{json.dumps(key, ensure_ascii=False)}: {quote}"
 
 
+# The top-level arrays a chat body's parser counts before it reads anything (`limits.check_array_counts`).
+CHAT_ARRAYS = ("tools", "stop")
+
+
 def parse_chat_request(body: dict[str, Any], tools: list[dict[str, Any]] | None = None) -> ChatRequest:
     """Validate a chat completions body; `tools`, when given, are its tools already validated (`parse_tools`),
     so that a body another API's parser built is not checked twice."""
+    check_array_counts(body, CHAT_ARRAYS)
     options = parse_options(body)
     messages = parse_messages(body.get("messages"))
     if tools is None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from swarmkv.api.errors import bad_request, get_field
+from swarmkv.api.limits import check_array_counts
 from swarmkv.api.options import Options, parse_options
 
 # OpenAI's legacy completions default: a body without max_tokens gets 16 tokens, not the context's room.
@@ -20,8 +21,13 @@ class CompletionRequest:
     prompt: str | list[int]
 
 
+# The top-level arrays a completions body's parser counts before it reads anything.
+COMPLETION_ARRAYS = ("stop",)
+
+
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     """Validate a completions body."""
+    check_array_counts(body, COMPLETION_ARRAYS)
     options = parse_options(body)
     if options.max_tokens is None:
         options = replace(options, max_tokens=DEFAULT_MAX_TOKENS)

@@ -2,12 +2,14 @@
 is a typed 400 before any per-item work.
 
 Parsing runs on the event loop, so each check here counts first and stops at the bound: the work a body can
-cause is linear in it and capped, whatever the body's size (`docs/security.md` lists the bounds). The number
-of stop sequences is bounded where stops are parsed (`api/options.py`, `MAX_STOP_SEQUENCES`).
+cause is linear in it and capped, whatever the body's size (`docs/security.md` lists the bounds). A body's
+top-level arrays (tools, stops) are counted by `check_array_counts`, which each parser calls first and the
+server calls again where it decodes a large body, so that such a body is refused before it is handed over.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -36,6 +38,11 @@ class RequestLimits:
         64,
         "levels of nesting in one schema (each object or array is a level); real tool schemas nest under 20",
     )
+    max_stop_sequences: int = _limit(
+        64,
+        "stop sequences one request may give: every decoding step looks for each in the new text, so a million "
+        "one-character stops would stall the engine for every request; OpenAI allows 4",
+    )
 
 
 LIMITS = RequestLimits()
@@ -49,6 +56,33 @@ def check_num_tools(num_tools: int, param: str = "tools", limits: RequestLimits 
             param=param,
             code="too_many_tools",
         )
+
+
+def check_num_stops(num_stops: int, param: str = "stop", limits: RequestLimits = LIMITS) -> None:
+    """A 400 when a request gives more stop sequences than `limits.max_stop_sequences`; checked before any is
+    read."""
+    if num_stops > limits.max_stop_sequences:
+        raise bad_request(
+            f"at most {limits.max_stop_sequences} stop sequences, got {num_stops}",
+            param=param,
+            code="too_many_stops",
+        )
+
+
+# The top-level arrays `check_array_counts` bounds, and the check each takes.
+_COUNTED_ARRAYS = {"tools": check_num_tools, "stop": check_num_stops, "stop_sequences": check_num_stops}
+
+
+def check_array_counts(body: Any, names: Collection[str], limits: RequestLimits = LIMITS) -> None:
+    """A 400 when one of `names`, top-level arrays of decoded `body` ("tools", "stop", "stop_sequences"),
+    holds more items than its bound; a value that is not an array is left to the parser. Constant time: only
+    the arrays' lengths are read."""
+    if not isinstance(body, dict):
+        return
+    for name in names:
+        value = body.get(name)
+        if isinstance(value, list):
+            _COUNTED_ARRAYS[name](len(value), name, limits)
 
 
 class SchemaBudget:

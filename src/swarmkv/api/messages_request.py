@@ -15,7 +15,7 @@ from typing import Any
 from swarmkv.api.chat_request import ChatRequest, Message, parse_chat_request, parse_messages, parse_tools
 from swarmkv.api.errors import APIError, bad_request, get_field
 from swarmkv.api.layout import Layout, tools_lead
-from swarmkv.api.limits import SchemaBudget, check_num_tools
+from swarmkv.api.limits import SchemaBudget, check_array_counts
 from swarmkv.api.messages_blocks import MessagesBuilder
 from swarmkv.api.pin_request import PinRequest
 from swarmkv.api.session_id import MAX_SESSION_ID_CHARS, check_session_id
@@ -61,6 +61,10 @@ class MessagesRequest:
         return PinRequest(None, messages, tools, None, mark.ttl_s, self.chat.options.cache_salt)
 
 
+# The top-level arrays a Messages body's parser counts before it reads anything.
+MESSAGES_ARRAYS = ("tools", "stop_sequences")
+
+
 def parse_messages_request(body: dict[str, Any], needs_max_tokens: bool = True) -> MessagesRequest:
     """Validate a Messages body; every mistake is a 400 naming the field."""
     max_tokens = get_field(body, "max_tokens", int, "an integer")
@@ -79,7 +83,7 @@ def parse_messages_request(body: dict[str, Any], needs_max_tokens: bool = True) 
             details={"error_code": THREAD_UNSUPPORTED, "unsupported": ["thread"]},
         )
     _refuse_unsupported(body)
-    check_num_tools(len(get_field(body, "tools", list, "an array") or ()))  # before any tool is read
+    check_array_counts(body, MESSAGES_ARRAYS)  # before any tool or stop is read
     _check_num_marks(body)  # before any block is read: each mark snapshots the conversation
     template_kwargs = _thinking(body.get("thinking"))
     metadata = get_field(body, "metadata", dict, "an object", {})

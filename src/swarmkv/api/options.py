@@ -11,16 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmkv.api.errors import APIError, bad_request, get_field
+from swarmkv.api.limits import check_num_stops
 from swarmkv.api.session_id import check_session_id
 from swarmkv.api.structured_request import Constraint, parse_response_format
 from swarmkv.choices import MaxTokensPolicy
 from swarmkv.core.sampling_params import LOGIT_BIAS_RANGE, PENALTY_RANGE, SamplingParams
 from swarmkv.errors import InvalidRequestError
-
-# Every decoding step looks for each stop string in the new text, so a body of a million one-character
-# stops would stall the engine for every request. OpenAI allows 4; 64 leaves room for any client's.
-MAX_STOP_SEQUENCES = 64
-
 
 # A bound of ours (OpenAI documents none): each entry is one more index the sampler writes every step.
 MAX_LOGIT_BIAS = 1024
@@ -137,8 +133,7 @@ def parse_options(body: dict[str, Any]) -> Options:
     top_k = get_field(body, "top_k", int, "an integer")  # vLLM's extension; -1 and 0 mean no limit there
     stop_value = get_field(body, "stop", (str, list), "a string or an array of strings")
     stop = (stop_value,) if isinstance(stop_value, str) else tuple(stop_value or ())
-    if len(stop) > MAX_STOP_SEQUENCES:  # counted before any is read: a step checks each against the text
-        raise bad_request(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stop)}", param="stop")
+    check_num_stops(len(stop))  # counted before any is read: a step checks each against the text
     if any(not isinstance(s, str) or not s for s in stop):
         raise bad_request("'stop' must be a non-empty string or an array of non-empty strings", param="stop")
     cache_salt = get_field(body, "cache_salt", str, "a string")

@@ -13,6 +13,7 @@ from typing import Any
 
 from swarmkv.api.chat_request import Message, parse_messages, parse_tools
 from swarmkv.api.errors import bad_request, get_field
+from swarmkv.api.limits import check_array_counts
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,13 @@ class PinRequest:
     cache_salt: str | None
 
 
+# The top-level arrays a pin body's parser counts before it reads anything.
+PIN_ARRAYS = ("tools",)
+
+
 def parse_pin_request(body: dict[str, Any]) -> PinRequest:
     """Validate a pin body; every mistake is a 400 naming the field."""
+    check_array_counts(body, PIN_ARRAYS)
     has_messages, has_ids = body.get("messages") is not None, body.get("prompt_token_ids") is not None
     if has_messages == has_ids:
         raise bad_request(

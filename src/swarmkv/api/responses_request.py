@@ -14,7 +14,7 @@ from typing import Any
 
 from swarmkv.api.chat_request import ChatRequest, Message, parse_chat_request
 from swarmkv.api.errors import bad_request, get_field, type_name
-from swarmkv.api.limits import check_num_tools
+from swarmkv.api.limits import check_array_counts, check_num_tools
 from swarmkv.api.reasoning import THINKING_SWITCH
 from swarmkv.api.structured_request import response_format_body
 from swarmkv.choices import HostedToolsPolicy
@@ -55,6 +55,10 @@ def previous_response_id(body: dict[str, Any]) -> str | None:
     return value
 
 
+# The top-level arrays a Responses body's parser counts before it reads anything.
+RESPONSES_ARRAYS = ("tools",)
+
+
 def parse_responses_request(
     body: dict[str, Any], history: list[Item], hosted_tools: HostedToolsPolicy = "drop"
 ) -> ResponsesRequest:
@@ -62,6 +66,7 @@ def parse_responses_request(
 
     Hosted tools are dropped from the prompt (and listed) or refused, as `hosted_tools` says.
     """
+    check_array_counts(body, RESPONSES_ARRAYS)
     max_output_tokens = get_field(body, "max_output_tokens", int, "an integer")
     if max_output_tokens is not None and max_output_tokens < 1:
         raise bad_request(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,9 +72,10 @@ class ServerContext:
         assert self.request_tenant is not None, "a route must take its context from request_context()"
         return self.request_tenant
 
-    async def read_body(self, request: Request) -> dict[str, Any]:
-        """The request's body as a JSON object, under the size cap, or a 400."""
-        return await read_json_body(request, self.max_request_bytes, self.json_worker)
+    async def read_body(self, request: Request, counted: Collection[str] = ()) -> dict[str, Any]:
+        """The request's body as a JSON object, under the size cap, or a 400; a large one is refused as soon
+        as it is decoded when one of its top-level arrays `counted` (its parser's) passes its bound."""
+        return await read_json_body(request, self.max_request_bytes, self.json_worker, counted)
 
     async def log_request(
         self,

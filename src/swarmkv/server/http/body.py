@@ -4,6 +4,7 @@ JSON worker's process (`json_worker.py`), so that decoding it never holds the ev
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Collection
 from typing import Any
 
 from starlette.requests import Request
@@ -14,9 +15,12 @@ from swarmkv.server.http.json_worker import JsonWorker
 LARGE_BODY_BYTES = 1 << 20
 
 
-async def read_json_body(request: Request, max_request_bytes: int, worker: JsonWorker) -> dict[str, Any]:
+async def read_json_body(
+    request: Request, max_request_bytes: int, worker: JsonWorker, counted: Collection[str] = ()
+) -> dict[str, Any]:
     """The body as a JSON object; a 400 once it passes `max_request_bytes`, before all of it is read. One over
-    `LARGE_BODY_BYTES` is decoded by `worker`, from a thread."""
+    `LARGE_BODY_BYTES` is decoded by `worker`, from a thread, and its top-level arrays `counted` (the route's
+    parser's, `limits.check_array_counts`) are counted there: one refused on a count is not handed over."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_request_bytes:
         raise _too_large(max_request_bytes)
@@ -32,7 +36,7 @@ async def read_json_body(request: Request, max_request_bytes: int, worker: JsonW
     request.state.raw_body = raw  # for the request log, should the request be refused
     if len(raw) > LARGE_BODY_BYTES:
         # Decoding megabytes holds the GIL for up to seconds, on any thread of this process: another's.
-        body = await asyncio.to_thread(worker.decode, raw)
+        body = await asyncio.to_thread(worker.decode, raw, counted)
     else:
         body = parse_json_body(raw)
     request.state.json_body = body  # the log of a refusal reads it, rather than decoding the body again

@@ -3,12 +3,14 @@
 `json.loads` is one C call that holds Python's lock (the GIL) from the first byte to the last, on whatever
 thread runs it: 60 ms for a 10 MB prompt sent as 30 MB of `\\ud83d\\ude00` escapes, about 2 s for 30 MB of
 short values, and `/health` waits that long. The worker decodes and checks a body (`parse_json_body`: the
-same object or the same typed 400), and sends the object back pickled, each long string in slices. The server
+same object or the same typed 400; then the route's counts of top-level arrays, `limits.check_array_counts`,
+so that 20,000 tools are refused there and never handed over), and sends the object back pickled, each long
+string in slices. The server
 unpickles it on a thread from a reader whose `read` is Python code, so the lock can change hands between two
 64 KiB frames or two slices: no step of taking the body back holds it for more than a millisecond or so.
 
 The worker is started on the first large body, runs `python -P` on this file (it imports `swarmkv.api.errors`
-alone, not the server), takes one body at a time over its stdin and answers on its stdout. A worker that dies
+and `limits` alone, not the server), takes one body at a time over its stdin and answers on its stdout. A worker that dies
 is started again for the next body, and the body it had is decoded in the server, as before.
 """
 
@@ -22,17 +24,20 @@ import struct
 import subprocess
 import sys
 import threading
+from collections.abc import Collection
 from pathlib import Path
 from typing import IO, Any
 
 from swarmkv.api.errors import APIError, parse_json_body
+from swarmkv.api.limits import check_array_counts
 
 log = logging.getLogger(__name__)
 
 # A string longer than this goes back in slices of it: a slice of emoji is 256 KiB of UTF-8, under a
 # millisecond to decode.
 SLICE_CHARS = 1 << 16
-_FRAME = struct.Struct("<BQ")  # a reply's kind and its payload's length; a body's frame uses the length only
+_FRAME = struct.Struct("<BQ")  # a reply's kind and its payload's length
+_BODY_FRAME = struct.Struct("<QH")  # a body's length and its counted arrays' names' (comma-joined, ASCII)
 _BODY, _REFUSED, _FAILED = 0, 1, 2
 
 
@@ -45,27 +50,29 @@ class JsonWorker:
         self._process: subprocess.Popen[bytes] | None = None
         self._closed = False
 
-    def decode(self, raw: bytes) -> dict[str, Any]:
-        """The body as a JSON object, or `parse_json_body`'s 400."""
+    def decode(self, raw: bytes, counted: Collection[str] = ()) -> dict[str, Any]:
+        """The body as a JSON object, or `parse_json_body`'s 400, or `check_array_counts`' 400 for its
+        top-level arrays `counted`."""
         with self._lock:
             try:
-                kind, payload = self._ask(raw)
+                kind, payload = self._ask(raw, counted)
             except (OSError, EOFError) as exc:  # the worker died (killed for memory?) or could not start
                 log.warning("the JSON decoding worker failed (%s); decoding this body in the server", exc)
                 self._stop()
-                return parse_json_body(raw)
+                return _decoded(raw, counted)
         if kind == _REFUSED:
             fields = json.loads(payload)
             raise APIError(fields["status"], fields["message"], param=fields["param"], code=fields["code"])
         if kind == _FAILED:  # something else raised there (MemoryError): the server's own decode decides
-            return parse_json_body(raw)
+            return _decoded(raw, counted)
         body: dict[str, Any] = pickle.Unpickler(_SteppedReader(payload)).load()
         return body
 
-    def _ask(self, raw: bytes) -> tuple[int, bytes]:
+    def _ask(self, raw: bytes, counted: Collection[str]) -> tuple[int, bytes]:
         process = self._started()
         assert process.stdin is not None and process.stdout is not None
-        process.stdin.write(_FRAME.pack(_BODY, len(raw)))
+        names = ",".join(counted).encode("ascii")
+        process.stdin.write(_BODY_FRAME.pack(len(raw), len(names)) + names)
         process.stdin.write(raw)
         process.stdin.flush()
         kind, size = _FRAME.unpack(_read_exactly(process.stdout, _FRAME.size))
@@ -105,6 +112,13 @@ class JsonWorker:
         """The worker's process id, while it runs."""
         process = self._process
         return process.pid if process is not None and process.poll() is None else None
+
+
+def _decoded(raw: bytes, counted: Collection[str]) -> dict[str, Any]:
+    """What the worker computes, computed here."""
+    body = parse_json_body(raw)
+    check_array_counts(body, counted)
+    return body
 
 
 def _read_exactly(stream: IO[bytes], size: int) -> bytes:
@@ -182,9 +196,11 @@ def serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
     """The worker's side: decode each body framed on `stdin`, answer on `stdout`, until `stdin` closes."""
     # Pickling recurses once or twice a level, where the decoder recursed once: room for what it accepted.
     pickle_recursion = 4 * sys.getrecursionlimit()
-    while header := stdin.read(_FRAME.size):
-        _, size = _FRAME.unpack(header)
-        kind, payload = _answer(_read_exactly(stdin, size), pickle_recursion)
+    while header := stdin.read(_BODY_FRAME.size):
+        size, names_size = _BODY_FRAME.unpack(header)
+        names = _read_exactly(stdin, names_size).decode("ascii")
+        counted = names.split(",") if names else []
+        kind, payload = _answer(_read_exactly(stdin, size), counted, pickle_recursion)
         stdout.write(_FRAME.pack(kind, len(payload)))
         stdout.write(payload)
         stdout.flush()
@@ -200,10 +216,10 @@ def _pickled(body: Any) -> bytes:
     return out.getvalue()
 
 
-def _answer(raw: bytes, pickle_recursion: int) -> tuple[int, bytes]:
+def _answer(raw: bytes, counted: list[str], pickle_recursion: int) -> tuple[int, bytes]:
     """What the worker answers a body: the object pickled, the 400's fields, or that something else failed."""
     try:
-        body = parse_json_body(raw)
+        body = _decoded(raw, counted)
         limit = sys.getrecursionlimit()
         sys.setrecursionlimit(pickle_recursion)
         try:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from swarmkv.api.chat_request import ChatRequest, parse_chat_request
+from swarmkv.api.chat_request import CHAT_ARRAYS, ChatRequest, parse_chat_request
 from swarmkv.api.completions_objects import Envelope, finish_reason, sse, tool_call_delta, usage
 from swarmkv.api.errors import APIError
 from swarmkv.api.outputs import StepOutput
@@ -31,7 +31,7 @@ async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
     arrival_s = time.perf_counter()
     ctx = request_context(request)
-    payload = await ctx.read_body(request)
+    payload = await ctx.read_body(request, CHAT_ARRAYS)
     req = parse_chat_request(payload)
     ctx.check_model(req.options.model)
     session_id = request_session_id(request, req.options.session_id, req.options.prompt_cache_key)

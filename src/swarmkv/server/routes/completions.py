@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from swarmkv.api.completion_request import parse_completion_request
+from swarmkv.api.completion_request import COMPLETION_ARRAYS, parse_completion_request
 from swarmkv.api.completions_objects import Envelope, finish_reason, sse, usage
 from swarmkv.api.errors import APIError
 from swarmkv.api.outputs import StepOutput
@@ -33,7 +33,7 @@ async def completions(request: Request) -> Response:
     """POST /v1/completions."""
     arrival_s = time.perf_counter()
     ctx = request_context(request)
-    body = await ctx.read_body(request)
+    body = await ctx.read_body(request, COMPLETION_ARRAYS)
     req = parse_completion_request(body)
     ctx.check_model(req.options.model)
     session_id = request_session_id(request, req.options.session_id)

@@ -26,7 +26,7 @@ from swarmkv.api.messages_objects import (
     reply_content,
     stop_reason,
 )
-from swarmkv.api.messages_request import Breakpoint, MessagesRequest, parse_messages_request
+from swarmkv.api.messages_request import MESSAGES_ARRAYS, Breakpoint, MessagesRequest, parse_messages_request
 from swarmkv.api.outputs import StepOutput
 from swarmkv.api.paths import CHAT_ROUTE
 from swarmkv.api.render import render_messages
@@ -54,7 +54,7 @@ async def messages(request: Request) -> Response:
     """POST /v1/messages."""
     arrival_s = time.perf_counter()
     ctx = request_context(request)
-    payload = await ctx.read_body(request)
+    payload = await ctx.read_body(request, MESSAGES_ARRAYS)
     req = parse_messages_request(payload)
     ctx.check_model(req.chat.options.model)
     session_id = request_session_id(request, req.user_id, client_header=CLAUDE_CODE_SESSION_HEADER)
@@ -94,7 +94,7 @@ async def messages(request: Request) -> Response:
 async def count_tokens(request: Request) -> Response:
     """POST /v1/messages/count_tokens: the prompt's length as /v1/messages would render it, nothing generated."""
     ctx = request_context(request)
-    req = parse_messages_request(await ctx.read_body(request), needs_max_tokens=False)
+    req = parse_messages_request(await ctx.read_body(request, MESSAGES_ARRAYS), needs_max_tokens=False)
     ctx.check_model(req.chat.options.model)
     return JSONResponse({"input_tokens": await count_prompt(ctx, req.chat, "messages")})
 

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from swarmkv.api.errors import APIError, bad_request
 from swarmkv.api.layout import resolve_layout
 from swarmkv.api.pin_objects import pin_json
-from swarmkv.api.pin_request import parse_pin_request
+from swarmkv.api.pin_request import PIN_ARRAYS, parse_pin_request
 from swarmkv.api.render import render_pin
 from swarmkv.engine.engine import LLMEngine
 from swarmkv.errors import InvalidRequestError, PinLimitError
@@ -60,7 +60,7 @@ def engine_pin_id(ctx: ServerContext, pin_id: str) -> str:
 async def create_pin(request: Request) -> Response:
     """POST /v1/cache/pin: pin `messages` (+ `tools`) or `prompt_token_ids` for `ttl_s` seconds."""
     ctx = request_context(request)
-    req = parse_pin_request(await ctx.read_body(request))
+    req = parse_pin_request(await ctx.read_body(request, PIN_ARRAYS))
     ctx.check_model(req.model)
     layout = resolve_layout(ctx.prompt_layout, "chat")  # as chat prompts are
     encode = prompt_encoder(ctx, "messages")

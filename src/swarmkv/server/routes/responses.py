@@ -31,6 +31,7 @@ from swarmkv.api.responses_objects import (
     usage,
 )
 from swarmkv.api.responses_request import (
+    RESPONSES_ARRAYS,
     Item,
     ResponsesRequest,
     parse_item,
@@ -148,7 +149,7 @@ async def delete_response(request: Request) -> Response:
 
 async def _parse(ctx: ServerContext, request: Request) -> tuple[ResponsesRequest, StoredResponse | None]:
     """The validated body and the stored response it continues; a 404 for an unknown previous_response_id."""
-    payload = await ctx.read_body(request)
+    payload = await ctx.read_body(request, RESPONSES_ARRAYS)
     prev_id = previous_response_id(payload)
     previous = ctx.responses.get(prev_id, ctx.tenant.name) if prev_id is not None else None
     if prev_id is not None and previous is None:
