@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from swarmkv.cluster.load_policy import Candidate, LoadThresholds, pick
@@ -48,9 +50,38 @@ def test_a_session_stays_unless_its_replica_is_overloaded() -> None:
     assert pick([c("a", 0), c("b", 0, matched=2000)], PROMPT, "a", T) == ("b", "prefix")
 
 
+def test_a_new_session_passes_over_a_crowded_replica_and_a_bound_one_stays() -> None:
+    # Sessions bound: a 30, b 10, c 14 (mean 18): a is 12 over the mean (> 8) and over 1.1x it: crowded.
+    crowded = [Candidate("a", 0, 2000, 0, 30), Candidate("b", 0, 0, 0, 10), Candidate("c", 100, 0, 0, 14)]
+    assert pick(crowded, PROMPT, None, T) == ("a", "prefix")  # not a new session: prefill cost alone
+    assert pick(crowded, PROMPT, None, T, new_session=True) == ("b", "replicate")
+    # An agent whose KV is on the crowded replica stays: moving it would compute its whole prompt again.
+    at_home = [Candidate("a", 0, 2300, 0, 30), Candidate("b", 0, 0, 0, 10), Candidate("c", 0, 0, 0, 14)]
+    assert pick(at_home, PROMPT, "a", T) == ("a", "session")
+    # Within the absolute slack a swarm's agents keep together (a: 25, 7 over the mean of 18).
+    close = [Candidate("a", 0, 2000, 0, 25), Candidate("b", 0, 0, 0, 15), Candidate("c", 0, 0, 0, 14)]
+    assert pick(close, PROMPT, None, T, new_session=True) == ("a", "prefix")
+
+
+def test_router_spreads_new_agents_of_a_widely_shared_head() -> None:
+    # One head for every agent (a harness's), no queue anywhere: prefill cost alone sends all to one replica.
+    head = list(range(1000, 3000))
+    spread = LoadThresholds(crowded_sessions=2, crowded_ratio=1.0)
+    for thresholds, least, most in ((LoadThresholds(crowded_sessions=10**6), 24, 24), (spread, 8, 10)):
+        router = Router("balanced", pages_per_replica=2048, page_size=16, thresholds=thresholds)
+        placed: Counter[str] = Counter()
+        for agent in range(24):
+            tail = list(range(100_000 * (agent + 1), 100_000 * (agent + 1) + 300))
+            key = RouteKey([*head, *tail], session=f"s{agent}")
+            placed[router.choose(key, {"a": 0, "b": 0, "c": 0}).replica] += 1
+        assert least <= max(placed.values()) <= most, placed
+
+
 def test_thresholds_are_checked() -> None:
     with pytest.raises(ValueError, match="overload_ratio"):
         LoadThresholds(overload_ratio=0.5)
+    with pytest.raises(ValueError, match="crowded_ratio"):
+        LoadThresholds(crowded_ratio=0.9)
     with pytest.raises(ValueError, match="no replica"):
         pick([], PROMPT, None, T)
 
@@ -103,5 +134,7 @@ def test_simulator_reports_load_per_replica_and_queueing() -> None:
     assert rows[0].hit_tokens == result.hit_tokens  # the light run's figures stand
     assert rows[0].prefill_tokens_per_s == pytest.approx(rate)
     assert rows[0].p95_queue_delay_s > result.p95_queue_delay_s and rows[0].busy_hit_rate is not None
+    assert rows[0].busy_request_skew is not None and rows[0].busy_request_skew >= 1.0
+    assert rows[0].busy_prefill_skew is not None and rows[0].busy_prefill_skew >= 1.0
     with pytest.raises(ValueError, match="busy"):
         busy_prefill_rate(trace, 100, 4, 0.0)

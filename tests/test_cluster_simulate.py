@@ -10,7 +10,7 @@ import pytest
 
 from swarmkv.cli import main
 from swarmkv.cluster.simulate import ClusterSpec, reference, simulate, sweep, whole_trace_pages
-from swarmkv.cluster.trace import Trace, TraceConfig, make_trace
+from swarmkv.cluster.trace import HARNESSES, Trace, TraceConfig, make_trace
 
 SMALL = TraceConfig(
     swarms=12,
@@ -52,6 +52,50 @@ def test_trace_rejects_bad_shapes() -> None:
         TraceConfig(swarms=0)
     with pytest.raises(ValueError, match="turn-gap"):
         TraceConfig(turn_gap_s=1.0)
+    with pytest.raises(ValueError, match="trace shape"):
+        TraceConfig(shape="browser")  # type: ignore[arg-type]
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def test_harness_trace_shares_one_head_per_harness_up_to_its_break() -> None:
+    config = TraceConfig(swarms=6, agents=3, turns=2, reply_tokens=40, tool_tokens=60, shape="harness")
+    trace = make_trace(config)
+    assert make_trace(config) == trace and len(trace.requests) == 6 * 3 * 2
+    assert len(set(trace.heads)) == len(HARNESSES)  # swarm s runs harness s % 3
+    assert len({head[:16] for head in set(trace.heads)}) == len(HARNESSES)
+    firsts = {(r.swarm, r.agent): r.prompt for r in trace.requests if r.turn == 0}
+    for swarm in range(6):
+        harness = HARNESSES[swarm % len(HARNESSES)]
+        assert trace.heads[swarm] == trace.heads[swarm % len(HARNESSES)]
+        assert len(trace.heads[swarm]) == harness.shared_tokens
+        for agent in range(3):
+            first = firsts[(swarm, agent)]
+            own = len(first) - harness.shared_tokens  # drawn between half and one and a half times
+            assert harness.instance_tokens // 2 <= own <= harness.instance_tokens * 3 // 2
+        # Two instances of one harness, in one swarm or two, share exactly the head: the break is there.
+        assert _common(firsts[(swarm, 0)], firsts[(swarm, 1)]) == harness.shared_tokens
+        other = (swarm + len(HARNESSES)) % 6
+        assert _common(firsts[(swarm, 2)], firsts[(other, 0)]) == harness.shared_tokens
+    assert all(8_000 <= len(p) <= 20_000 for p in firsts.values())
+    # One cache holding the trace holds each harness's head once, then each agent's own tokens.
+    own = sum(len(r.prompt) - len(trace.heads[r.swarm]) + len(r.reply) for r in trace.requests if r.turn == 1)
+    assert trace.num_unique_tokens == sum(h.shared_tokens for h in HARNESSES) + own
+
+
+def test_harness_trace_on_one_replica_computes_each_harness_head_once() -> None:
+    trace = make_trace(TraceConfig(swarms=3, agents=4, turns=1, shape="harness"))
+    spec = ClusterSpec(1, 64, page_size=64)
+    ref = reference(trace, spec)
+    # Every first request but each harness's first reads its harness's head: its whole pages, and the rest of
+    # it where that is at least half a page (a partly shared page is copied), never past it.
+    whole_pages = sum(h.shared_tokens // 64 * 64 for h in HARNESSES)
+    assert 3 * whole_pages <= ref.hit_tokens <= 3 * sum(h.shared_tokens for h in HARNESSES)
+    assert ref.head_copies == 1.0
+    three = simulate(trace, replace(spec, replicas=3, pages_per_replica=1024), "balanced")
+    assert three.hit_tokens <= ref.hit_tokens and sum(three.requests_per_replica) == 12
 
 
 def test_counts_add_up_and_one_replica_needs_no_policy(trace: Trace) -> None:
@@ -123,6 +167,32 @@ def test_plan_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     # A shape from the flags sets the bytes per token: 2 layers x 1 head x 8 x fp16 = 64 bytes.
     assert main([*tiny, "--json", "--layers", "2", "--kv-heads", "1", "--head-dim", "8"]) == 0
     assert json.loads(capsys.readouterr().out)["kv_bytes_per_token"] == 64
+    assert data["trace"]["shape"] == "synthetic"
+
+
+def test_plan_cli_harness_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = [
+        "plan",
+        "--replicas",
+        "2",
+        "--swarms",
+        "3",
+        "--agents",
+        "2",
+        "--turns",
+        "1",
+        "--sim-trace",
+        "harness",
+    ]
+    flags += ["--replica-kv", "2000pages", "--router-policies", "balanced", "--sim-workers", "1"]
+    assert main(flags) == 0
+    assert "harness-shaped" in capsys.readouterr().out
+    assert main([*flags, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["trace"]["shape"] == "harness"
+    assert all(r["busy_busiest_requests_over_mean"] >= 1.0 for r in data["rows"])
+    # Each harness's second instance reads at least the head's whole pages on one replica holding everything.
+    assert data["reference"]["prefix_hit_tokens"] >= sum(h.shared_tokens // 64 * 64 for h in HARNESSES)
 
 
 @pytest.mark.parametrize(

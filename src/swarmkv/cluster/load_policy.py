@@ -5,7 +5,10 @@ llm-d's scorer (prefix match and queue depth scored together); no code of either
 is the work queued there plus the prefill it would add: its prompt less what that replica caches. A replica is
 overloaded when its work exceeds the least loaded one's by both thresholds; it then takes no new swarm, and its
 sessions move (counted). So a swarm's head is copied to a second replica on purpose, at the cost of one prefill,
-rather than queue on one replica.
+rather than queue on one replica. A head shared very widely (a harness's, by every swarm running it) matches
+on every replica holding it, and prefill cost alone lets those few take every new agent (SGLang's RFC names this
+case): so a replica holding more sessions than the mean, past an absolute and a relative threshold, is crowded
+and takes no new session, since an agent's later turns follow it there.
 """
 
 from __future__ import annotations
@@ -24,12 +27,18 @@ class LoadThresholds:
     overload_tokens: int = 4096  # absolute: work above the least loaded replica's, in tokens (two heads)
     overload_ratio: float = 1.5  # relative: work over the least loaded replica's
     running_tokens: int = 128  # a running sequence's weight: its decode steps share the replica with prefills
+    crowded_sessions: int = 8  # absolute: sessions bound above the mean (a swarm's agents stay together)
+    crowded_ratio: float = 1.1  # relative: sessions bound over the mean
 
     def __post_init__(self) -> None:
-        if self.overload_tokens < 0 or self.running_tokens < 0 or self.overload_ratio < 1.0:
+        if (
+            min(self.overload_tokens, self.running_tokens, self.crowded_sessions) < 0
+            or min(self.overload_ratio, self.crowded_ratio) < 1.0
+        ):
             raise ValueError(
-                f"overload_tokens and running_tokens must be >= 0 and overload_ratio >= 1, got"
-                f" {self.overload_tokens}, {self.running_tokens} and {self.overload_ratio}"
+                f"overload_tokens, running_tokens and crowded_sessions must be >= 0 and overload_ratio and"
+                f" crowded_ratio >= 1, got {self.overload_tokens}, {self.running_tokens},"
+                f" {self.crowded_sessions}, {self.overload_ratio} and {self.crowded_ratio}"
             )
 
     def overloaded(self, work_tokens: float, least_work_tokens: float) -> bool:
@@ -37,6 +46,12 @@ class LoadThresholds:
         return (
             work_tokens - least_work_tokens > self.overload_tokens
             and work_tokens > self.overload_ratio * least_work_tokens
+        )
+
+    def crowded(self, sessions: int, mean_sessions: float) -> bool:
+        """Whether a replica with `sessions` bound is past both thresholds over the mean: it takes no new one."""
+        return (
+            sessions - mean_sessions > self.crowded_sessions and sessions > self.crowded_ratio * mean_sessions
         )
 
 
@@ -48,12 +63,18 @@ class Candidate:
     work_tokens: float  # queued prefill tokens plus running sequences at `running_tokens` each
     matched_tokens: int  # of this prompt, in the router's index of the replica (0 below the least match)
     routed: int  # requests routed there so far: breaks ties between equally loaded replicas
+    sessions: int = 0  # sessions bound there: each brings its later turns
 
 
 def pick(
-    candidates: Sequence[Candidate], num_prompt_tokens: int, home: str | None, thresholds: LoadThresholds
+    candidates: Sequence[Candidate],
+    num_prompt_tokens: int,
+    home: str | None,
+    thresholds: LoadThresholds,
+    new_session: bool = False,
 ) -> tuple[str, LoadReason]:
-    """The replica for a prompt of `num_prompt_tokens` whose session's KV is on `home` (None: nowhere), and why."""
+    """The replica for a prompt of `num_prompt_tokens` whose session's KV is on `home` (None: nowhere), and why;
+    `new_session`: the request starts a session here, so crowded replicas are passed over."""
     if not candidates:
         raise ValueError("no replica to route to")
     least = min(c.work_tokens for c in candidates)
@@ -64,6 +85,11 @@ def pick(
         return at_home.replica, "session"
     # The least loaded replica is never overloaded, so `open_` is never empty.
     open_ = [c for c in candidates if not thresholds.overloaded(c.work_tokens, least)]
+    if new_session or (home is not None and not holds_session):
+        # A widely shared head matches everywhere it is cached, and prefill load alone lets the replicas
+        # holding it take every new agent. An agent's later turns follow it, so its session is load to come.
+        mean = sum(c.sessions for c in candidates) / len(candidates)
+        open_ = [c for c in open_ if not thresholds.crowded(c.sessions, mean)] or open_
     best = min(
         open_, key=lambda c: (c.work_tokens + num_prompt_tokens - c.matched_tokens, c.routed, c.replica)
     )

@@ -90,6 +90,7 @@ class Router:
         self._rng = random.Random(seed)
         self._indexes: dict[str, EngineCore] = {}
         self._sessions: dict[str, str] = {}  # session -> the replica it is bound to
+        self._bound: Counter[str] = Counter()  # replica -> sessions bound to it
         self._decisions: Counter[tuple[str, str]] = Counter()
         self._routed: Counter[str] = Counter()  # replica -> requests routed there
         self._next_turn = 0  # round-robin's position
@@ -138,11 +139,13 @@ class Router:
                     queued.get(r, 0.0) + running * loads[r],
                     hits[r].num_tokens if r in hits else 0,
                     self._routed[r],
+                    self._bound[r],
                 )
                 for r in candidates
             ]
             home = self._sessions.get(key.session) if key.session is not None else None
-            replica, reason = pick(options, len(key.tokens), home, self.thresholds)
+            new_session = key.session is not None and home is None
+            replica, reason = pick(options, len(key.tokens), home, self.thresholds, new_session)
         elif self.policy == "prefix":
             hits = self._matches(key, candidates)
             best = min(hits, key=lambda r: (-hits[r].num_tokens, loads[r], r), default=None)
@@ -155,7 +158,7 @@ class Router:
             replica, reason = self._balance(loads, candidates), "balance"
         matched = self._record(replica, key, hits.get(replica))
         if key.session is not None:
-            self._sessions[key.session] = replica
+            self._bind(key.session, replica)
         self._decisions[(self.policy, reason)] += 1
         self._routed[replica] += 1
         return Decision(replica, reason, matched)
@@ -164,6 +167,15 @@ class Router:
         """A replica died or left: drop its index and the sessions bound to it."""
         self._indexes.pop(replica, None)
         self._sessions = {s: r for s, r in self._sessions.items() if r != replica}
+        self._bound.pop(replica, None)
+
+    def _bind(self, session: str, replica: str) -> None:
+        before = self._sessions.get(session)
+        if before != replica:
+            if before is not None:
+                self._bound[before] -= 1
+            self._bound[replica] += 1
+            self._sessions[session] = replica
 
     def _matches(self, key: RouteKey, candidates: list[str]) -> dict[str, Hit]:
         """The candidates whose index matches at least `min_match` tokens of the key, with their hits."""

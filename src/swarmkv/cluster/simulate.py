@@ -88,6 +88,8 @@ class SimResult:
     p95_queue_delay_s: float = 0.0  # wait before a request's prefill starts, 95th percentile
     prefill_tokens_per_s: float = 0.0  # each replica's prefill rate in the run the delay comes from
     busy_hit_rate: float | None = None  # the hit rate in that run, when it is a second, busier run
+    busy_request_skew: float | None = None  # and that run's busiest replica over the mean, in requests
+    busy_prefill_skew: float | None = None  # and in prefill tokens computed
 
     @property
     def hit_rate(self) -> float:
@@ -287,6 +289,8 @@ def sweep(
                 p95_queue_delay_s=busy_run.p95_queue_delay_s,
                 prefill_tokens_per_s=busy_run.prefill_tokens_per_s,
                 busy_hit_rate=busy_run.hit_rate,
+                busy_request_skew=busy_run.request_skew,
+                busy_prefill_skew=busy_run.prefill_skew,
             )
             for light, busy_run in zip(runs[::2], runs[1::2], strict=True)
         ]

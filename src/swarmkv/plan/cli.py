@@ -9,6 +9,7 @@ import sys
 
 from swarmkv.choices import KV_CACHE_DTYPES
 from swarmkv.cluster.routing import DEFAULT_IMBALANCE, DEFAULT_MIN_MATCH, POLICIES
+from swarmkv.cluster.trace import TRACE_SHAPES
 from swarmkv.config import DTYPES
 from swarmkv.core.config import EngineConfig
 from swarmkv.kv import RETENTION_POLICIES
@@ -130,10 +131,15 @@ def _register_cluster(parser: argparse.ArgumentParser) -> None:
         "cluster simulator (--replicas; the shape defaults to 40 layers x 8 KV heads x 128, fp16; reuses --agents)"
     )
     sim.add_argument("--replicas", default=None, help="comma-separated replica counts, e.g. 1,2,4,8,16,32,64")
-    sim.add_argument(
-        "--swarms", type=int, default=256, help="swarms in the trace, each its own head (default 256)"
-    )
+    sim.add_argument("--swarms", type=int, default=256, help="swarms in the trace (default 256)")
     sim.add_argument("--turns", type=int, default=4, help="turns per agent (default 4)")
+    sim.add_argument(
+        "--sim-trace",
+        choices=TRACE_SHAPES,
+        default="synthetic",
+        help="first requests: each swarm its own head (synthetic), or the coding harnesses' shapes, one head"
+        " per harness shared by its swarms, per-instance text where each harness puts it (default synthetic)",
+    )
     sim.add_argument(
         "--head-tokens", type=int, default=2000, help="mean tokens of a swarm's head (default 2000)"
     )

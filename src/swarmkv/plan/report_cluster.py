@@ -1,6 +1,7 @@
 """`swarmkv plan --replicas`: the cluster simulator run from the flags, its table, `--json` object and plot.
 
-Every row replays the same synthetic multi-swarm trace (swarmkv.cluster.trace) through the router over
+Every row replays the same synthetic multi-swarm trace (swarmkv.cluster.trace; `--sim-trace harness` shapes
+its first requests as the coding harnesses') through the router over
 replicas that each have the same KV budget. A reference row runs it on one replica whose KV holds the whole
 trace: the hit rate a single cache could reach if it were big enough. The 1-replica row of the sweep has
 only the per-replica budget and thrashes once the trace's live swarms outgrow it, so the sweep's own
@@ -20,7 +21,7 @@ from typing import Any
 
 from swarmkv.cluster.routing import POLICIES, Policy
 from swarmkv.cluster.simulate import ClusterSpec, SimResult, arrival_span_s, reference, sweep
-from swarmkv.cluster.trace import TraceConfig, make_trace
+from swarmkv.cluster.trace import HARNESSES, TraceConfig, make_trace
 from swarmkv.plan.flags import KV_SHAPE_FLAGS, parse_counts, resolve_checkpoint
 from swarmkv.plan.layout import size, table
 from swarmkv.units import parse_size
@@ -54,6 +55,10 @@ class ClusterReport:
         return self.pages_per_replica * self.page_bytes
 
 
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
 def _result_json(report: ClusterReport, result: SimResult) -> dict[str, Any]:
     return {
         "replicas": result.replicas,
@@ -72,6 +77,8 @@ def _result_json(report: ClusterReport, result: SimResult) -> dict[str, Any]:
         "p95_queue_delay_s": round(result.p95_queue_delay_s, 4),
         "busy_prefill_tokens_per_s": round(result.prefill_tokens_per_s, 3),
         "busy_hit_rate": None if result.busy_hit_rate is None else round(result.busy_hit_rate, 6),
+        "busy_busiest_requests_over_mean": _rounded(result.busy_request_skew),
+        "busy_busiest_prefill_tokens_over_mean": _rounded(result.busy_prefill_skew),
         "decisions": result.decisions,
     }
 
@@ -81,6 +88,7 @@ def to_json(report: ClusterReport) -> dict[str, Any]:
     trace = report.trace
     return {
         "trace": {
+            "shape": trace.shape,
             "swarms": trace.swarms,
             "agents": trace.agents,
             "turns": trace.turns,
@@ -118,6 +126,13 @@ def _cells(report: ClusterReport, result: SimResult) -> list[str]:
     ]
 
 
+def _heads(trace: TraceConfig) -> str:
+    if trace.shape == "synthetic":
+        return f"each swarm its own head of ~{trace.head_tokens} tokens"
+    firsts = ", ".join(f"{h.name} {h.shared_tokens:,} of {h.first_request_tokens:,}" for h in HARNESSES)
+    return f"harness-shaped: the swarms take {len(HARNESSES)} harnesses' heads in turn (shared of first request: {firsts})"
+
+
 def report_text(report: ClusterReport) -> str:
     """The printed report: what ran, the reference, then one row per replica count and policy."""
     t, ref = report.trace, report.reference
@@ -137,8 +152,8 @@ def report_text(report: ClusterReport) -> str:
         "busy hit rate",
     ]
     lines = [
-        f"Cluster simulator: {t.swarms} swarms x {t.agents} agents x {t.turns} turns, heads of ~{t.head_tokens}"
-        f" tokens, seed {t.seed}; {sum(ref.requests_per_replica):,} requests, {ref.prompt_tokens:,} prompt tokens.",
+        f"Cluster simulator: {t.swarms} swarms x {t.agents} agents x {t.turns} turns, {_heads(t)}, seed {t.seed};"
+        f" {sum(ref.requests_per_replica):,} requests, {ref.prompt_tokens:,} prompt tokens.",
         f"Each replica: {size(report.replica_kv_bytes)} of KV = {report.pages_per_replica:,} pages of"
         f" {report.page_size} tokens at {report.kv_bytes_per_token // 1024} KiB per token, {report.retention}"
         " retention.",
@@ -222,7 +237,9 @@ def run_cluster(args: argparse.Namespace) -> int:
     pages = replica_pages(args.replica_kv, args.sim_page_size * per_token)
     if not 0.0 < args.sim_busy <= 1.0:
         raise ValueError(f"--sim-busy must be in (0, 1], got {args.sim_busy}")
-    config = TraceConfig(args.swarms, args.agents, args.turns, args.head_tokens, seed=args.seed)
+    config = TraceConfig(
+        args.swarms, args.agents, args.turns, args.head_tokens, seed=args.seed, shape=args.sim_trace
+    )
     spec = ClusterSpec(
         1,
         pages,
