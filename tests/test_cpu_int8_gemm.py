@@ -195,3 +195,16 @@ def test_a_prefill_on_int8_keeps_the_float_paths_answer(q4_k_m: Path) -> None:
     assert not torch.equal(rounded, reference)  # the int8 path ran
     assert float((rounded - reference).abs().max() / reference.abs().max()) < 0.15  # as the int8 decode
     assert reply[0] in reference.topk(5).indices.tolist()  # the answer is one the float path ranks high
+
+
+def test_the_engine_resolves_the_setting_and_shows_it(q4_k_m: Path) -> None:
+    def held_int8(llm: LLM) -> set[bool]:
+        return {m.prefill_int8 for m in llm.engine.runner.model.modules() if isinstance(m, GGUFLinear)}
+
+    auto = LLM(str(q4_k_m), dtype="float32", speculation="off", max_num_seqs=2)
+    decode = auto.engine.runner.cpu_decode
+    expected = cpu_grouped.has_int8_gemm() and decode is not None and decode.reads_int8
+    assert auto.engine.settings.cpu_prefill_int8 is expected
+    assert held_int8(auto) == {expected}
+    off = LLM(str(q4_k_m), dtype="float32", speculation="off", max_num_seqs=2, cpu_prefill_int8="off")
+    assert off.engine.settings.cpu_prefill_int8 is False and held_int8(off) == {False}

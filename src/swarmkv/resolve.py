@@ -223,6 +223,7 @@ class EngineSettings:
     jump_forward: bool
     fused_cpu_decode: bool  # whether decode-only steps run the CPU's C step
     cpu_prefill_bf16: bool
+    cpu_prefill_int8: bool = False  # whether prefill chunks multiply K-quant blocks on int8 activations
     mtp_drafts: bool = False  # whether the model's MTP layer drafts (`speculative_method` mtp or both)
 
     def to_dict(self) -> dict[str, Any]:

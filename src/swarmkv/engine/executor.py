@@ -104,6 +104,7 @@ class Executor:
             cpu_int8_activations=config.cpu_int8_activations,
             cpu_int8_residual_groups=config.cpu_int8_residual_groups,
             cpu_prefill_bf16=config.cpu_prefill_bf16,
+            cpu_prefill_int8=config.cpu_prefill_int8,
         )
 
     def execute(self, plan: StepPlan, provisional: ProvisionalInputs | None) -> StepOutput:

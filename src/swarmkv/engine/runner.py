@@ -7,7 +7,7 @@ import logging
 import torch
 
 import swarmkv.resolve as resolve
-from swarmkv.choices import CPU_INT8_RESIDUAL_GROUPS, CascadeMode, PrefillBf16Mode
+from swarmkv.choices import CPU_INT8_RESIDUAL_GROUPS, CascadeMode, PrefillBf16Mode, PrefillInt8Mode
 from swarmkv.core.scheduler import Chunk, StepPlan, sampling_rows
 from swarmkv.core.sequence import PROVISIONAL_TOKEN
 from swarmkv.core.stats import EngineCounters
@@ -20,7 +20,9 @@ from swarmkv.engine.page_table import PageTable
 from swarmkv.engine.paged_attention import PagedAttention, build_layout
 from swarmkv.engine.recurrent_step import RecurrentStep, build_state_layout
 from swarmkv.engine.state_cache import StateCache
+from swarmkv.kernels import cpu_grouped
 from swarmkv.kernels.cpu_decode import DecodeModel
+from swarmkv.models import gguf_linear
 from swarmkv.models.attention import AttentionBackend
 from swarmkv.models.decoder import DecoderForCausalLM
 
@@ -47,6 +49,7 @@ class ModelRunner:
         cpu_int8_activations: bool = True,
         cpu_int8_residual_groups: int = CPU_INT8_RESIDUAL_GROUPS,
         cpu_prefill_bf16: PrefillBf16Mode = "off",
+        cpu_prefill_int8: PrefillInt8Mode = "off",
     ) -> None:
         """With the triton backend, `cuda_graphs` replays decode steps of up to `max_num_seqs` rows, and with
         `mixed_step_graphs` steps with a few prefill chunks beside them (dense models). A hybrid
@@ -56,7 +59,9 @@ class ModelRunner:
         its projections on int8 activations if `cpu_int8_activations` (with the residual pass over
         `cpu_int8_residual_groups` groups a row). `cpu_prefill_bf16`: a CPU step's
         prefill chunks (no decode rows beside them in the modules) run under bfloat16 autocast, dense models
-        (`swarmkv.resolve.cpu_prefill_bf16`, given whether the C step reads int8 activations and the CPU has AMX)."""
+        (`swarmkv.resolve.cpu_prefill_bf16`, given whether the C step reads int8 activations and the CPU has AMX).
+        `cpu_prefill_int8`: prefill chunks multiply K-quant blocks on int8 activations (`swarmkv.resolve.
+        cpu_prefill_int8`, given whether the C step reads int8 activations and the build has the int8 GEMM)."""
         self.model = model
         self.states = states
         self.kv_cache = kv_cache
@@ -99,6 +104,10 @@ class ModelRunner:
         self.prefill_bf16 = resolve.cpu_prefill_bf16(
             cpu_prefill_bf16, self.device.type, states is not None, rounded_decodes, amx_tiles()
         )
+        self.prefill_int8 = resolve.cpu_prefill_int8(
+            cpu_prefill_int8, self.device.type, rounded_decodes, cpu_grouped.has_int8_gemm()
+        )
+        gguf_linear.use_prefill_int8(model, self.prefill_int8)
 
     @torch.inference_mode()
     def run(

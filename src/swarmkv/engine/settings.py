@@ -37,5 +37,6 @@ def engine_settings(
         jump_forward=jump_forward,
         fused_cpu_decode=runner.cpu_decode is not None,
         cpu_prefill_bf16=runner.prefill_bf16,
+        cpu_prefill_int8=runner.prefill_int8,
         mtp_drafts=speculation and runner.model.mtp is not None and runner.triton is None,
     )
