@@ -248,6 +248,11 @@ class Retention:
         if session.newest != request_id:
             self._forget(request_id)
 
+    def pending_tool(self, session_id: str) -> str | None:
+        """The tool the open session's newest reply called, as the caller said (None: not said, or not open)."""
+        session = self._sessions.get(session_id)
+        return session.tool if session is not None else None
+
     def note_tool(self, session_id: str, tool: str | None) -> bool:
         """The session's newest reply called `tool`: its return is forecast from that tool's pauses. False if
         the session is not open."""

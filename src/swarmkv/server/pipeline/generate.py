@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -19,6 +19,7 @@ from swarmkv.api.reasoning import ReasoningSplitter, reasoning_splitter
 from swarmkv.api.render import Encode, bounded_encode, render_request
 from swarmkv.api.session_id import SESSION_HEADER, resolve_session_id
 from swarmkv.api.structured_request import reply_constraint, special_markup
+from swarmkv.api.tool_parser import ToolCall
 from swarmkv.breaks.causes import Break, RenderedPrompt
 from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.errors import InvalidRequestError
@@ -90,6 +91,7 @@ class StartedChat:
     rendered: RenderedPrompt
     found: Awaitable[Break | None]
     reasoning: ReasoningSplitter | None
+    note_tool: Callable[[Sequence[ToolCall]], None]  # the reply's calls, for the engine's return forecast
 
 
 def render_for_model(
@@ -172,7 +174,18 @@ async def start_rendered(
     # A forced call's reply is the rest of the call: nothing in it is reasoning.
     thinks = req.thinking_enabled and not req.forced_prefix()
     splitter = reasoning_splitter(ctx.tokenizer.chat_template, rendered.text, thinks)
-    return StartedChat(req, stream, rendered, found, splitter)
+    return StartedChat(
+        req, stream, rendered, found, splitter, lambda calls: note_tool_call(ctx, session, calls)
+    )
+
+
+def note_tool_call(ctx: ServerContext, session: str | None, calls: Sequence[ToolCall]) -> None:
+    """Tell the engine the tool the session's reply called (its first; None for none): the `return` retention
+    forecasts the agent's pause from that tool's. Queued behind the request's own commands; a no-op without a
+    session (`session`: the tenant's scoped id)."""
+    if session is not None:
+        tool = calls[0].name if calls else None
+        ctx.engine.call(lambda engine: engine.core.note_tool_call(session, tool))
 
 
 async def collect_unless_disconnected(

@@ -23,7 +23,7 @@ from swarmkv.server.http.disconnect import STATUS_CLIENT_GONE
 from swarmkv.server.http.event_stream import EventStream
 from swarmkv.server.observability.cache_breaks import with_diagnostics
 from swarmkv.server.observability.latency import Latency
-from swarmkv.server.pipeline.chat_stream import chat_deltas, parse_whole_reply
+from swarmkv.server.pipeline.chat_stream import ToolNote, chat_deltas, parse_whole_reply
 from swarmkv.server.pipeline.generate import collect_unless_disconnected, request_session_id, start_chat
 
 
@@ -43,13 +43,13 @@ async def chat_completions(request: Request) -> Response:
     latency = Latency(ctx.metrics, arrival_s)
     fmt = req.tool_format
     if req.options.stream:
-        events = _chat_events(env, req, stream, latency, found, fmt, reasoning)
+        events = _chat_events(env, req, stream, latency, found, fmt, reasoning, started.note_tool)
         return EventStream(events, lambda: ctx.engine.abort(stream.request_id))
     outputs = await collect_unless_disconnected(request, ctx, stream, latency)
     if outputs is None:
         return Response(status_code=STATUS_CLIENT_GONE)
     last = outputs[-1] if outputs else None
-    parsed = parse_whole_reply(req, outputs, fmt, reasoning)
+    parsed = parse_whole_reply(req, outputs, fmt, reasoning, started.note_tool)
     content = parsed.content if parsed.content or not parsed.tool_calls else None
     reason = finish_reason(last, len(parsed.tool_calls))
     totals = with_diagnostics(usage(last), await found) if req.diagnostics else usage(last)
@@ -64,6 +64,7 @@ async def _chat_events(
     found: Awaitable[Break | None],
     fmt: ToolFormat,
     reasoning: ReasoningSplitter | None,
+    note: ToolNote,
 ) -> AsyncIterator[str]:
     # Diagnostics travel in the usage chunk, so asking for them asks for that chunk too.
     with_usage = req.options.include_usage or req.diagnostics
@@ -71,7 +72,7 @@ async def _chat_events(
     calls: list[ToolCall] = []
     last: StepOutput | None = None
     try:
-        async for out, parsed in chat_deltas(req, stream, latency, fmt, reasoning):
+        async for out, parsed in chat_deltas(req, stream, latency, fmt, reasoning, note):
             last = out
             if parsed.reasoning:
                 yield sse(

@@ -81,7 +81,7 @@ async def messages(request: Request) -> Response:
         return Response(status_code=STATUS_CLIENT_GONE)
     last = outputs[-1] if outputs else None
     chat = started.req
-    parsed = parse_whole_reply(chat, outputs, chat.tool_format, started.reasoning)
+    parsed = parse_whole_reply(chat, outputs, chat.tool_format, started.reasoning, started.note_tool)
     usage = CacheTokens.of(last, num_pinned).usage(last.num_output_tokens if last else 0)
     reason = stop_reason(last, len(parsed.tool_calls))
     content = reply_content(parsed)
@@ -131,7 +131,7 @@ async def _events(
     chat = started.req
     try:
         async for out, parsed in chat_deltas(
-            chat, started.stream, latency, chat.tool_format, started.reasoning
+            chat, started.stream, latency, chat.tool_format, started.reasoning, started.note_tool
         ):
             if last is None:
                 yield message_start(out)

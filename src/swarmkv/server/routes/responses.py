@@ -99,7 +99,7 @@ async def create_response(request: Request) -> Response:
         return Response(status_code=STATUS_CLIENT_GONE)
     last = outputs[-1] if outputs else None
     chat = started.req
-    parsed = parse_whole_reply(chat, outputs, chat.tool_format, started.reasoning)
+    parsed = parse_whole_reply(chat, outputs, chat.tool_format, started.reasoning, started.note_tool)
     output = (
         [reasoning_item(new_id("rs"), parsed.reasoning, req.reasoning_summary)] if parsed.reasoning else []
     )
@@ -195,7 +195,7 @@ async def _events(
     chat = started.req
     try:
         async for out, parsed in chat_deltas(
-            chat, started.stream, latency, chat.tool_format, started.reasoning
+            chat, started.stream, latency, chat.tool_format, started.reasoning, started.note_tool
         ):
             last = out
             for event in items.add(parsed):
