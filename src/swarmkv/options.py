@@ -44,10 +44,15 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type, skip: Iterable[str])
         if typing.get_origin(kind) is typing.Literal:
             options["choices"] = typing.get_args(kind)
         elif f.name.endswith("_memory"):  # sizes: kv_cache_memory, offload_memory, max_pinned_memory
-            options["type"] = parse_size
+            options["type"] = _size_or_auto if default == "auto" else parse_size
         elif _is_int(kind):
             options["type"] = _int_or(_literal_words(kind))
         parser.add_argument(_flag(f.name), **options)
+
+
+def _size_or_auto(text: str) -> int | str:
+    """A size flag's value where the setting also takes auto (offload_memory)."""
+    return "auto" if text == "auto" else parse_size(text)
 
 
 def _is_int(kind: Any) -> bool:

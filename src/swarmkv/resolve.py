@@ -28,6 +28,7 @@ from swarmkv.choices import (
     WeightsOption,
 )
 from swarmkv.errors import ConfigError
+from swarmkv.units import parse_size
 
 Backend = Literal["torch", "triton"]
 WeightFormat = Literal["float", "int8", "int4", "gguf"]  # as models/quantized.py names the layers' formats
@@ -43,6 +44,10 @@ TRITON_MIN_SAVED_TOKENS = 256
 # `max_speculative_rows=auto`: past this many rows a step is compute-bound and drafts would slow it.
 CPU_SPECULATIVE_ROWS, GPU_SPECULATIVE_ROWS = 8, 64
 CPU_PARTIAL_PREFILLS = 2  # `max_num_partial_prefills=auto` on the CPU (docs/benchmarks.md); no limit on a GPU
+# `offload_memory=auto` off the CPU: this share of the host memory available at start, at most this many KV
+# pools (the tier holds paused agents' tails, and pinning host pages takes time at start).
+HOST_TIER_SHARE = 0.25
+HOST_TIER_MAX_POOLS = 4
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +179,16 @@ def cpu_prefill_int8(
     return mode == "on" or (mode == "auto" and decodes_read_int8)
 
 
+def offload_memory(option: int | str, device_type: str, kv_pool_bytes: int, host_available_bytes: int) -> int:
+    """The host tier's bytes: auto is none on the CPU (host and device memory are the same memory there) and,
+    on a GPU, a quarter of the host memory available at start, at most four KV pools; a size as it says."""
+    if option != "auto":
+        return parse_size(option)
+    if device_type == "cpu":
+        return 0
+    return min(int(HOST_TIER_SHARE * host_available_bytes), HOST_TIER_MAX_POOLS * kv_pool_bytes)
+
+
 def prompt_layout(setting: PromptLayout, api: Api) -> Layout:
     """The layout a request on `api` gets under `--prompt-layout setting`: auto is tools-first on every API
     (Anthropic's cache order: agents whose system texts differ still share their tools), which leaves a
@@ -225,6 +240,7 @@ class EngineSettings:
     cpu_prefill_bf16: bool
     cpu_prefill_int8: bool = False  # whether prefill chunks multiply K-quant blocks on int8 activations
     mtp_drafts: bool = False  # whether the model's MTP layer drafts (`speculative_method` mtp or both)
+    offload_memory: int = 0  # the host tier's bytes (`offload_memory`, auto resolved; 0: no host tier)
 
     def to_dict(self) -> dict[str, Any]:
         """As JSON shows it."""

@@ -80,7 +80,10 @@ class EngineConfig:
         " the shared head weighed by its sessions) or lru",
     )
     offload_memory: int | str = _opt(
-        0, "host memory that evicted KV pages move to instead of being dropped, e.g. 8GiB (0: none)"
+        "auto",
+        "host memory that evicted KV pages move to instead of being dropped, e.g. 8GiB (0: none); auto: none "
+        "on the CPU, where host and device memory are one, and on a GPU a quarter of the host memory available "
+        "at start, at most four KV pools",
     )
     max_pinned_memory: int | str | None = _opt(
         None, "cap on KV bytes that pins may hold, e.g. 256MiB (default: half the KV pool)"
@@ -296,8 +299,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
         if self.retention not in RETENTION_POLICIES:
             raise ValueError(f"retention must be one of {RETENTION_POLICIES}, got {self.retention!r}")
-        if self.offload_bytes < 0 or self.max_pinned_bytes < 0:
-            raise ValueError("offload_memory and max_pinned_memory cannot be negative")
+        if self.offload_memory != "auto":
+            parse_size(self.offload_memory)  # a size, or ValueError naming what it could not read
+        if self.max_pinned_bytes < 0:
+            raise ValueError("max_pinned_memory cannot be negative")
         if self.state_memory is not None and not 0 < self.state_bytes < self.kv_cache_bytes:
             raise ValueError(
                 "state_memory must be positive and less than kv_cache_memory: KV needs pages too"
@@ -349,10 +354,11 @@ class EngineConfig:
         """The KV pool's size in bytes."""
         return parse_size(self.kv_cache_memory)
 
-    @property
-    def offload_bytes(self) -> int:
-        """The host tier's size in bytes (0: no host tier)."""
-        return parse_size(self.offload_memory)
+    def offload_bytes(self, device_type: str, host_available_bytes: int) -> int:
+        """The host tier's size in bytes on a `device_type` device (0: no host tier; `swarmkv.resolve`)."""
+        return resolve.offload_memory(
+            self.offload_memory, device_type, self.kv_cache_bytes, host_available_bytes
+        )
 
     @property
     def state_bytes(self) -> int:

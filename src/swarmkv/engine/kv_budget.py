@@ -4,6 +4,7 @@ CapacityError a user can act on; and the tensors so sized."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,18 @@ def kv_page_dtype(loaded: LoadedModel, config: EngineConfig) -> str:
         cpu_decode.auto_kv_dtype(loaded.model, loaded.dtype, loaded.device) is not None
     )
     return resolve.kv_cache_dtype(config.kv_cache_dtype, dtype_name(loaded.dtype), half_kv)
+
+
+def host_available_bytes() -> int:
+    """Host memory available to new allocations now (Linux's MemAvailable; free pages elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
@@ -80,7 +93,9 @@ class KVBudget:
             num_pages,
             state_bytes,
             num_state_slots,
-            config.offload_bytes // page_bytes if config.prefix_caching else 0,
+            config.offload_bytes(loaded.device.type, host_available_bytes()) // page_bytes
+            if config.prefix_caching
+            else 0,
             config.max_model_len if config.max_model_len is not None else model_len,
         )
 

@@ -39,4 +39,5 @@ def engine_settings(
         cpu_prefill_bf16=runner.prefill_bf16,
         cpu_prefill_int8=runner.prefill_int8,
         mtp_drafts=speculation and runner.model.mtp is not None and runner.triton is None,
+        offload_memory=budget.num_host_pages * budget.page_bytes,
     )
