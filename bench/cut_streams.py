@@ -1,13 +1,15 @@
 """Streams cut before their first byte: how soon the server aborts them (issue 53).
 
-Serves the embedded default model on loopback and first times one whole request of the same prompt length
-with `max_tokens` 1 (the same run's baseline: about one prefill step, the longest a cut request in the running
-step can wait for, as a step is not interrupted). Then opens N raw sockets, sends each a streamed chat request
-with a long prompt and closes it before reading a byte, and watches the HTTP requests end. The figures: seconds
-until every cut request ended and until the engine counted them aborted with its KV pages back to their
-baseline, each also over the baseline's seconds.
+Serves the embedded default model on loopback, once for each `--max-step-s` value (`ServerConfig.max_step_s`:
+0 is the token budget alone, steps of up to 2,048 prompt tokens; 1 caps a step's tokens to what the measured
+prefill speed computes in a second), and in each first times one whole request of the same prompt length with
+`max_tokens` 1 (the same run's baseline, and the prefill's cost under that setting). Then it opens N raw
+sockets, sends each a streamed chat request with a long prompt, closes them `--cut-after-s` later before
+reading a byte, and watches the HTTP requests end. The figures: seconds until every cut request ended, and
+until the engine, at its next step boundary, counted them aborted with its KV pages back to their baseline
+(what an abort waits for is the step running when it came); the longest step seen meanwhile.
 
-    .venv/bin/python bench/cut_streams.py [--streams 16] [--prompt-words 1500]
+    .venv/bin/python bench/cut_streams.py [--streams 16] [--prompt-words 400] [--max-step-s 0,1]
 """
 
 from __future__ import annotations
@@ -20,28 +22,37 @@ import time
 import httpx
 
 from swarmkv import LLM
-from swarmkv.models.loader import load_model
-from swarmkv.server import create_app
+from swarmkv.models.loader import LoadedModel, load_model
+from swarmkv.server import ServerConfig, create_app
 from swarmkv.server.background import BackgroundServer
 
 
-def main() -> None:
-    """Cut N streams and print when each was counted aborted."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--prompt-words", type=int, default=1500, help="about 2,000 tokens at 1500")
-    parser.add_argument("--wait-s", type=float, default=30.0)
-    parser.add_argument("--cut-after-s", type=float, default=1.0, help="close the sockets this long after")
-    args = parser.parse_args()
-    llm = LLM(loaded=load_model(), max_model_len=4096)
-    app = create_app(llm)
+def cut_streams(loaded: LoadedModel, args: argparse.Namespace, max_step_s: float) -> str:
+    """One server with `max_step_s`: the baseline request, then N streams cut; its figures, one line."""
+    llm = LLM(loaded=loaded, max_model_len=4096)
+    config = ServerConfig(max_step_s=max_step_s)
+    app = create_app(llm, config)
     ctx = app.state.ctx
-    with BackgroundServer(app) as server:
+    engine = llm.engine
+    steps_s: list[float] = []
+    step = engine.step
+
+    def timed_step() -> list:  # type: ignore[type-arg]
+        start_s = time.perf_counter()
+        try:
+            return step()
+        finally:
+            steps_s.append(time.perf_counter() - start_s)
+
+    engine.step = timed_step  # type: ignore[method-assign]
+    with BackgroundServer(app, limits=config) as server:
         # Words no cut request's prompt starts with: no prefix of it is cached for them.
         words = " ".join(f"v{(j * 31) % 10007}" for j in range(args.prompt_words))
         start_s = time.perf_counter()
         whole = {"messages": [{"role": "user", "content": words}], "max_tokens": 1}
-        assert httpx.post(f"{server.url}/v1/chat/completions", json=whole, timeout=600).status_code == 200
+        answer = httpx.post(f"{server.url}/v1/chat/completions", json=whole, timeout=600)
+        assert answer.status_code == 200, answer.text
+        num_prompt_tokens = answer.json()["usage"]["prompt_tokens"]
         one_request_s = time.perf_counter() - start_s
         baseline = ctx.engine.call(lambda engine: engine.stats()).result(120)["kv_pages_in_use"]
         socks = []
@@ -69,6 +80,7 @@ def main() -> None:
 
         ended_before = num_ended()  # the baseline's request; none of the cut ones yet
         time.sleep(args.cut_after_s)
+        num_steps_before = len(steps_s)
         cut_s = time.perf_counter()
         for sock in socks:
             sock.close()  # before the first byte of the answer was read
@@ -78,20 +90,32 @@ def main() -> None:
             time.sleep(0.05)
         ended_s = time.perf_counter() - cut_s
         # The engine's own view, from its thread between two steps.
-        stats = ctx.engine.call(lambda engine: engine.stats()).result(120)
+        stats = ctx.engine.call(lambda engine: engine.stats()).result(600)
         settled_s = time.perf_counter() - cut_s
-        print(
-            f"baseline (this run): one whole request of the same length with max_tokens 1 took {one_request_s:.2f} s; "
-            f"the cut requests ended {ended_s / one_request_s:.2f}x and settled {settled_s / one_request_s:.2f}x that"
-        )
-        print(
-            f"{args.streams} streams cut {args.cut_after_s} s after sending, before their first byte: "
-            f"{ended} HTTP requests ended {ended_s:.2f} s after the cut; at the engine's next step boundary "
-            f"({settled_s:.2f} s): {ctx.engine.num_aborted} counted aborted, {stats['requests_finished']} "
-            f"finished (the baseline included), {stats['requests_running'] + stats['requests_waiting']} running or waiting, "
-            f"{stats['kv_pages_in_use'] - baseline} pages held above the baseline, "
-            f"{stats['prefill_tokens_computed']} prompt tokens computed in all"
-        )
+        longest_step_s = max(steps_s[num_steps_before - 1 :], default=0.0)
+    return (
+        f"--max-step-s {max_step_s:g}: one whole request ({num_prompt_tokens} prompt tokens, max_tokens 1) "
+        f"{one_request_s:.2f} s; {args.streams} streams cut {args.cut_after_s} s after sending: {ended} HTTP "
+        f"requests ended {ended_s:.2f} s after the cut, the engine settled at {settled_s:.2f} s (longest step "
+        f"running meanwhile {longest_step_s:.2f} s): {ctx.engine.num_aborted} counted aborted, "
+        f"{stats['requests_running'] + stats['requests_waiting']} running or waiting, "
+        f"{stats['kv_pages_in_use'] - baseline} pages held above the baseline, "
+        f"{stats['prefill_tokens_computed']} prompt tokens computed in all"
+    )
+
+
+def main() -> None:
+    """Cut N streams under each --max-step-s and print when each was counted aborted."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--prompt-words", type=int, default=400, help="about 2,000 tokens at 400")
+    parser.add_argument("--wait-s", type=float, default=60.0)
+    parser.add_argument("--cut-after-s", type=float, default=1.0, help="close the sockets this long after")
+    parser.add_argument("--max-step-s", default="0,1", help="comma-separated ServerConfig.max_step_s values")
+    args = parser.parse_args()
+    loaded = load_model()
+    lines = [cut_streams(loaded, args, float(value)) for value in args.max_step_s.split(",")]
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

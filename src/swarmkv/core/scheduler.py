@@ -11,7 +11,9 @@ which takes what is left of the budget in chunks, and goes first once it has bee
 a burst's shortest get their first tokens first; a follower (a request that waited for another's prefill
 of the head they share) is admitted beside the others once that head is computed, and a prefill with at most
 a page left is never held back. A preempted request's private pages go to the host tier when copying them there
-and back costs less than computing them again.
+and back costs less than computing them again. With `max_step_s` (the server's) a step's tokens are capped to
+what the measured prefill speed computes in that time, so an abort, applied between steps, waits at most about
+that long.
 
 What differs between cache kinds (a hybrid's recurrent states beside the pages) is the KV manager's to answer:
 where a prefill chunk should end (`snapshot_point`), whether a waiting request waits for a running prefill
@@ -20,6 +22,7 @@ where a prefill chunk should end (`snapshot_point`), whether a waiting request w
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -103,6 +106,10 @@ class SchedulerLimits:
     # tokens past `max_model_len` positions are never proposed.
     max_speculative_rows: int = 0
     max_model_len: int | None = None
+    # The longest a step should take: its tokens are capped to what `PreemptionCost.prefill_s_per_token`, the
+    # speed measured from recent prefill steps, computes in it (at least a page's). An abort waits for the step
+    # running to end; a 2,048-token CPU prefill takes seconds. None: no cap (model-free tools, tests).
+    max_step_s: float | None = None
 
 
 @dataclass
@@ -170,11 +177,25 @@ class Scheduler:
         """Whether any request is waiting or running."""
         return bool(self.waiting or self.running)
 
+    def cap_step_time(self, max_step_s: float | None) -> None:
+        """Cap each step's tokens to what the measured prefill speed computes in `max_step_s` seconds (None:
+        the token budget alone)."""
+        self.limits = dataclasses.replace(self.limits, max_step_s=max_step_s)
+
+    def step_budget(self) -> int:
+        """The tokens the next step may compute: `max_num_batched_tokens`, capped by `max_step_s` at the
+        prefill speed measured so far, never below a page's tokens (a prefill always moves)."""
+        budget = self.limits.max_num_batched_tokens
+        if self.limits.max_step_s is None:
+            return budget
+        timed = int(self.limits.max_step_s / self.cost.prefill_s_per_token)
+        return min(budget, max(timed, self.kv.page_size))
+
     def schedule(self) -> StepPlan:
         """Pick this step's chunks: decodes first (oldest first), then prefills, shortest remaining first,
         of running requests and of admissions from the queue alike."""
         plan = StepPlan()
-        budget = self.limits.max_num_batched_tokens
+        budget = self.step_budget()
         scheduled: set[int] = set()  # ids of sequences with a chunk in this plan: never preempted for another
         for seq in list(self.running):
             if budget == 0:

@@ -55,7 +55,7 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> Starlette:
     does. One app per LLM; `config.host`, `port` and `log_level` are for whoever runs it (`swarmkv serve`)."""
     config = config if config is not None else ServerConfig()
     tenants = TenantKeys.of(config.api_key, config.api_keys)
-    engine = AsyncEngine(llm.engine)
+    engine = AsyncEngine(llm.engine, config.max_step_s or None)
     metrics = ServerMetrics(engine.snapshot, lambda: engine.num_aborted)
     log = config.log_requests
     ctx = ServerContext(

@@ -133,6 +133,13 @@ class ServerConfig:
         "answer at most this many requests on one kept-alive connection; the last says `connection: close` "
         "(default %(default)s)",
     )
+    max_step_s: float = _opt(
+        1.0,
+        "cap each engine step's tokens to what the prefill speed measured from recent steps computes in this "
+        "many seconds (at least a page's), so that the request of a client that went away is freed within "
+        "about this long: aborts apply between steps, and a 2,048-token prefill step takes seconds on a CPU; "
+        "a GPU's steps are shorter, so it seldom binds there (default %(default)s; 0: the token budget alone)",
+    )
     log_cache_break_text: bool = _opt(
         False,
         "with each cache break's log line (tenant, session, offset, cause), write up to 160 characters of the "
@@ -175,6 +182,8 @@ class ServerConfig:
                      "keep_alive_timeout_s", "max_requests_per_connection"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if not self.max_step_s >= 0:
+            raise ValueError(f"--max-step-s must be at least 0, got {self.max_step_s}")
         if self.responses_store_max < 0:
             raise ValueError(f"--responses-store-max must be at least 0, got {self.responses_store_max}")
         for name in _comma_list(self.allowed_hosts):

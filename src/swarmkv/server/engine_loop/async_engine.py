@@ -57,8 +57,11 @@ class _Live:
 class AsyncEngine:
     """Runs an LLMEngine on its own thread; every public method may be called from any thread."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, max_step_s: float | None = None) -> None:
+        """`max_step_s`: the longest a step should take (`ServerConfig.max_step_s`), as aborts wait for the
+        step running; None: the engine's token budget alone."""
         self.engine = engine
+        engine.core.scheduler.cap_step_time(max_step_s)
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._pins = PendingPins()
