@@ -14,6 +14,16 @@ from swarmkv.models.decoder import DecoderForCausalLM
 from swarmkv.models.loader import LoadedModel
 
 TINY_VOCAB = 384  # byte-level ids of the Qwen tokenizer: every one decodes, none is an end-of-turn token
+# The tiny models' head counts for interpreted engine tests. The interpreter walks one program per token and
+# head (norm and rotary, attention) or per state slot and value head (the delta rule, the conv), so halving
+# the heads halves its work, while each ratio the kernels index by stays as the tiny shape has it: two q
+# heads on each KV head (GQA) and two value heads on each key head (Qwen3.5's linear attention).
+FEWER_HEADS: dict[str, object] = {"num_attention_heads": 2, "num_key_value_heads": 1}
+FEWER_HYBRID_HEADS: dict[str, object] = {
+    **FEWER_HEADS,
+    "linear_num_key_heads": 1,
+    "linear_num_value_heads": 2,
+}
 
 
 def tiny_config(**overrides: object) -> ModelConfig:

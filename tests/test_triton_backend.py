@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from engine_helpers import FEWER_HEADS  # noqa: E402
 from swarmkv.core.sampling_params import SamplingParams  # noqa: E402
 from swarmkv.engine.backend import resolve_attention_backend  # noqa: E402
 from swarmkv.engine.cuda_graphs import DecodeGraphs, EagerGraph, batch_buckets  # noqa: E402
@@ -32,7 +33,7 @@ GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-qwen3")
-    make_tiny_checkpoint(folder, "qwen3")
+    make_tiny_checkpoint(folder, "qwen3", **FEWER_HEADS)  # half the interpreter's programs
     return folder
 
 

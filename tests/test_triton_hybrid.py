@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from engine_helpers import FEWER_HYBRID_HEADS  # noqa: E402
 from swarmkv import LLM, SamplingParams  # noqa: E402
 from swarmkv.engine.backend import resolve_attention_backend  # noqa: E402
 from swarmkv.engine.cuda_graphs import DecodeGraphs, EagerGraph, batch_buckets  # noqa: E402
@@ -188,7 +189,8 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     """The tiny Qwen3.5 (three Gated DeltaNet layers, one gated attention layer, hidden 64) in float32, its
     states decaying slowly so that a state lost or mixed up changes the outputs."""
     folder = tmp_path_factory.mktemp("hybrid") / "qwen3_5"
-    make_tiny_checkpoint(folder, "qwen3_5", vocab_size=512)
+    # Half the heads of the tiny shape, at its ratios: half the programs the interpreter walks.
+    make_tiny_checkpoint(folder, "qwen3_5", vocab_size=512, **FEWER_HYBRID_HEADS)
     return load_model(lengthen_recurrent_memory(folder), dtype="float32", device=DEVICE)
 
 

@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from engine_helpers import FEWER_HYBRID_HEADS  # noqa: E402
 from swarmkv import LLM, SamplingParams  # noqa: E402
 from swarmkv.core.sequence import Sequence  # noqa: E402
 from swarmkv.engine.cuda_graphs import DecodeGraphs, EagerGraph, batch_buckets  # noqa: E402
@@ -45,7 +46,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     """The tiny hybrid (three Gated DeltaNet layers, one attention layer) in float32."""
     folder = tmp_path_factory.mktemp("triton_spec") / "qwen3_5"
-    make_tiny_checkpoint(folder, "qwen3_5", vocab_size=VOCAB)
+    # Half the heads of the tiny shape, at its ratios: half the programs the interpreter walks.
+    make_tiny_checkpoint(folder, "qwen3_5", vocab_size=VOCAB, **FEWER_HYBRID_HEADS)
     return load_model(lengthen_recurrent_memory(folder), dtype="float32", device=DEVICE)
 
 
