@@ -47,8 +47,21 @@ def _spills(records: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def test_quantized_matmuls_spill_nothing_and_load_weights_wide(tmp_path: Path) -> None:
-    records = _stats(tmp_path, ["int4", "int8"])
+@pytest.fixture(scope="module")
+def matmul_and_attention_records(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """The int4, int8 and attention cases' records by case, from one run of the script (each run starts torch
+    and triton afresh)."""
+    records = _stats(tmp_path_factory.mktemp("kernel_stats"), ["int4", "int8", "attention"])
+    by_case: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_case.setdefault(r["case"], []).append(r)
+    return by_case
+
+
+def test_quantized_matmuls_spill_nothing_and_load_weights_wide(
+    matmul_and_attention_records: dict[str, list[dict[str, Any]]],
+) -> None:
+    records = matmul_and_attention_records.get("int4", []) + matmul_and_attention_records.get("int8", [])
     gemv = [r for r in records if r["kernel"] == "_quant_gemv_kernel"]
     # int4 and int8 at decode (M = 1, 8, 32) and prefill, each on both targets
     assert len(gemv) == 2 * 4 * len(TARGETS), [(r["kernel"], r["config"], r["target"]) for r in records]
@@ -87,8 +100,10 @@ def test_a_cached_kernel_naming_a_gone_checkout_reads_this_checkouts_source() ->
     assert done.stdout.strip().startswith(WEIGHT_LOAD)
 
 
-def test_attention_kernels_spill_nothing(tmp_path: Path) -> None:
-    records = _stats(tmp_path, ["attention"])
+def test_attention_kernels_spill_nothing(
+    matmul_and_attention_records: dict[str, list[dict[str, Any]]],
+) -> None:
+    records = matmul_and_attention_records.get("attention", [])
     kernels = {r["kernel"] for r in records}
     assert {"_attention_kernel", "_merge_kernel", "_store_kv_kernel"} <= kernels
     assert not _spills(records), _spills(records)
