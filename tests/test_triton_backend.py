@@ -38,7 +38,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _prompts() -> list[list[int]]:
-    shared = list(range(100, 158))  # 58 tokens: over 14 pages of 4, a partial last page
+    shared = list(range(100, 126))  # 26 tokens: over 6 pages of 4, a partial last page
     return [shared + [7, 8, 9 + i] for i in range(3)] + [[5, 6, 7, 8, 9]]
 
 
@@ -115,7 +115,7 @@ def _prefill_beside_a_decode_group(llm: LLM) -> tuple[dict[str, list[int]], bool
     """Three requests sharing a head decode as one cascade group while a fourth arrives and prefills: each
     request's tokens, and whether a step ran the group beside a prefill."""
     engine = llm.engine
-    shared = list(range(100, 158))
+    shared = list(range(100, 126))
     for i in range(3):
         engine.add_request(f"d{i}", shared + [7, 8, 9 + i], GREEDY)
     tokens: dict[str, list[int]] = {}
