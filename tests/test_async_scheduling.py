@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine_helpers import TINY_VOCAB, tiny_llm
+from engine_helpers import FEWER_HEADS, FEWER_HYBRID_HEADS, TINY_VOCAB, tiny_llm
 from swarmkv import LLM, SamplingParams
 from swarmkv.core.config import EngineConfig
 from swarmkv.core.sequence import PROVISIONAL_TOKEN
@@ -210,7 +210,7 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     """The tiny Qwen3.5 (three Gated DeltaNet layers, one gated attention layer) in float32, its states
     decaying slowly so that a state lost or mixed up changes the outputs."""
     folder = tmp_path_factory.mktemp("hybrid") / "qwen3_5"
-    make_tiny_checkpoint(folder, "qwen3_5", vocab_size=512)
+    make_tiny_checkpoint(folder, "qwen3_5", vocab_size=512, **FEWER_HYBRID_HEADS)  # for the interpreted test
     return load_model(lengthen_recurrent_memory(folder), dtype="float32")
 
 
@@ -247,7 +247,9 @@ def test_triton_graph_replays_read_their_inputs_from_the_step_before(tmp_path: P
     pytest.importorskip("triton")
     from swarmkv.engine.cuda_graphs import DecodeGraphs, EagerGraph, batch_buckets
 
-    folder = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3")
+    folder = make_tiny_checkpoint(
+        tmp_path / "qwen3", "qwen3", **FEWER_HEADS
+    )  # half the interpreter's programs
     prompts = [list(range(100, 130)) + [7, 8 + i] for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
