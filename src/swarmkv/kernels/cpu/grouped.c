@@ -1323,6 +1323,61 @@ static inline __attribute__((always_inline)) void rows_dot_int8_q6k(const layout
 }
 #endif
 
+#if HAVE_INT8_PLAIN
+/* Row n of a Q4_K weight against up to FAST_ROWS rows of int8 x, two groups of 32 a step as quantize_x's pairs lay
+ * x out, a super-group's constants read where it starts (no pass over the row's constants first): one 32-byte load
+ * holds both groups' nibbles (low halves their even elements, high halves their odd ones); the two int16 pair sums
+ * of each group take its integer sub-scale in the madd (|sum| <= 4 * 15 * 127, times 63, twice: int32 holds it),
+ * and the super-group's float16 times x's dx (its scale4 form) in one multiply. The minimums meet x's group sums
+ * eight groups a vector. A row's arithmetic is the same at every M, so its result is the same alone or in a
+ * batch. */
+static inline __attribute__((always_inline)) void rows_dot_int8_q4k(const layout_t *w, int64_t K, int64_t n, int64_t M,
+                                                                    const qx_t *qx, int64_t m0, float *out) {
+    const int64_t groups = K / 32, supers = K / 256;
+    const int8_t *x = qx->pairs + m0 * K;
+    const float *dx4 = qx->scale4 + m0 * groups * 4, *xs = qx->sum + m0 * groups;
+    const uint8_t *lo = w->low + n * (K / 2), *subs = (const uint8_t *)w->s_sub + n * groups;
+    const __m256i low4 = _mm256_set1_epi8(0xF);
+    /* int16 lanes 0-7 take sub-scale 2p, lanes 8-15 sub-scale 2p + 1, from the eight as int16 in both halves */
+    const __m256i pick[4] = {
+        _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3),
+        _mm256_setr_epi8(4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7),
+        _mm256_setr_epi8(8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11,
+                         10, 11, 10, 11),
+        _mm256_setr_epi8(12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 14, 15, 14, 15, 14, 15, 14, 15,
+                         14, 15, 14, 15, 14, 15, 14, 15)};
+    enum { CHAINS = 2 };
+    __m256 acc[FAST_ROWS][CHAINS], rest[FAST_ROWS];
+    for (int64_t m = 0; m < M; m++) acc[m][0] = acc[m][1] = rest[m] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < supers; sb++) {
+        const __m256 d = _mm256_set1_ps(half_to_float(w->s_half[n * supers + sb]));
+        const __m128i sub8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(subs + sb * 8)));
+        const __m256i sub16 = _mm256_set_m128i(sub8, sub8);
+        if (w->m_half != NULL) {
+            const __m128i msub = _mm_loadl_epi64((const __m128i *)(w->m_sub + n * groups + sb * 8));
+            const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(half_to_float(w->m_half[n * supers + sb])),
+                                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(msub)));
+            for (int64_t m = 0; m < M; m++) rest[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xs + m * groups + sb * 8), rest[m]);
+        }
+        for (int64_t p = 0; p < 4; p++) {
+            const int64_t g = sb * 8 + 2 * p;
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(lo + g * 16));
+            const __m256i ce = _mm256_and_si256(v, low4), co = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            const __m256i sub = _mm256_shuffle_epi8(sub16, pick[p]);
+            const int c = (int)(p % CHAINS);
+            for (int64_t m = 0; m < M; m++) {
+                const int8_t *xm = x + m * K + g * 32;
+                const __m256i sum16 = _mm256_add_epi16(_mm256_maddubs_epi16(ce, _mm256_loadu_si256((const __m256i *)xm)),
+                                                       _mm256_maddubs_epi16(co, _mm256_loadu_si256((const __m256i *)(xm + 32))));
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, sub));
+                acc[m][c] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_loadu_ps(dx4 + m * groups * 4 + g * 4)), acc[m][c]);
+            }
+        }
+    }
+    for (int64_t m = 0; m < M; m++) out[m] = hsum256(rest[m]) + hsum256(_mm256_add_ps(acc[m][0], acc[m][1]));
+}
+#endif
+
 /* Rows [n0, n1) of y = x W^T from int8 x for a K-quant layout (kquant_int8_reads). */
 static void rows_matmul_int8_k(const layout_t *w, int64_t M, int64_t K, const qx_t *qx, float *y, int64_t ldy,
                                int64_t n0, int64_t n1) {
@@ -1333,6 +1388,11 @@ static void rows_matmul_int8_k(const layout_t *w, int64_t M, int64_t K, const qx
 #if HAVE_INT8_PLAIN
             if (w->bits == 6) {
                 BY_ROW_COUNT(rows_dot_int8_q6k, rows)
+                for (int64_t m = 0; m < rows; m++) y[(m0 + m) * ldy + n] = out[m];
+                continue;
+            }
+            if (w->bits == 4) {
+                BY_ROW_COUNT(rows_dot_int8_q4k, rows)
                 for (int64_t m = 0; m < rows; m++) y[(m0 + m) * ldy + n] = out[m];
                 continue;
             }
@@ -1357,6 +1417,10 @@ static void rows_matmul_int8(const layout_t *w, int64_t M, int64_t K, const qx_t
 #else
     float out[FAST_ROWS];
 #if HAVE_INT8_PLAIN
+    if (w->bits == 4 && kquant_int8_reads(w)) { /* Q4_K: rows_dot_int8_q4k */
+        rows_matmul_int8_k(w, M, K, qx, y, ldy, n0, n1);
+        return;
+    }
     if (int8_plain_reads(w, K)) {
         /* 4-bit codes: several weight rows a pass where x has few rows, sharing x's loads and each row's fixed
          * costs (8-bit codes gain nothing from it: their sign trick is per row, and the accumulators spill) */
