@@ -27,6 +27,13 @@ if not torch.cuda.is_available():
 # inherit it.
 os.environ.setdefault("SWARMKV_HUGE_PAGES", "off")
 
+# glibc's malloc serves a block over its mmap threshold (at most 32 MiB) with a fresh mapping and unmaps it at
+# free, so every step's large tensors (a prefill's activations and logits, a KV pool, a loaded model) fault
+# their pages in, zeroed by the kernel, each time. From the heap instead (no mmap, no trimming of its top), freed
+# pages are reused as they are. The process's own malloc is set up before this runs, so it reaches the xdist
+# workers, started after conftest is read, and every subprocess; the memory a process holds is its peak.
+os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736")
+
 # Under pytest-xdist each worker gets its share of the cores, so workers do not oversubscribe them.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
