@@ -1327,10 +1327,11 @@ static inline __attribute__((always_inline)) void rows_dot_int8_q6k(const layout
 /* Row n of a Q4_K weight against up to FAST_ROWS rows of int8 x, two groups of 32 a step as quantize_x's pairs lay
  * x out, a super-group's constants read where it starts (no pass over the row's constants first): one 32-byte load
  * holds both groups' nibbles (low halves their even elements, high halves their odd ones); the two int16 pair sums
- * of each group take its integer sub-scale in the madd (|sum| <= 4 * 15 * 127, times 63, twice: int32 holds it),
- * and the super-group's float16 times x's dx (its scale4 form) in one multiply. The minimums meet x's group sums
- * eight groups a vector. A row's arithmetic is the same at every M, so its result is the same alone or in a
- * batch. */
+ * of each group take its integer sub-scale in the madd (|sum| <= 4 * 15 * 127, times 63, twice: int32 holds it);
+ * a super-group's four pairs, each times x's dx (its scale4 form), are summed before one multiply by its float16
+ * (one multiply a pair fewer than scaling each pair). The minimums meet x's group sums eight groups a vector. Two
+ * vectors a row of x: the caller passes at most four rows, which keeps them in registers. A row's arithmetic is
+ * the same at every M, so its result is the same alone or in a batch. */
 static inline __attribute__((always_inline)) void rows_dot_int8_q4k(const layout_t *w, int64_t K, int64_t n, int64_t M,
                                                                     const qx_t *qx, int64_t m0, float *out) {
     const int64_t groups = K / 32, supers = K / 256;
@@ -1346,37 +1347,47 @@ static inline __attribute__((always_inline)) void rows_dot_int8_q4k(const layout
                          10, 11, 10, 11),
         _mm256_setr_epi8(12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 14, 15, 14, 15, 14, 15, 14, 15,
                          14, 15, 14, 15, 14, 15, 14, 15)};
-    enum { CHAINS = 2 };
-    __m256 acc[FAST_ROWS][CHAINS], rest[FAST_ROWS];
-    for (int64_t m = 0; m < M; m++) acc[m][0] = acc[m][1] = rest[m] = _mm256_setzero_ps();
+    __m256 acc[FAST_ROWS]; /* per row: the super-groups' sums times their float16, and the minimums' terms */
+    for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < supers; sb++) {
         const __m256 d = _mm256_set1_ps(half_to_float(w->s_half[n * supers + sb]));
         const __m128i sub8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(subs + sb * 8)));
         const __m256i sub16 = _mm256_set_m128i(sub8, sub8);
-        if (w->m_half != NULL) {
-            const __m128i msub = _mm_loadl_epi64((const __m128i *)(w->m_sub + n * groups + sb * 8));
-            const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(half_to_float(w->m_half[n * supers + sb])),
-                                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(msub)));
-            for (int64_t m = 0; m < M; m++) rest[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xs + m * groups + sb * 8), rest[m]);
-        }
+        __m256 part[FAST_ROWS]; /* per row: the super-group's four pairs, times x's dx */
         for (int64_t p = 0; p < 4; p++) {
             const int64_t g = sb * 8 + 2 * p;
             const __m256i v = _mm256_loadu_si256((const __m256i *)(lo + g * 16));
             const __m256i ce = _mm256_and_si256(v, low4), co = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
             const __m256i sub = _mm256_shuffle_epi8(sub16, pick[p]);
-            const int c = (int)(p % CHAINS);
             for (int64_t m = 0; m < M; m++) {
                 const int8_t *xm = x + m * K + g * 32;
                 const __m256i sum16 = _mm256_add_epi16(_mm256_maddubs_epi16(ce, _mm256_loadu_si256((const __m256i *)xm)),
                                                        _mm256_maddubs_epi16(co, _mm256_loadu_si256((const __m256i *)(xm + 32))));
                 const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, sub));
-                acc[m][c] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_loadu_ps(dx4 + m * groups * 4 + g * 4)), acc[m][c]);
+                const __m256 dx = _mm256_loadu_ps(dx4 + m * groups * 4 + g * 4);
+                part[m] = p == 0 ? _mm256_mul_ps(dot, dx) : _mm256_fmadd_ps(dot, dx, part[m]);
             }
         }
+        for (int64_t m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(part[m], d, acc[m]);
+        if (w->m_half != NULL) {
+            const __m128i msub = _mm_loadl_epi64((const __m128i *)(w->m_sub + n * groups + sb * 8));
+            const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(half_to_float(w->m_half[n * supers + sb])),
+                                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(msub)));
+            for (int64_t m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xs + m * groups + sb * 8), acc[m]);
+        }
     }
-    for (int64_t m = 0; m < M; m++) out[m] = hsum256(rest[m]) + hsum256(_mm256_add_ps(acc[m][0], acc[m][1]));
+    for (int64_t m = 0; m < M; m++) out[m] = hsum256(acc[m]);
 }
 #endif
+
+/* KERNEL(w, K, n, rows, qx, first, out) with a constant row count of 1 to 4, from x's row `first`. */
+#define QUAD_ROW_COUNT(KERNEL, ROWS, FIRST)                                                                   \
+    switch (ROWS) {                                                                                           \
+    case 1: KERNEL(w, K, n, 1, qx, FIRST, out); break;                                                        \
+    case 2: KERNEL(w, K, n, 2, qx, FIRST, out); break;                                                        \
+    case 3: KERNEL(w, K, n, 3, qx, FIRST, out); break;                                                        \
+    default: KERNEL(w, K, n, 4, qx, FIRST, out);                                                              \
+    }
 
 /* Rows [n0, n1) of y = x W^T from int8 x for a K-quant layout (kquant_int8_reads). */
 static void rows_matmul_int8_k(const layout_t *w, int64_t M, int64_t K, const qx_t *qx, float *y, int64_t ldy,
@@ -1391,9 +1402,12 @@ static void rows_matmul_int8_k(const layout_t *w, int64_t M, int64_t K, const qx
                 for (int64_t m = 0; m < rows; m++) y[(m0 + m) * ldy + n] = out[m];
                 continue;
             }
-            if (w->bits == 4) {
-                BY_ROW_COUNT(rows_dot_int8_q4k, rows)
-                for (int64_t m = 0; m < rows; m++) y[(m0 + m) * ldy + n] = out[m];
+            if (w->bits == 4) { /* four rows of x a pass: a row's two vectors stay in registers */
+                for (int64_t q = 0; q < rows; q += 4) {
+                    const int64_t count = rows - q < 4 ? rows - q : 4;
+                    QUAD_ROW_COUNT(rows_dot_int8_q4k, count, m0 + q)
+                    for (int64_t m = 0; m < count; m++) y[(m0 + q + m) * ldy + n] = out[m];
+                }
                 continue;
             }
 #endif
