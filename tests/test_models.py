@@ -271,7 +271,9 @@ def test_greedy_matches_transformers_generate(smol_llm: LLM, smol_hf: Any) -> No
 @pytest.mark.slow
 def test_sharing_on_off_identical_on_the_default_model(smol_llm: LLM) -> None:
     llm = smol_llm
-    head = llm.tokenizer.encode("You are a careful coding agent. " * 150)[:1024]
+    # A 512-token head: the first step's budget of 1024 tokens still splits the four prompts into chunks, and
+    # the engine without sharing prefills half of what a 1024-token head cost it.
+    head = llm.tokenizer.encode("You are a careful coding agent. " * 80)[:512]
     tails = [llm.tokenizer.encode(f" Task {i}: fix bug number {i * 37} in module m{i}.") for i in range(4)]
     prompts = [head + t for t in tails]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -281,4 +283,4 @@ def test_sharing_on_off_identical_on_the_default_model(smol_llm: LLM) -> None:
     )
     for a, b in zip(shared, naive.generate(prompts, params), strict=True):
         assert a.token_ids == b.token_ids
-    assert sum(o.num_cached_tokens for o in shared) >= 3 * 1024
+    assert sum(o.num_cached_tokens for o in shared) >= 3 * len(head)
