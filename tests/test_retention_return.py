@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from swarmkv.core.sampling_params import SamplingParams
@@ -186,3 +188,33 @@ def test_the_session_policy_still_ranks_paused_tails_by_last_activity() -> None:
     slow = agents.turn([*HEAD, 20, 21, 22], "slow", "build")
     fast_tail, slow_tail = agents.tail(fast.token_ids), agents.tail(slow.token_ids)
     assert goes_before(agents.eviction_order(), fast_tail, slow_tail)
+
+
+def test_a_return_the_caller_knows_replaces_the_forecast_until_the_turn_arrives() -> None:
+    agents = Agents()
+    observe(agents, "grep", [0.5])
+    soon = agents.turn([*HEAD, 10, 11, 12], "soon", "grep")
+    late = agents.turn([*HEAD, 20, 21, 22], "late", "grep")
+    retention = agents.kv.retention
+    assert retention.expect_return("soon", 30.0) and retention.expect_return("late", 90.0)
+    assert not retention.expect_return("nobody", 1.0)
+    agents.clock.now_s += 10.0
+    assert retention.return_in_s("soon") == pytest.approx(20.0)
+    assert retention.return_in_s("late") == pytest.approx(80.0)
+    soon_tail, late_tail = agents.tail(soon.token_ids), agents.tail(late.token_ids)
+    assert goes_before(agents.eviction_order(), late_tail, soon_tail)
+    back = agents.start([*soon.token_ids, 13], "soon")  # it came back: due now, the told time forgotten
+    assert retention.return_in_s("soon") == 0.0
+    agents.run(back, "grep")
+    assert retention.return_in_s("soon") == pytest.approx(retention.forecast.remaining_s("grep", 0.0))
+
+
+def test_a_session_told_it_never_continues_its_pages_goes_first_among_the_paused() -> None:
+    agents = Agents()
+    compacting = agents.turn([*HEAD, 10, 11, 12], "compacting", "grep")
+    agents.clock.now_s += 0.1
+    other = agents.turn([*HEAD, 20, 21, 22], "other", "grep")
+    agents.kv.retention.expect_return("compacting", math.inf)
+    assert agents.kv.retention.return_in_s("compacting") == math.inf
+    gone, kept = agents.tail(compacting.token_ids), agents.tail(other.token_ids)
+    assert goes_before(agents.eviction_order(), gone, kept)

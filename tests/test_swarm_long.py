@@ -12,10 +12,14 @@ from rich.console import Console
 
 from conftest_tokenizer_helpers import smol_tokenizer
 from swarmkv.cli import main
+from swarmkv.core.sampling_params import SamplingParams
+from swarmkv.core.scheduler import Chunk, StepPlan
+from swarmkv.core.sequence import Sequence
 from swarmkv.swarm.long_cli import parse_policies
 from swarmkv.swarm.long_report import long_record, percentile, print_long_table, save_long_plot
-from swarmkv.swarm.long_run import POLICIES, KVSample, PolicyResult
+from swarmkv.swarm.long_run import POLICIES, KVSample, ModelledClock, PolicyResult
 from swarmkv.swarm.long_workload import TOOL_PAUSE_MAX_S, TOOL_PAUSE_MIN_S, build_long_workload, compacted
+from swarmkv.swarm.replay import ReplayExecutor, load_replies, record_of
 from swarmkv.swarm.workload import initial_messages, tool_result_message
 from tiny_gguf import write_tiny_gguf
 
@@ -97,7 +101,7 @@ def test_long_workload_shrinks_tool_results_to_fit_the_context() -> None:
 
 
 def test_policies_parse_in_order_and_refuse_unknown_names() -> None:
-    assert list(POLICIES) == ["lru", "session", "return", "session+offload"]
+    assert list(POLICIES) == ["lru", "session", "return", "session+offload", "belady"]
     assert parse_policies(None) == ["lru", "session", "session+offload"]  # return: named to be compared
     assert parse_policies("session+offload, lru,lru") == ["session+offload", "lru"]
     with pytest.raises(ValueError, match="unknown policy 'fifo'"):
@@ -113,6 +117,7 @@ def test_policies_parse_in_order_and_refuse_unknown_names() -> None:
         (["--turns", "0"], "must be positive"),
         (["--time-scale", "-0.5"], "--time-scale must be >= 0"),
         (["--mode", "shared"], "--mode is for --scenario short"),
+        (["--replay-replies", "r.json"], "--replay-replies takes --clock model"),
     ],
 )
 def test_long_scenario_rejects_bad_arguments(
@@ -258,3 +263,36 @@ def test_long_swarm_end_to_end(tmp_path: Path) -> None:
     assert offload["recomputed_tokens"] <= lru["recomputed_tokens"]
     assert set(record["ratios"]) == {"session", "session+offload"}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_modelled_clock_moves_by_steps_and_jumps_waits() -> None:
+    clock = ModelledClock(step_s=0.03, token_s=0.001)
+    clock.stepped(100)
+    assert clock.now() == pytest.approx(0.13)
+    clock.wait_until(2.0)
+    assert clock.now() == 2.0
+    clock.wait_until(1.0)  # never backwards
+    assert clock.now() == 2.0
+
+
+def test_a_replay_gives_the_recorded_tokens_and_a_draft_as_far_as_it_matches(tmp_path: Path) -> None:
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    seq = Sequence("agent-0/turn-0", [1, 2, 3], params)
+    executor = ReplayExecutor({"agent-0/turn-0": [7, 8, 9, 10]})
+    prefill = Chunk(seq, 0, [1, 2, 3], "prefill", samples=True)
+    quiet = Chunk(Sequence("other", [4, 5], params), 0, [4], "prefill", samples=False)
+    assert [r.token_ids for r in executor.execute(StepPlan(chunks=[quiet, prefill]), None).rows] == [[7]]
+    seq.append_token(7)
+    draft = Chunk(seq, 3, [7, 8, 5], "decode", samples=True, draft=(8, 5))  # 8 matches, 5 does not
+    assert executor.execute(StepPlan(chunks=[draft]), None).rows[0].token_ids == [8, 9]
+    for token in (8, 9, 10):
+        seq.append_token(token)
+    with pytest.raises(RuntimeError, match="more tokens than its run generated"):
+        executor.execute(StepPlan(chunks=[Chunk(seq, 6, [10], "decode", samples=True)]), None)
+    settings = {"agents": 1, "turns": 2, "seed": 0, "max_tokens": 8, "max_model_len": 64}
+    settings |= {"prefix_tokens": 10, "subagent_share": 0.0}
+    path = tmp_path / "replies.json"
+    path.write_text(json.dumps(record_of(settings, ["agent-0"], [[[7, 8], [9]]])))
+    assert load_replies(str(path), settings) == {"agent-0/turn-0": [7, 8], "agent-0/turn-1": [9]}
+    with pytest.raises(ValueError, match="recorded with other settings"):
+        load_replies(str(path), {**settings, "seed": 1})

@@ -93,6 +93,7 @@ class _Session:
     last_active: int = 0
     paused_at_s: float | None = None  # by the clock, when its last live request closed (its tool runs)
     tool: str | None = None  # the tool its newest turn's reply called, when the caller said
+    returns_at_s: float | None = None  # by the clock, when the caller said its next turn comes (inf: never)
 
 
 class Retention:
@@ -177,7 +178,11 @@ class Retention:
         """Expected seconds until the session next uses its pages: 0 with a request live (queued, preempted
         or running), else its pending tool call's expected remaining pause."""
         session = self._sessions.get(session_id)
-        if session is None or session.live or session.paused_at_s is None:
+        if session is None or session.live:
+            return 0.0
+        if session.returns_at_s is not None:
+            return max(0.0, session.returns_at_s - self.clock())
+        if session.paused_at_s is None:
             return 0.0
         return self.forecast.remaining_s(session.tool, self.clock() - session.paused_at_s)
 
@@ -201,6 +206,7 @@ class Retention:
             if session.paused_at_s is not None:  # back from its tool: one observation of its pause
                 self.forecast.observe(session.tool, self.clock() - session.paused_at_s)
                 session.paused_at_s, session.tool = None, None
+            session.returns_at_s = None
         session.newest_turn = turn
         session.live.add(request_id)
         session.last_active = next(self._clock)
@@ -260,6 +266,17 @@ class Retention:
         if session is None:
             return False
         session.tool = tool
+        return True
+
+    def expect_return(self, session_id: str, in_s: float) -> bool:
+        """The caller knows the paused session's next turn comes in `in_s` seconds (math.inf: it will not
+        continue these pages, as after a compaction): under `return`, that replaces the forecast until the
+        turn arrives. A benchmark's oracle uses it to order evictions by true next use (Belady's rule). False
+        if the session is not open."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            return False
+        session.returns_at_s = self.clock() + in_s
         return True
 
     def release(self, session_id: str) -> bool:

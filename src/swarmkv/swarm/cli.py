@@ -21,7 +21,7 @@ from swarmkv.models.loader import load_model
 from swarmkv.options import add_engine_arguments, add_model_arguments, engine_kwargs
 from swarmkv.swarm.http_driver import run_swarm_over_http
 from swarmkv.swarm.long_cli import LONG_TURNS, run_long
-from swarmkv.swarm.long_run import DEFAULT_POLICIES, POLICIES
+from swarmkv.swarm.long_run import CLOCKS, DEFAULT_POLICIES, POLICIES
 from swarmkv.swarm.report import json_key, mode_record, print_table, ratios, save_plot, turns_progress
 from swarmkv.swarm.run import MODES, Mode, ModeResult, pool_bytes_for, run_swarm, warm_up
 from swarmkv.swarm.workload import Workload, build_workload, prefix_token_count
@@ -55,8 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--offload-memory",
         type=parse_size,
         default=None,
-        help="host KV tier, e.g. 4GiB (default: short none; long gives session+offload every agent's whole"
-        " context)",
+        help="host KV tier, e.g. 4GiB (default: short the engine's auto, none on the CPU; long gives "
+        "session+offload every agent's whole context)",
     )
     parser.add_argument("--agents", type=int, default=8)
     parser.add_argument(
@@ -85,6 +85,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=1.0,
         help="long: multiplier of the agents' tool pauses (0.2-5 s each); 0 runs them back to back",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=CLOCKS,
+        default="wall",
+        help="long: wall (each step takes what it takes here) or model (time moves by a fixed cost per step "
+        "and token, so the run repeats exactly on any machine at any load; its times are modelled)",
+    )
+    parser.add_argument(
+        "--record-replies",
+        default=None,
+        help="long: write every turn's generated token ids (of the first policy) to this JSON file",
+    )
+    parser.add_argument(
+        "--replay-replies",
+        default=None,
+        help="long: take every turn's reply from a file --record-replies wrote instead of running the model "
+        "(float32 transcripts are the same under every policy); needs --clock model",
     )
     parser.add_argument(
         "--subagent-share",
@@ -141,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     first_prompt = shared_prefix + max(len(tokenizer.encode(a.task)) for a in workload.agents) + 16
     options = engine_kwargs(args)
     if options.get("offload_memory", 0) is None:
-        del options["offload_memory"]  # the engine's default: no host tier
+        del options["offload_memory"]  # the engine's default: auto (none on the CPU)
     if options["kv_cache_memory"] is None:
         options["kv_cache_memory"] = pool_bytes_for(
             workload, first_prompt + 256 * workload.turns, kv_per_token

@@ -19,12 +19,16 @@ from swarmkv.swarm.long_report import MIB, long_record, print_long_table, save_l
 from swarmkv.swarm.long_run import (
     DEFAULT_POLICIES,
     POLICIES,
+    ClockName,
+    ModelledClock,
     Policy,
     PolicyResult,
     policy_config,
     run_long_swarm,
+    session_ids,
 )
 from swarmkv.swarm.long_workload import LongWorkload, build_long_workload
+from swarmkv.swarm.replay import load_replies, record_of
 from swarmkv.swarm.report import turns_progress
 from swarmkv.swarm.run import warm_up
 from swarmkv.swarm.workload import prefix_token_count
@@ -60,6 +64,10 @@ def check_long_args(args: argparse.Namespace) -> list[Policy]:
         raise ValueError("--subagent-share and --compact-share must lie in [0, 1]")
     if args.server:
         raise ValueError("--scenario long runs the engine in process; --server is for --scenario short")
+    if args.replay_replies and args.clock != "model":
+        raise ValueError(
+            "--replay-replies takes --clock model: a replay computes nothing, so wall time means nothing"
+        )
     if args.mode != "both":
         raise ValueError("--mode is for --scenario short; --scenario long compares --policies instead")
     return parse_policies(args.policies)
@@ -116,8 +124,19 @@ def run_long(args: argparse.Namespace) -> int:
         f"per-slot context {long.total_context_tokens:,} tokens ({per_slot_bytes / MIB:,.0f} MiB), "
         f"KV pool {base.kv_cache_bytes / MIB:,.0f} MiB, host tier {offload_bytes / MIB:,.0f} MiB"
     )
-    warm_up(loaded, long.swarm, base)
-    results = _run_policies(console, loaded, long, policies, base, offload_bytes, args.time_scale)
+    replies = None
+    if args.replay_replies:
+        replies = load_replies(args.replay_replies, config)
+    else:
+        warm_up(loaded, long.swarm, base)
+    results = _run_policies(
+        console, loaded, long, policies, base, offload_bytes, args.time_scale, args.clock, replies
+    )
+    if args.record_replies:
+        first = results[policies[0]]
+        with open(args.record_replies, "w") as f:
+            json.dump(record_of(config, session_ids(long), first.token_ids), f)
+        console.print(f"wrote {args.record_replies}")
     record = long_record(config, results, exact_numerics(loaded, base))
     print_long_table(console, record)
     if args.json:
@@ -145,9 +164,11 @@ def _config_record(
     return {
         "agents": args.agents,
         "turns": args.turns,
+        "prefix_tokens": args.prefix_tokens,
         "max_tokens": args.max_tokens,
         "seed": args.seed,
         "time_scale": args.time_scale,
+        "clock": args.clock,
         "policies": list(policies),
         "block_size": base.block_size,
         "max_num_batched_tokens": base.max_num_batched_tokens,
@@ -168,6 +189,8 @@ def _run_policies(
     base: EngineConfig,
     offload_bytes: int,
     time_scale: float,
+    clock: ClockName = "wall",
+    replies: dict[str, list[int]] | None = None,
 ) -> dict[str, PolicyResult]:
     results: dict[str, PolicyResult] = {}
     total = len(long.swarm.agents) * long.swarm.turns + sum(
@@ -187,5 +210,8 @@ def _run_policies(
                 bar.update(task, completed=done, kv=kv)
 
             config = policy_config(base, policy, offload_bytes, len(long.swarm.agents))
-            results[policy] = run_long_swarm(loaded, long, policy, config, time_scale, progress)
+            run_clock = ModelledClock() if clock == "model" else None
+            results[policy] = run_long_swarm(
+                loaded, long, policy, config, time_scale, progress, run_clock, replies
+            )
     return results

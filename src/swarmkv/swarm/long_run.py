@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import heapq
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,15 +15,28 @@ from typing import Literal
 from swarmkv.core.config import EngineConfig
 from swarmkv.core.sampling_params import SamplingParams
 from swarmkv.engine.engine import LLMEngine
+from swarmkv.kv.retention import RetentionPolicy
 from swarmkv.models.loader import LoadedModel
 from swarmkv.swarm.long_workload import TOOL_PAUSE_MIN_S, LongWorkload, compacted
+from swarmkv.swarm.replay import ReplayExecutor
 from swarmkv.swarm.workload import AgentScript, Message, initial_messages, tool_result_message
 
 # A harness compacts a history at most this often: a compacted history has room to grow again.
 COMPACT_EVERY_TURNS = 4
-Policy = Literal["lru", "session", "return", "session+offload"]
-POLICIES: tuple[Policy, ...] = ("lru", "session", "return", "session+offload")
-# Compared when --policies is not given: `return` is selectable, but not the default's rival yet (issue 57).
+Policy = Literal["lru", "session", "return", "session+offload", "belady"]
+POLICIES: tuple[Policy, ...] = ("lru", "session", "return", "session+offload", "belady")
+# `belady` is a bound, not a policy an engine can run: `return` told each paused session's true next turn by
+# the driver, which knows every tool's pause and whether the next prompt is compacted. A parent's wait on its
+# subagent is the one thing it guesses: the subagent's pauses plus this much compute a turn.
+ORACLE_TURN_S = 1.0
+RETENTION_OF: dict[Policy, RetentionPolicy] = {
+    "lru": "lru",
+    "session": "session",
+    "return": "return",
+    "session+offload": "session",
+    "belady": "return",
+}
+# Compared when --policies is not given; `return` and the `belady` bound are compared when named.
 DEFAULT_POLICIES: tuple[Policy, ...] = ("lru", "session", "session+offload")
 
 
@@ -30,7 +44,7 @@ def policy_config(base: EngineConfig, policy: Policy, offload_bytes: int, num_ag
     """`base` with the policy's retention and host tier, one running request per agent, prefix index on."""
     return dataclasses.replace(
         base,
-        retention="session" if policy == "session+offload" else policy,
+        retention=RETENTION_OF[policy],
         offload_memory=offload_bytes if policy == "session+offload" else 0,
         max_num_seqs=num_agents,
         prefix_caching=True,
@@ -80,6 +94,50 @@ class PolicyResult:
 
 
 ProgressFn = Callable[[int, int, PolicyResult], None]
+ClockName = Literal["wall", "model"]
+CLOCKS: tuple[ClockName, ...] = ("wall", "model")
+
+
+class WallClock:
+    """The run's time is the wall's: a step takes what it takes on this machine under its load."""
+
+    def now(self) -> float:
+        """Seconds, from an arbitrary start."""
+        return time.perf_counter()
+
+    def wait_until(self, t: float) -> None:
+        """Sleep until `t`."""
+        time.sleep(max(0.0, t - self.now()))
+
+    def stepped(self, num_tokens: int) -> None:
+        """A step computed `num_tokens` tokens: it already took its time."""
+
+
+@dataclass
+class ModelledClock:
+    """The run's time moves only by a cost model: a step takes `step_s` plus `token_s` per token it computes
+    (prefill chunks and decode rows), a wait takes no wall time. The same workload and policy then take the
+    same steps in the same order on any machine at any load, so counters and times repeat exactly. The
+    defaults are of the order of the embedded model's float steps on a 2-core CPU (a turn about a second)."""
+
+    step_s: float = 0.03
+    token_s: float = 0.0005
+    now_s: float = 0.0
+
+    def now(self) -> float:
+        """Modelled seconds since the run started."""
+        return self.now_s
+
+    def wait_until(self, t: float) -> None:
+        """Jump to `t`."""
+        self.now_s = max(self.now_s, t)
+
+    def stepped(self, num_tokens: int) -> None:
+        """A step computed `num_tokens` tokens: time moves by its modelled cost."""
+        self.now_s += self.step_s + self.token_s * num_tokens
+
+
+Clock = WallClock | ModelledClock
 
 
 @dataclass
@@ -100,6 +158,11 @@ class _Worker:
     def num_turns(self) -> int:
         """Turns in its script: one per tool result, plus the last."""
         return len(self.script.tool_results) + 1
+
+
+def session_ids(long: LongWorkload) -> list[str]:
+    """Each worker's session, in the order of a result's rows."""
+    return [w.session_id for w in _workers(long)]
 
 
 def _workers(long: LongWorkload) -> list[_Worker]:
@@ -124,12 +187,19 @@ def run_long_swarm(
     config: EngineConfig,
     time_scale: float = 1.0,
     progress: ProgressFn | None = None,
+    clock: Clock | None = None,
+    recorded: dict[str, list[int]] | None = None,
 ) -> PolicyResult:
     """Agents run their turns one session each; between turns an agent waits out its tool's scaled pause, so
     the agents drift apart. An agent with a subagent spawns it after one turn and waits for its report; a
-    prompt past the compaction threshold is compacted first. A finished session is released."""
+    prompt past the compaction threshold is compacted first. A finished session is released. Times are the
+    wall's unless `clock` is a ModelledClock (a fresh one per run). With `recorded` (request id -> token ids, as
+    a run recorded them) the model does not run: each turn's reply is the recorded one (`replay.py`)."""
+    clock = clock or WallClock()
     workload = long.swarm
     engine = LLMEngine(loaded, config)
+    if recorded is not None:
+        engine.executor = ReplayExecutor(recorded)  # type: ignore[assignment]
     tokenizer = loaded.tokenizer
     workers = _workers(long)
     result = PolicyResult(
@@ -152,12 +222,7 @@ def run_long_swarm(
     def submit(i: int, due: float) -> None:
         w = workers[i]
         ids = render(w)
-        if (
-            long.compact_tokens is not None
-            and w.parent is None
-            and len(ids) > long.compact_tokens
-            and w.turn - w.compacted_at >= COMPACT_EVERY_TURNS
-        ):
+        if _compacts(long, w, len(ids)):
             w.compacted_at = w.turn
             w.messages = compacted(w.messages)
             ids = render(w)
@@ -173,22 +238,27 @@ def run_long_swarm(
         replies[rid] = []
         result.token_ids[i].append([])
 
-    start = time.perf_counter()
+    if isinstance(clock, ModelledClock):
+        engine.core.kv.retention.clock = clock.now  # tool pauses are timed on the run's clock
+    start = clock.now()
     for i, w in enumerate(workers):
         if w.parent is None:
             submit(i, start)
+    computed = 0  # prefill tokens computed so far
     while engine.has_unfinished() or pending:
-        now = time.perf_counter()
+        now = clock.now()
         while pending and pending[0][0] <= now:
             due, i = heapq.heappop(pending)
             submit(i, due)
         if not engine.has_unfinished():
             # Every agent is waiting on a tool: nothing to compute until the next one is due.
-            time.sleep(max(0.0, pending[0][0] - now))
+            clock.wait_until(pending[0][0])
             continue
         deltas = engine.step()
-        now = time.perf_counter()
         stats = engine.snapshot()
+        clock.stepped(stats.prefill_tokens_computed - computed + len(deltas))
+        computed = stats.prefill_tokens_computed
+        now = clock.now()
         result.timeline.append(
             KVSample(now - start, stats.kv_bytes_used, stats.offloaded_bytes, stats.recomputed_tokens)
         )
@@ -204,13 +274,57 @@ def run_long_swarm(
                 continue
             done_turns += 1
             reply = "".join(replies.pop(delta.request_id))
+            finished_turn = workers[i].turn
             _next_turn(engine, workers, i, reply, now, time_scale, pending, submit, result)
+            if policy == "belady":
+                _tell_oracle(engine, long, workers, i, finished_turn, time_scale, render)
             if progress is not None:
                 progress(done_turns, total_turns, result)
-    result.wall_s = time.perf_counter() - start
+    result.wall_s = clock.now() - start
     _read_counters(engine, result)
     engine.check_integrity()
     return result
+
+
+def _compacts(long: LongWorkload, w: _Worker, num_tokens: int) -> bool:
+    """Whether the harness compacts the worker's history before its next turn, whose prompt has `num_tokens`."""
+    return (
+        long.compact_tokens is not None
+        and w.parent is None
+        and num_tokens > long.compact_tokens
+        and w.turn - w.compacted_at >= COMPACT_EVERY_TURNS
+    )
+
+
+def _tell_oracle(
+    engine: LLMEngine,
+    long: LongWorkload,
+    workers: list[_Worker],
+    i: int,
+    finished_turn: int,
+    time_scale: float,
+    render: Callable[[_Worker], list[int]],
+) -> None:
+    """`belady`: after worker `i`'s turn `finished_turn`, tell the retention when each session it affects next
+    uses its pages: its own after its tool's pause, its parent's after its report; never, where the next prompt
+    is compacted."""
+    retention = engine.core.kv.retention
+    w = workers[i]
+    if finished_turn + 1 >= w.num_turns:  # its last: a subagent's parent is due once the report is in
+        if w.parent is not None:
+            parent = workers[w.parent]
+            compacts = _compacts(long, parent, len(render(parent)))
+            retention.expect_return(
+                parent.session_id, math.inf if compacts else TOOL_PAUSE_MIN_S * time_scale
+            )
+        return
+    if w.subagent is not None and finished_turn == w.spawn_after:
+        sub = workers[w.subagent]
+        wait_s = (sum(sub.pauses_s) + TOOL_PAUSE_MIN_S) * time_scale + sub.num_turns * ORACLE_TURN_S
+        retention.expect_return(w.session_id, wait_s)
+        return
+    compacts = _compacts(long, w, len(render(w)))
+    retention.expect_return(w.session_id, math.inf if compacts else w.pauses_s[finished_turn] * time_scale)
 
 
 def _next_turn(
