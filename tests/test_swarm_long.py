@@ -19,7 +19,7 @@ from swarmkv.swarm.long_cli import parse_policies
 from swarmkv.swarm.long_report import long_record, percentile, print_long_table, save_long_plot
 from swarmkv.swarm.long_run import POLICIES, KVSample, ModelledClock, PolicyResult
 from swarmkv.swarm.long_workload import TOOL_PAUSE_MAX_S, TOOL_PAUSE_MIN_S, build_long_workload, compacted
-from swarmkv.swarm.replay import ReplayExecutor, load_replies, record_of
+from swarmkv.swarm.replay import FIXED_REPLY, ReplayExecutor, fixed_replies, load_replies, record_of
 from swarmkv.swarm.workload import initial_messages, tool_result_message
 from tiny_gguf import write_tiny_gguf
 
@@ -296,3 +296,11 @@ def test_a_replay_gives_the_recorded_tokens_and_a_draft_as_far_as_it_matches(tmp
     assert load_replies(str(path), settings) == {"agent-0/turn-0": [7, 8], "agent-0/turn-1": [9]}
     with pytest.raises(ValueError, match="recorded with other settings"):
         load_replies(str(path), {**settings, "seed": 1})
+
+
+def test_fixed_replies_give_every_request_the_same_text_to_max_tokens() -> None:
+    tokenizer = smol_tokenizer()
+    replies = fixed_replies(tokenizer, 16)
+    first, other = replies["agent-0/turn-0"], replies["agent-3/sub/turn-2"]
+    assert first == other and len(first) == 16
+    assert tokenizer.decode(first).startswith(FIXED_REPLY)

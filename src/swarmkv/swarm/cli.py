@@ -102,7 +102,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--replay-replies",
         default=None,
         help="long: take every turn's reply from a file --record-replies wrote instead of running the model "
-        "(float32 transcripts are the same under every policy); needs --clock model",
+        "(float32 transcripts are the same under every policy), or 'fixed': one fixed text; needs --clock model",
     )
     parser.add_argument(
         "--subagent-share",

@@ -28,7 +28,7 @@ from swarmkv.swarm.long_run import (
     session_ids,
 )
 from swarmkv.swarm.long_workload import LongWorkload, build_long_workload
-from swarmkv.swarm.replay import load_replies, record_of
+from swarmkv.swarm.replay import FIXED, fixed_replies, load_replies, record_of
 from swarmkv.swarm.report import turns_progress
 from swarmkv.swarm.run import warm_up
 from swarmkv.swarm.workload import prefix_token_count
@@ -125,7 +125,9 @@ def run_long(args: argparse.Namespace) -> int:
         f"KV pool {base.kv_cache_bytes / MIB:,.0f} MiB, host tier {offload_bytes / MIB:,.0f} MiB"
     )
     replies = None
-    if args.replay_replies:
+    if args.replay_replies == FIXED:
+        replies = fixed_replies(loaded.tokenizer, args.max_tokens)
+    elif args.replay_replies:
         replies = load_replies(args.replay_replies, config)
     else:
         warm_up(loaded, long.swarm, base)

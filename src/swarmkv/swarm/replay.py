@@ -10,6 +10,7 @@ takes the same steps as the run it recorded, so its counters are that run's.
 
 from __future__ import annotations
 
+import collections
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -17,7 +18,11 @@ from typing import Any
 from swarmkv.core.scheduler import StepPlan
 from swarmkv.engine.executor import RowOutput, StepOutput
 from swarmkv.engine.lookahead import ProvisionalInputs
+from swarmkv.tokenizer import Tokenizer
 
+# `--replay-replies fixed`: every reply this text, repeated to max_tokens (a quick look without a recorded run).
+FIXED = "fixed"
+FIXED_REPLY = " I will look at the next file and fix the failing test now, then"
 # The run settings a record must share with the run that replays it.
 _KEYS = ("agents", "turns", "seed", "max_tokens", "max_model_len", "prefix_tokens", "subagent_share")
 
@@ -58,6 +63,13 @@ def record_of(
         for turn, ids in enumerate(turns)
     }
     return {"settings": {key: settings[key] for key in _KEYS}, "replies": replies}
+
+
+def fixed_replies(tokenizer: Tokenizer, max_tokens: int) -> dict[str, list[int]]:
+    """Every request's reply: FIXED_REPLY's tokens, repeated to `max_tokens`."""
+    ids = tokenizer.encode(FIXED_REPLY)
+    reply = (ids * (max_tokens // len(ids) + 1))[:max_tokens]
+    return collections.defaultdict(lambda: list(reply))
 
 
 def load_replies(path: str, settings: dict[str, Any]) -> dict[str, list[int]]:
