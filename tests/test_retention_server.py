@@ -47,38 +47,41 @@ def _pending_tool(llm: LLM, session: str) -> str | None:
     return retention.pending_tool(session)
 
 
+def _reply_and_pending_tool(
+    scripted: LoadedModel, path: str, body: dict[str, Any], session: str
+) -> tuple[httpx.Response, str | None]:
+    """POST `body` to `path` on a fresh server as `session`; the response and the engine's pending tool after it."""
+    llm = LLM(loaded=scripted, kv_cache_memory="16MiB", max_num_seqs=4, retention="return")
+    with BackgroundServer(create_app(llm)) as server:
+        headers = {"X-Session-Id": session}
+        response = httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60)
+        assert response.status_code == 200, response.text
+        return response, _pending_tool(llm, session)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_chat_reply_s_tool_call_reaches_the_engine(scripted: LoadedModel, stream: bool) -> None:
-    llm = LLM(loaded=scripted, kv_cache_memory="16MiB", max_num_seqs=4, retention="return")
-    session = f"agent-{stream}"
-    with BackgroundServer(create_app(llm)) as server:
-        body = {
-            "model": scripted.name,
-            "messages": QUESTION,
-            "tools": TOOLS,
-            "temperature": 0,
-            "stream": stream,
-        }
-        headers = {"X-Session-Id": session}
-        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
-        assert response.status_code == 200, response.text
-        assert "get_weather" in response.text
-        assert _pending_tool(llm, session) == "get_weather"
+    body = {
+        "model": scripted.name,
+        "messages": QUESTION,
+        "tools": TOOLS,
+        "temperature": 0,
+        "stream": stream,
+    }
+    response, pending = _reply_and_pending_tool(scripted, "/v1/chat/completions", body, f"agent-{stream}")
+    assert "get_weather" in response.text
+    assert pending == "get_weather"
 
 
 def test_a_messages_reply_s_tool_call_reaches_the_engine(scripted: LoadedModel) -> None:
-    llm = LLM(loaded=scripted, kv_cache_memory="16MiB", max_num_seqs=4, retention="return")
     tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
-    with BackgroundServer(create_app(llm)) as server:
-        body = {
-            "model": scripted.name,
-            "messages": QUESTION,
-            "tools": tools,
-            "max_tokens": 64,
-            "temperature": 0,
-        }
-        headers = {"X-Session-Id": "claude"}
-        response = httpx.post(f"{server.url}/v1/messages", json=body, headers=headers, timeout=60)
-        assert response.status_code == 200, response.text
-        assert response.json()["stop_reason"] == "tool_use"
-        assert _pending_tool(llm, "claude") == "get_weather"
+    body = {
+        "model": scripted.name,
+        "messages": QUESTION,
+        "tools": tools,
+        "max_tokens": 64,
+        "temperature": 0,
+    }
+    response, pending = _reply_and_pending_tool(scripted, "/v1/messages", body, "claude")
+    assert response.json()["stop_reason"] == "tool_use"
+    assert pending == "get_weather"
