@@ -5,13 +5,13 @@ thread runs it: 60 ms for a 10 MB prompt sent as 30 MB of `\\ud83d\\ude00` escap
 short values, and `/health` waits that long. The worker decodes and checks a body (`parse_json_body`: the
 same object or the same typed 400; then the route's counts of top-level arrays, `limits.check_array_counts`,
 so that 20,000 tools are refused there and never handed over), and sends the object back pickled, each long
-string in slices. The server
-unpickles it on a thread from a reader whose `read` is Python code, so the lock can change hands between two
-64 KiB frames or two slices: no step of taking the body back holds it for more than a millisecond or so.
+string in slices. The server unpickles it on a thread from a reader whose `read` is Python code, so the lock can
+change hands between two 64 KiB frames or two slices: no step of taking the body back holds it for more than a
+millisecond or so.
 
 The worker is started on the first large body, runs `python -P` on this file (it imports `swarmkv.api.errors`
-and `limits` alone, not the server), takes one body at a time over its stdin and answers on its stdout. A worker that dies
-is started again for the next body, and the body it had is decoded in the server, as before.
+and `limits` alone, not the server), takes one body at a time over its stdin and answers on its stdout. A worker
+that dies is started again for the next body, and the body it had is decoded in the server, as before.
 """
 
 from __future__ import annotations
