@@ -87,9 +87,8 @@ class TraceRequest:
     swarm: int
     agent: int
     turn: int
-    segments: tuple[
-        tuple[int, ...], ...
-    ]  # head, task (or instance text), then each earlier turn's reply, tool
+    # head, task (or instance text), then each earlier turn's reply and tool result
+    segments: tuple[tuple[int, ...], ...]
     reply: tuple[int, ...]
 
     @property
