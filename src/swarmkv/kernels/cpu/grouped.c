@@ -1268,32 +1268,50 @@ ROWS_MATMUL_512(rows_matmul_512_q8_shifted, 8, 1)
 #endif
 
 #if HAVE_INT8_PLAIN
+/* x's part of Q6_K's bias for rows [0, M) of x: per pair of groups, the int16 lanes of maddubs(32, evens) +
+ * maddubs(32, odds) over quantize_x's pairs, i.e. 32 times each lane's four elements of x (|sum| <= 4 * 32 * 127).
+ * rows_dot_int8_q6k takes them off its unsigned codes' sums, which puts the codes' -32 back. */
+static void q6k_x_bias(int64_t M, int64_t K, const qx_t *qx, int16_t *xb) {
+    const __m256i c32 = _mm256_set1_epi8(32);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t p = 0; p < K / 64; p++) {
+            const int8_t *xm = qx->pairs + m * K + p * 64;
+            const __m256i b = _mm256_add_epi16(_mm256_maddubs_epi16(c32, _mm256_loadu_si256((const __m256i *)xm)),
+                                               _mm256_maddubs_epi16(c32, _mm256_loadu_si256((const __m256i *)(xm + 32))));
+            _mm256_storeu_si256((__m256i *)(xb + (m * (K / 64) + p) * 16), b);
+        }
+}
+
 /* Row n of a Q6_K weight against up to FAST_ROWS rows of int8 x, x's groups two at a time as quantize_x's pairs
  * lay them out (both groups' even elements, then both groups' odd ones): one 32-byte load of the row's nibbles and
- * one 16-byte load of its high pairs serve the two groups of 32, four groups of 16. Codes less 32 meet x as |c|
- * against x with c's sign; the two int16 pair sums of each group of 32 take their groups of 16's sub-scales in the
- * madd, and a super-group's float16 times x's dx (its scale4 form) in one multiply. */
+ * one 16-byte load of its high pairs serve the two groups of 32, four groups of 16. The unsigned codes (0 to 63)
+ * meet x directly in maddubs (|pair| <= 2 * 63 * 127, two of them below 2^15), and x's bias (q6k_x_bias: 32 times
+ * x) comes off in int16, whose wrapping subtraction lands on the true sum of (code - 32) x, itself below 2^15. The
+ * two int16 pair sums of each group of 32 take their groups of 16's sub-scales in the madd; a super-group's four
+ * pairs, each times x's dx (its scale4 form), are summed before one multiply by its float16. A row's arithmetic is
+ * the same at every M, so its result is the same alone or in a batch. */
 static inline __attribute__((always_inline)) void rows_dot_int8_q6k(const layout_t *w, int64_t K, int64_t n, int64_t M,
-                                                                    const qx_t *qx, int64_t m0, float *out) {
+                                                                    const qx_t *qx, int64_t m0, float *out,
+                                                                    const int16_t *xb) {
     const int64_t groups = K / 32, supers = K / 256;
     const int8_t *x = qx->pairs + m0 * K;
     const float *dx4 = qx->scale4 + m0 * groups * 4;
+    const int16_t *bias = xb + m0 * (K / 64) * 16;
     const uint8_t *lo = w->low + n * (K / 2), *high = w->high + n * (K / 4);
     const int8_t *subs = (const int8_t *)w->s_sub + n * (K / 16);
-    const __m256i low4 = _mm256_set1_epi8(0xF), mask = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+    const __m256i low4 = _mm256_set1_epi8(0xF), mask = _mm256_set1_epi8(0x30);
     /* high byte of element 2q (evens) or 2q + 1 (odds) of the pair's first group: byte q / 2; second: 8 + q / 2 */
     const __m256i spread = _mm256_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12,
                                             12, 13, 13, 14, 14, 15, 15);
     const __m256i odd_q = _mm256_set1_epi16((short)0xFF00);
     const __m256i pair_scales = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 0, 1, 0, 1, 0, 1, 0, 1,
                                                  2, 3, 2, 3, 2, 3, 2, 3);
-    /* two accumulators a row, by pair: at every M, so a row's sum is the same alone or in a batch */
-    enum { CHAINS = 2 };
-    __m256 acc[FAST_ROWS][CHAINS];
-    for (int64_t m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    __m256 acc[FAST_ROWS]; /* per row: the super-groups' sums times their float16 */
+    for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < supers; sb++) {
         const __m256 d = _mm256_set1_ps(half_to_float(w->s_half[n * supers + sb]));
         const __m256i subs16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(subs + sb * 16)));
+        __m256 part[FAST_ROWS]; /* per row: the super-group's four pairs, times x's dx */
         for (int64_t p = 0; p < 4; p++) {
             const int64_t g = sb * 8 + 2 * p;
             const __m256i v = _mm256_loadu_si256((const __m256i *)(lo + g * 16));
@@ -1301,25 +1319,24 @@ static inline __attribute__((always_inline)) void rows_dot_int8_q6k(const layout
             /* evens: bits 0-1 (q even) or 4-5 (q odd); odds: bits 2-3 or 6-7; each moved to bits 4-5 */
             const __m256i he = _mm256_and_si256(_mm256_blendv_epi8(_mm256_slli_epi16(h, 4), h, odd_q), mask);
             const __m256i ho = _mm256_and_si256(_mm256_blendv_epi8(_mm256_slli_epi16(h, 2), _mm256_srli_epi16(h, 2), odd_q), mask);
-            const __m256i ce = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(v, low4), he), bias);
-            const __m256i co = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), ho), bias);
-            const __m256i me = _mm256_sign_epi8(ce, ce), mo = _mm256_sign_epi8(co, co);
+            const __m256i ce = _mm256_or_si256(_mm256_and_si256(v, low4), he);
+            const __m256i co = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), ho);
             const __m256i sub = _mm256_shuffle_epi8(
                 _mm256_permutevar8x32_epi32(subs16, _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1)),
                 pair_scales);
-            const int c = (int)(p % CHAINS);
             for (int64_t m = 0; m < M; m++) {
                 const int8_t *xm = x + m * K + g * 32;
-                const __m256i xe = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xm), ce);
-                const __m256i xo = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xm + 32)), co);
-                /* |pair sums| <= 2 * 2 * 32 * 127: the int16 add cannot saturate */
-                const __m256i sum16 = _mm256_add_epi16(_mm256_maddubs_epi16(me, xe), _mm256_maddubs_epi16(mo, xo));
+                const __m256i raw = _mm256_add_epi16(_mm256_maddubs_epi16(ce, _mm256_loadu_si256((const __m256i *)xm)),
+                                                     _mm256_maddubs_epi16(co, _mm256_loadu_si256((const __m256i *)(xm + 32))));
+                const __m256i sum16 = _mm256_sub_epi16(raw, _mm256_loadu_si256((const __m256i *)(bias + (m * (K / 64) + g / 2) * 16)));
                 const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, sub));
-                acc[m][c] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_loadu_ps(dx4 + m * groups * 4 + g * 4)), acc[m][c]);
+                const __m256 dx = _mm256_loadu_ps(dx4 + m * groups * 4 + g * 4);
+                part[m] = p == 0 ? _mm256_mul_ps(dot, dx) : _mm256_fmadd_ps(dot, dx, part[m]);
             }
         }
+        for (int64_t m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(part[m], d, acc[m]);
     }
-    for (int64_t m = 0; m < M; m++) out[m] = hsum256(_mm256_add_ps(acc[m][0], acc[m][1]));
+    for (int64_t m = 0; m < M; m++) out[m] = hsum256(acc[m]);
 }
 #endif
 
@@ -1381,24 +1398,33 @@ static inline __attribute__((always_inline)) void rows_dot_int8_q4k(const layout
 #endif
 
 /* KERNEL(w, K, n, rows, qx, first, out) with a constant row count of 1 to 4, from x's row `first`. */
-#define QUAD_ROW_COUNT(KERNEL, ROWS, FIRST)                                                                   \
+#define QUAD_ROW_COUNT(KERNEL, ROWS, FIRST, ...)                                                              \
     switch (ROWS) {                                                                                           \
-    case 1: KERNEL(w, K, n, 1, qx, FIRST, out); break;                                                        \
-    case 2: KERNEL(w, K, n, 2, qx, FIRST, out); break;                                                        \
-    case 3: KERNEL(w, K, n, 3, qx, FIRST, out); break;                                                        \
-    default: KERNEL(w, K, n, 4, qx, FIRST, out);                                                              \
+    case 1: KERNEL(w, K, n, 1, qx, FIRST, out __VA_OPT__(,) __VA_ARGS__); break;                              \
+    case 2: KERNEL(w, K, n, 2, qx, FIRST, out __VA_OPT__(,) __VA_ARGS__); break;                              \
+    case 3: KERNEL(w, K, n, 3, qx, FIRST, out __VA_OPT__(,) __VA_ARGS__); break;                              \
+    default: KERNEL(w, K, n, 4, qx, FIRST, out __VA_OPT__(,) __VA_ARGS__);                                    \
     }
 
 /* Rows [n0, n1) of y = x W^T from int8 x for a K-quant layout (kquant_int8_reads). */
 static void rows_matmul_int8_k(const layout_t *w, int64_t M, int64_t K, const qx_t *qx, float *y, int64_t ldy,
                                int64_t n0, int64_t n1) {
     float out[FAST_ROWS];
+#if HAVE_INT8_PLAIN
+    int16_t local[8192], *xb = NULL; /* Q6_K: q6k_x_bias's M * K / 4 lanes, on the stack for a decode's few rows */
+    if (w->bits == 6) {
+        const size_t lanes = (size_t)M * (size_t)(K / 4);
+        xb = lanes <= sizeof local / sizeof *local ? local : malloc(lanes * sizeof *xb);
+        if (xb == NULL) abort();
+        q6k_x_bias(M, K, qx, xb);
+    }
+#endif
     for (int64_t n = n0; n < n1; n++)
         for (int64_t m0 = 0; m0 < M; m0 += FAST_ROWS) {
             const int64_t rows = M - m0 < FAST_ROWS ? M - m0 : FAST_ROWS;
 #if HAVE_INT8_PLAIN
             if (w->bits == 6) {
-                BY_ROW_COUNT(rows_dot_int8_q6k, rows)
+                BY_ROW_COUNT(rows_dot_int8_q6k, rows, xb)
                 for (int64_t m = 0; m < rows; m++) y[(m0 + m) * ldy + n] = out[m];
                 continue;
             }
@@ -1414,6 +1440,9 @@ static void rows_matmul_int8_k(const layout_t *w, int64_t M, int64_t K, const qx
             BY_ROW_COUNT(rows_dot_int8_k, rows)
             for (int64_t m = 0; m < rows; m++) y[(m0 + m) * ldy + n] = out[m];
         }
+#if HAVE_INT8_PLAIN
+    if (xb != local) free(xb);
+#endif
 }
 
 /* Rows [n0, n1) of y = x W^T from int8 x. */
