@@ -79,7 +79,7 @@ def _cos_sin(head_dim: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden_size", [64, 96])
-@pytest.mark.parametrize("num_tokens", [1, 5])
+@pytest.mark.parametrize("num_tokens", [1, 5, 37])  # 37 rows: several programs, the last part-full
 def test_rms_norm_matches_reference(num_tokens: int, hidden_size: int, dtype: torch.dtype) -> None:
     x = _strided_rows(num_tokens, hidden_size, dtype, seed=1)
     weight = (1 + _randn(hidden_size, seed=2, scale=0.2)).to(dtype)
@@ -90,7 +90,7 @@ def test_rms_norm_matches_reference(num_tokens: int, hidden_size: int, dtype: to
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden_size", [64, 96])
-@pytest.mark.parametrize("num_tokens", [1, 5])
+@pytest.mark.parametrize("num_tokens", [1, 5, 37])
 def test_add_rms_norm_matches_reference(num_tokens: int, hidden_size: int, dtype: torch.dtype) -> None:
     x = _strided_rows(num_tokens, hidden_size, dtype, seed=3)
     # A different row stride from x's, so mixing up the two strides fails.
@@ -245,6 +245,28 @@ def test_qk_norm_rotary_matches_reference_on_views_of_qkv(
     assert not changed[:, q_width + k.shape[1] * head_dim :].any()
     if gated:
         assert not changed[:, :q_width].view(len(POSITIONS), 4, 2 * head_dim)[..., head_dim:].any()
+
+
+def test_qk_norm_rotary_store_over_more_heads_than_one_program_holds() -> None:
+    """12 q heads and 3 k heads of 128, partially rotated: a program's rows of (token, head) straddle tokens and
+    the last q and k programs are part-full (masked); q, and the cache at the slots, as the references leave
+    them."""
+    head_dim, rotary_dim, num_kv_heads = 128, 64, 3
+    _, q, k, v = _qkv_heads(len(POSITIONS), 12, num_kv_heads, head_dim, torch.float32, gated=False)
+    q_weight, k_weight = _norm_weights(head_dim, torch.float32)
+    position_ids = torch.tensor(POSITIONS, dtype=torch.int64, device=DEVICE)
+    slots = torch.tensor([9, 2, -1, 14, 0], dtype=torch.int64, device=DEVICE)
+    cos_sin = _cos_sin(rotary_dim)
+    k_cache = torch.zeros(16, num_kv_heads, head_dim, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    expected_k_cache, expected_v_cache = k_cache.clone(), v_cache.clone()
+    expected_q, rotated_k = qk_norm_rotary_reference(position_ids, q, k, cos_sin, q_weight, k_weight, EPS)
+    store_kv_reference(rotated_k, v, expected_k_cache, expected_v_cache, slots, 1.0, 1.0)
+    qk_norm_rotary_store(position_ids, q, k, v, cos_sin, q_weight, k_weight, EPS, k_cache, v_cache, slots)
+    tolerance = _tolerance(torch.float32, 8.0)
+    torch.testing.assert_close(q, expected_q, **tolerance)
+    torch.testing.assert_close(k_cache, expected_k_cache, **tolerance)
+    assert torch.equal(v_cache, expected_v_cache)
 
 
 def test_qk_norm_rotary_rejects_a_different_eps_and_swapped_norms() -> None:

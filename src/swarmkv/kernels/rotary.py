@@ -19,19 +19,33 @@ __all__ = [
     "qk_norm_rotary_store",
 ]
 
+# The most elements ((token, head) rows x padded head dim) one program holds: 8 rows of 128.
+_TILE_ELEMENTS = 1024
+
 
 @triton.jit
-def _normed_head(
-    head_ptr, weight_ptr, d, partner, d_ok, rot_ok, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr
+def _normed_heads(
+    rows_ptr,
+    weight_ptr,
+    cols,
+    partners,
+    ok,
+    partner_ok,
+    col_ok,
+    col_rot_ok,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    NORM: tl.constexpr,
 ):
-    """A head's row at d and at each d's rotary partner, RMS-normed when NORM, in float32."""
-    x = tl.load(head_ptr + d, mask=d_ok, other=0.0)
-    x_partner = tl.load(head_ptr + partner, mask=rot_ok, other=0.0)
+    """Head rows (pointers [R, 1]) at cols [1, D] and at each col's rotary partner, each row RMS-normed when
+    NORM, in float32."""
+    x = tl.load(rows_ptr + cols, mask=ok, other=0.0)
+    x_partner = tl.load(rows_ptr + partners, mask=partner_ok, other=0.0)
     if NORM:
         wide = x.to(tl.float32)
-        scale = tl.rsqrt(tl.sum(wide * wide, axis=0) / HEAD_DIM + eps)
-        x = _scaled_by_weight(x, scale, weight_ptr, d, d_ok)
-        x_partner = _scaled_by_weight(x_partner, scale, weight_ptr, partner, rot_ok)
+        scale = tl.rsqrt(tl.sum(wide * wide, axis=1) / HEAD_DIM + eps)[:, None]
+        x = _scaled_by_weight(x, scale, weight_ptr, cols, col_ok)
+        x_partner = _scaled_by_weight(x_partner, scale, weight_ptr, partners, col_rot_ok)
     return x.to(tl.float32), x_partner.to(tl.float32)
 
 
@@ -50,6 +64,23 @@ def _store_in_cache(cache_ptr, offset, x, scale, mask, FP8: tl.constexpr):
     if FP8:
         x = tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0)
     tl.store(cache_ptr + offset, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rows_at_tokens(
+    row, num_rows, num_heads, positions_ptr, cos_sin_ptr, table_kind_stride, table_position_stride, d, rot_ok
+):
+    """Rows [R] of a [T, heads] grid: each row's token (int64) and head, which rows are in the grid, and the cos
+    and sin [R, D] at each row's position."""
+    row_ok = row < num_rows
+    token = (row // num_heads).to(tl.int64)
+    position = tl.load(positions_ptr + token, mask=row_ok, other=0).to(tl.int64)
+    table_ok = row_ok[:, None] & rot_ok
+    cos_ptr = cos_sin_ptr + position[:, None] * table_position_stride + d
+    # Both halves of the table are read, not just the first: the reference multiplies by the full row.
+    cos = tl.load(cos_ptr, mask=table_ok, other=1.0).to(tl.float32)
+    sin = tl.load(cos_ptr + table_kind_stride, mask=table_ok, other=0.0).to(tl.float32)
+    return token, row % num_heads, row_ok, cos, sin
 
 
 @triton.jit
@@ -77,47 +108,77 @@ def _qk_norm_rotary_kernel(
     cache_head_stride,
     table_kind_stride,
     table_position_stride,
+    num_tokens,
     num_q_heads,
+    num_kv_heads,
     HEAD_DIM: tl.constexpr,
     ROTARY_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     NORM: tl.constexpr,
     STORE: tl.constexpr,
     FP8: tl.constexpr,
 ):
-    # Grid (T, Hq + Hkv): heads [0, Hq) are q's, the rest k's (each also carries its v head when storing).
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    cos_ptr = cos_sin_ptr + position * table_position_stride
-    d = tl.arange(0, BLOCK_D)
+    # A 1-D grid over BLOCK_R rows of (token, head) a program: first q's T x Hq rows, then k's T x Hkv (each k
+    # row also carries its v head when storing); a program's rows are q's or k's, never both.
+    block = tl.program_id(0)
+    q_blocks = tl.cdiv(num_tokens * num_q_heads, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)[None, :]
     d_ok = d < HEAD_DIM
     half = ROTARY_DIM // 2
     rot_ok = d < ROTARY_DIM  # dims past the rotary part pass through (partial rotary)
     partner = tl.where(d < half, d + half, d - half)
-    # Both halves of the table are read, not just the first: the reference multiplies by the full row.
-    cos = tl.load(cos_ptr + d, mask=rot_ok, other=1.0).to(tl.float32)
-    sin = tl.load(cos_ptr + table_kind_stride + d, mask=rot_ok, other=0.0).to(tl.float32)
     sign = tl.where(d < half, -1.0, 1.0)
-    if head < num_q_heads:
-        q_head_ptr = q_ptr + token * q_token_stride + head * q_head_stride
-        x, x_partner = _normed_head(q_head_ptr, q_weight_ptr, d, partner, d_ok, rot_ok, eps, HEAD_DIM, NORM)
+    if block < q_blocks:
+        row = block * BLOCK_R + tl.arange(0, BLOCK_R)
+        token, head, row_ok, cos, sin = _rows_at_tokens(
+            row,
+            num_tokens * num_q_heads,
+            num_q_heads,
+            positions_ptr,
+            cos_sin_ptr,
+            table_kind_stride,
+            table_position_stride,
+            d,
+            rot_ok,
+        )
+        q_rows = q_ptr + token[:, None] * q_token_stride + head[:, None] * q_head_stride
+        ok, partner_ok = row_ok[:, None] & d_ok, row_ok[:, None] & rot_ok
+        x, x_partner = _normed_heads(
+            q_rows, q_weight_ptr, d, partner, ok, partner_ok, d_ok, rot_ok, eps, HEAD_DIM, NORM
+        )
         q_out = x * cos + sign * x_partner * sin
-        tl.store(q_head_ptr + d, q_out.to(q_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(q_rows + d, q_out.to(q_ptr.dtype.element_ty), mask=ok)
     else:
-        kv_head = head - num_q_heads
-        k_head_ptr = k_ptr + token * k_token_stride + kv_head * k_head_stride
-        x, x_partner = _normed_head(k_head_ptr, k_weight_ptr, d, partner, d_ok, rot_ok, eps, HEAD_DIM, NORM)
+        row = (block - q_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+        token, kv_head, row_ok, cos, sin = _rows_at_tokens(
+            row,
+            num_tokens * num_kv_heads,
+            num_kv_heads,
+            positions_ptr,
+            cos_sin_ptr,
+            table_kind_stride,
+            table_position_stride,
+            d,
+            rot_ok,
+        )
+        k_rows = k_ptr + token[:, None] * k_token_stride + kv_head[:, None] * k_head_stride
+        ok, partner_ok = row_ok[:, None] & d_ok, row_ok[:, None] & rot_ok
+        x, x_partner = _normed_heads(
+            k_rows, k_weight_ptr, d, partner, ok, partner_ok, d_ok, rot_ok, eps, HEAD_DIM, NORM
+        )
         k_out = (x * cos + sign * x_partner * sin).to(k_ptr.dtype.element_ty)
         if STORE:
-            slot = tl.load(slots_ptr + token).to(tl.int64)
-            store_ok = d_ok & (slot >= 0)  # a negative slot is a padding row of a replayed graph
-            v = tl.load(v_ptr + token * v_token_stride + kv_head * v_head_stride + d, mask=store_ok)
-            cache_offset = slot * cache_slot_stride + kv_head * cache_head_stride + d
+            slot = tl.load(slots_ptr + token, mask=row_ok, other=-1).to(tl.int64)[:, None]
+            store_ok = ok & (slot >= 0)  # a negative slot is a padding row of a replayed graph
+            v = tl.load(
+                v_ptr + token[:, None] * v_token_stride + kv_head[:, None] * v_head_stride + d, mask=store_ok
+            )
+            cache_offset = slot * cache_slot_stride + kv_head[:, None] * cache_head_stride + d
             _store_in_cache(k_cache_ptr, cache_offset, k_out, k_scale, store_ok, FP8)
             _store_in_cache(v_cache_ptr, cache_offset, v, v_scale, store_ok, FP8)
         else:
-            tl.store(k_head_ptr + d, k_out, mask=d_ok)
+            tl.store(k_rows + d, k_out, mask=ok)
 
 
 def _launch(
@@ -146,12 +207,20 @@ def _launch(
     for weight in (q_weight, k_weight):
         assert weight is None or (weight.shape == (head_dim,) and weight.is_contiguous())
         assert weight is None or weight.dtype == q.dtype, "a norm weight must have q's dtype"
-    num_heads = num_q_heads + k.shape[1]
-    if num_tokens == 0 or num_heads == 0:
+    num_kv_heads = k.shape[1]
+    if num_tokens == 0 or num_q_heads + num_kv_heads == 0:
         return
+    block_d = triton.next_power_of_2(head_dim)
+    # A program takes up to a tile of (token, head) rows: a few of a large model's heads, or a whole small
+    # model's launch; the interpreter's cost is per program and op, not per element.
+    most_rows = num_tokens * max(num_q_heads, num_kv_heads)
+    block_r = min(triton.next_power_of_2(most_rows), max(1, _TILE_ELEMENTS // block_d))
+    row_blocks = triton.cdiv(num_tokens * num_q_heads, block_r) + triton.cdiv(
+        num_tokens * num_kv_heads, block_r
+    )
     # Unused pointers (no norm, no store) point at q: the kernel never reads them.
     k_cache, v_cache, slots, k_scale, v_scale = cache or (q, q, positions, 1.0, 1.0)
-    _qk_norm_rotary_kernel[(num_tokens, num_heads)](
+    _qk_norm_rotary_kernel[(row_blocks,)](
         positions,
         q,
         k,
@@ -175,10 +244,13 @@ def _launch(
         k_cache.stride(1),
         cos_sin.stride(0),
         cos_sin.stride(1),
+        num_tokens,
         num_q_heads,
+        num_kv_heads,
         HEAD_DIM=head_dim,
         ROTARY_DIM=rotary_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=block_d,
+        BLOCK_R=block_r,
         NORM=q_weight is not None,
         STORE=cache is not None,
         FP8=cache is not None and k_cache.dtype == torch.float8_e4m3fn,
