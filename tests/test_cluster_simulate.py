@@ -11,6 +11,7 @@ import pytest
 from swarmkv.cli import main
 from swarmkv.cluster.simulate import ClusterSpec, reference, simulate, sweep, whole_trace_pages
 from swarmkv.cluster.trace import HARNESSES, Trace, TraceConfig, make_trace
+from swarmkv.kv.returns import PRIOR_PAUSE_S
 
 SMALL = TraceConfig(
     swarms=12,
@@ -214,3 +215,30 @@ def test_plan_cli_bad_input_exits_2(
 ) -> None:
     assert main(["plan", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_return_retention_times_pauses_by_the_trace_not_the_wall(
+    trace: Trace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under `return` retention a replica evicts by its sessions' expected returns, timed from their pauses. Timed
+    # by the wall clock, a replay's pauses were the milliseconds the simulator took, so its figures followed the
+    # machine's load; timed by the trace, an agent's pause is its think-and-tool gap, seconds, and runs repeat.
+    import swarmkv.cluster.routing as routing
+    import swarmkv.cluster.simulate as simulate_module
+
+    built: list[routing.EngineCore] = []
+
+    class Recorded(routing.EngineCore):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            built.append(self)
+
+    monkeypatch.setattr(simulate_module, "EngineCore", Recorded)
+    monkeypatch.setattr(routing, "EngineCore", Recorded)
+    spec = ClusterSpec(2, 120, page_size=16, retention="return")
+    first = simulate(trace, spec, "balanced")
+    # A core with no pause observed answers the prior alone.
+    pauses = [p for core in built for p in core.kv.retention.forecast.pauses(None) if p != PRIOR_PAUSE_S]
+    assert len(pauses) > len(trace.requests) // 2  # replicas' and shadows' sessions both came back
+    assert min(pauses) >= 0.0 and sum(pauses) / len(pauses) > 1.0  # seconds of the trace
+    assert simulate(trace, spec, "balanced") == first

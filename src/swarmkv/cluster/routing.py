@@ -10,8 +10,9 @@ head and follow it to the same replica.
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import count
 from typing import Literal
@@ -61,11 +62,13 @@ class Router:
         evict_ahead_pages: int = 0,
         retention: RetentionPolicy = EngineConfig.retention,
         thresholds: LoadThresholds | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`pages_per_replica` x `page_size` tokens is each replica's KV and `retention` its eviction policy;
         `min_match` (tokens) and `imbalance` (in-flight requests) gate the prefix policy; `seed` fixes the
         random choices; `evict_ahead_pages` (see `evict_ahead`) trades exact eviction order for fewer scans of
-        a full index; `thresholds` are the balanced policy's (see `load_policy`)."""
+        a full index; `thresholds` are the balanced policy's (see `load_policy`); `clock` (seconds) is what the shadows'
+        `return` retention times pauses by (a replay's own, so it repeats)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
         for name, value, least in (("pages_per_replica", pages_per_replica, 1), ("page_size", page_size, 1)):
@@ -87,6 +90,7 @@ class Router:
         self._shadow_config = EngineConfig(
             block_size=page_size, retention=retention, max_num_batched_tokens=1 << 30
         )
+        self._clock = clock
         self._rng = random.Random(seed)
         self._indexes: dict[str, EngineCore] = {}
         self._sessions: dict[str, str] = {}  # session -> the replica it is bound to
@@ -210,7 +214,9 @@ class Router:
         session; the tokens its index matched before (`hit`: that match, when the caller looked it up)."""
         core = self._indexes.get(replica)
         if core is None:
-            core = self._indexes[replica] = EngineCore(self._shadow_config, self.pages_per_replica)
+            core = self._indexes[replica] = EngineCore(
+                self._shadow_config, self.pages_per_replica, clock=self._clock
+            )
         # The replica refuses a prompt the pool cannot hold with a reply: record the most of it that fits.
         tokens = list(key.tokens[: self.pages_per_replica * self.page_size - 1])
         if (

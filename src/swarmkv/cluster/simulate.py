@@ -14,6 +14,7 @@ replica's queue pushes work elsewhere.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -125,12 +126,26 @@ def percentile(values: Sequence[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, int(-(-fraction * len(ordered) // 1)) - 1))]
 
 
+@dataclass
+class SimClock:
+    """Seconds of the replayed trace, what the retention of a replica (or of the router's shadows) reads for its
+    sessions' pauses, so a replay repeats whatever the machine's speed: a wall clock made `return` retention's
+    eviction order, and so every figure, depend on the load."""
+
+    now_s: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
 class _Events:
     """One replica's KV changes in time order: a request's prompt committed when its prefill ends, all of its
-    tokens committed and its pages freed (left cached) when its reply ends."""
+    tokens committed and its pages freed (left cached) when its reply ends. `clock` is the replica's: each change
+    happens at its own time, and a request's lookup at its prefill's start."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, clock: SimClock) -> None:
         self._manager = core.kv
+        self._clock = clock
         self._heap: list[tuple[float, int, int, Turn]] = []
         self._order = count()
 
@@ -139,14 +154,17 @@ class _Events:
         heapq.heappush(self._heap, (at_s, next(self._order), num_computed_tokens, request))
 
     def run_until(self, until_s: float) -> None:
-        """Apply every change due by `until_s`."""
+        """Apply every change due by `until_s`, then stand the clock at `until_s` (when finite)."""
         while self._heap and self._heap[0][0] <= until_s:
-            _, _, num_computed, request = heapq.heappop(self._heap)
+            at_s, _, num_computed, request = heapq.heappop(self._heap)
+            self._clock.now_s = at_s
             request.num_computed_tokens = num_computed
             self._manager.commit(request, num_computed)
             if num_computed == len(request.token_ids):
                 self._manager.free(request)
                 self._manager.close(request.request_id)
+        if until_s < math.inf:
+            self._clock.now_s = until_s
 
 
 def simulate(trace: Trace, spec: ClusterSpec, policy: SimPolicy) -> SimResult:
@@ -155,7 +173,9 @@ def simulate(trace: Trace, spec: ClusterSpec, policy: SimPolicy) -> SimResult:
         raise ValueError(f"no policy routes over {spec.replicas} replicas; give one")
     ids = [f"r{i:02d}" for i in range(spec.replicas)]
     config = EngineConfig(block_size=spec.page_size, retention=spec.retention)
-    cores = {rid: EngineCore(config, spec.pages_per_replica) for rid in ids}
+    clocks = {rid: SimClock() for rid in ids}
+    cores = {rid: EngineCore(config, spec.pages_per_replica, clock=clocks[rid]) for rid in ids}
+    arrivals = SimClock()  # the router's: it routes each request as it arrives
     router = None
     if policy is not None:
         router = Router(
@@ -168,6 +188,7 @@ def simulate(trace: Trace, spec: ClusterSpec, policy: SimPolicy) -> SimResult:
             evict_ahead_pages=spec.evict_ahead_pages,
             retention=spec.retention,
             thresholds=spec.thresholds,
+            clock=arrivals,
         )
     loads = dict.fromkeys(ids, 0)
     queue_free_s = dict.fromkeys(ids, 0.0)
@@ -175,13 +196,14 @@ def simulate(trace: Trace, spec: ClusterSpec, policy: SimPolicy) -> SimResult:
     computed = dict.fromkeys(ids, 0)
     delays_s: list[float] = []
     finishes: list[tuple[float, str]] = []  # (finish_s, replica): in-flight requests, for the loads
-    kv_events = {rid: _Events(cores[rid]) for rid in ids}
+    kv_events = {rid: _Events(cores[rid], clocks[rid]) for rid in ids}
     order = count()
     prompt_tokens = hit_tokens = 0
     for req in trace.requests:
         while finishes and finishes[0][0] <= req.arrival_s:
             loads[heapq.heappop(finishes)[1]] -= 1
         prompt = req.prompt
+        arrivals.now_s = req.arrival_s
         if router is None:
             rid = ids[0]
         else:
@@ -216,7 +238,7 @@ def simulate(trace: Trace, spec: ClusterSpec, policy: SimPolicy) -> SimResult:
         loads[rid] += 1
         served[rid] += 1
     for events in kv_events.values():
-        events.run_until(float("inf"))
+        events.run_until(math.inf)
     copies = sum(
         sum(
             c.kv.lookup(head, None).num_tokens >= len(head) // spec.page_size * spec.page_size

@@ -11,6 +11,7 @@ measurement, lint's replay, the cluster's shadow indexes and its simulator drive
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
@@ -64,12 +65,14 @@ class EngineCore:
         processors: Processors | None = None,
         eos_token_ids: Collection[int] = (),
         counters: EngineCounters | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`copy_page`, `page_mover` and `state_mover` copy the KV tensors the books describe (None: books
         only); `cost` weighs swap against recompute on preemption; `device_type` is the model's device
         ("cpu", "cuda"), for the settings whose auto value differs by device; `drafter`: the decodes' drafts
         (None: no speculative decoding), never past `max_model_len` positions; `processors`: the per-request
-        features every request passes through; `eos_token_ids`: the ids that end a reply."""
+        features every request passes through; `eos_token_ids`: the ids that end a reply; `clock` (seconds) times
+        the sessions' tool pauses for the `return` retention (a replay passes its own, so it repeats)."""
         self.config = config
         self.page_bytes = page_bytes
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -79,7 +82,7 @@ class EngineCore:
             config.block_size,
             prefix_caching=config.prefix_caching,
             copy_page=copy_page,
-            retention=Retention(config.retention, config.max_open_sessions),
+            retention=Retention(config.retention, config.max_open_sessions, clock),
             num_host_pages=num_host_pages,
             mover=page_mover,
             num_state_slots=num_state_slots,
