@@ -221,7 +221,9 @@ def test_a_position_past_the_rotary_table_is_refused(files: dict[str, Path]) -> 
         step.step(one, one, past, [1], [0])
 
 
-INT8_KINDS = [k for k in SPECS if SPECS[k].group_size == 32 and SPECS[k].bits in (4, 5, 8)]
+INT8_KINDS = [k for k in SPECS if SPECS[k].group_size == 32 and SPECS[k].bits in (4, 5, 8)] + [
+    GGMLQuantizationType.Q6_K
+]
 BUILDS = {"native": None, "avx2": ("-mavx2", "-mfma", "-mf16c")}  # the 512-bit kernel where native has it
 
 
@@ -240,12 +242,13 @@ def test_the_int8_kernel_at_every_row_count(kind: GGMLQuantizationType, build: s
     takes 4 or 2 at once where x has few rows, and the rest one at a time); the integer sums are exact, so the
     result is the rounded x's matmul in another float order. For 4- and 8-bit codes with a float16 constant a
     group (Q4_0, Q4_1, Q8_0), both the AVX2 kernel and the 512-bit build's 16-row kernel (16 weight rows at a
-    time: 23 rows leave a partial block) give each row exactly its result alone."""
+    time: 23 rows leave a partial block) give each row exactly its result alone, as Q6_K (and Q4_K in the
+    256-bit build) do, whose one row of x takes four weight rows a pass (K 768: three super-groups)."""
     if build != "native" and platform.machine() != "x86_64":
         pytest.skip("an x86 build")
     library = cpu_grouped.build(BUILDS[build]) if BUILDS[build] else None
     generator = torch.Generator().manual_seed(7)
-    for cols in (32, 64, 96, 128, 576):
+    for cols in (32, 64, 96, 128, 576, 768):  # 768: three super-groups of a K-quant
         if SPECS[kind].super_group and cols % SPECS[kind].super_group:
             continue  # K-quant rows come in super-groups of 256
         weight = parse_blocks(
@@ -261,7 +264,10 @@ def test_the_int8_kernel_at_every_row_count(kind: GGMLQuantizationType, build: s
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4, msg=f"K {cols}, M {rows}")
             alone = torch.cat([cpu_grouped.matmul_int8(x[m : m + 1], weight, library) for m in range(rows)])
             torch.testing.assert_close(got, alone, atol=1e-6, rtol=1e-5)
-            if kind.name in ("Q4_0", "Q4_1", "Q8_0"):
+            # Q6_K in every build, Q4_K in the 256-bit one: one row of x takes four weight rows a pass with
+            # each row's arithmetic unchanged (rows4_dot_int8_q4k / _q6k), so alone equals batched.
+            exact = ("Q4_0", "Q4_1", "Q8_0", "Q6_K") + (("Q4_K",) if build == "avx2" else ())
+            if kind.name in exact:
                 assert torch.equal(got, alone), f"K {cols}, M {rows}"
     for cols in (256, 512):  # the K-quants' whole super-groups
         weight = parse_blocks(

@@ -1397,6 +1397,117 @@ static inline __attribute__((always_inline)) void rows_dot_int8_q4k(const layout
 }
 #endif
 
+#if HAVE_INT8_PLAIN
+/* Four rows' horizontal sums, each added as hsum256 adds its lanes ((0 + 2) + (1 + 3) of its halves' sum), so a
+ * row's result is the same as hsum256's. */
+static inline void hsum256_x4(const __m256 acc[4], float *out) {
+    __m128 t0 = _mm_add_ps(_mm256_castps256_ps128(acc[0]), _mm256_extractf128_ps(acc[0], 1));
+    __m128 t1 = _mm_add_ps(_mm256_castps256_ps128(acc[1]), _mm256_extractf128_ps(acc[1], 1));
+    __m128 t2 = _mm_add_ps(_mm256_castps256_ps128(acc[2]), _mm256_extractf128_ps(acc[2], 1));
+    __m128 t3 = _mm_add_ps(_mm256_castps256_ps128(acc[3]), _mm256_extractf128_ps(acc[3], 1));
+    _MM_TRANSPOSE4_PS(t0, t1, t2, t3); /* t_j: lane j of the four rows */
+    _mm_storeu_ps(out, _mm_add_ps(_mm_add_ps(t0, t2), _mm_add_ps(t1, t3)));
+}
+
+/* Rows n to n + 3 of a Q4_K weight against one row of int8 x: rows_dot_int8_q4k's arithmetic for each (so each
+ * result is the one it gives alone), the four rows' super-groups interleaved and their sums reduced together. A
+ * row of the 0.8B class's weights is four super-groups, so a row's own costs (its sum, the call) weigh. */
+static inline __attribute__((always_inline)) void rows4_dot_int8_q4k(const layout_t *w, int64_t K, int64_t n,
+                                                                     const qx_t *qx, int64_t m0, float *out) {
+    const int64_t groups = K / 32, supers = K / 256;
+    const int8_t *x = qx->pairs + m0 * K;
+    const float *dx4 = qx->scale4 + m0 * groups * 4, *xs = qx->sum + m0 * groups;
+    const __m256i low4 = _mm256_set1_epi8(0xF);
+    const __m256i pick[4] = {
+        _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3),
+        _mm256_setr_epi8(4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7),
+        _mm256_setr_epi8(8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11,
+                         10, 11, 10, 11),
+        _mm256_setr_epi8(12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 14, 15, 14, 15, 14, 15, 14, 15,
+                         14, 15, 14, 15, 14, 15, 14, 15)};
+    __m256 acc[4];
+    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < 4; r++) /* a row at a time: four rows side by side would be four streams to prefetch */
+        for (int64_t sb = 0; sb < supers; sb++) {
+            const int64_t nr = n + r;
+            const uint8_t *lo = w->low + nr * (K / 2), *subs = (const uint8_t *)w->s_sub + nr * groups;
+            const __m256 d = _mm256_set1_ps(half_to_float(w->s_half[nr * supers + sb]));
+            const __m128i sub8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(subs + sb * 8)));
+            const __m256i sub16 = _mm256_set_m128i(sub8, sub8);
+            __m256 part = _mm256_setzero_ps();
+            for (int64_t p = 0; p < 4; p++) {
+                const int64_t g = sb * 8 + 2 * p;
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(lo + g * 16));
+                const __m256i ce = _mm256_and_si256(v, low4), co = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                const __m256i sub = _mm256_shuffle_epi8(sub16, pick[p]);
+                const int8_t *xm = x + g * 32;
+                const __m256i sum16 = _mm256_add_epi16(_mm256_maddubs_epi16(ce, _mm256_loadu_si256((const __m256i *)xm)),
+                                                       _mm256_maddubs_epi16(co, _mm256_loadu_si256((const __m256i *)(xm + 32))));
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, sub));
+                const __m256 dx = _mm256_loadu_ps(dx4 + g * 4);
+                part = p == 0 ? _mm256_mul_ps(dot, dx) : _mm256_fmadd_ps(dot, dx, part);
+            }
+            acc[r] = _mm256_fmadd_ps(part, d, acc[r]);
+            if (w->m_half != NULL) {
+                const __m128i msub = _mm_loadl_epi64((const __m128i *)(w->m_sub + nr * groups + sb * 8));
+                const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(half_to_float(w->m_half[nr * supers + sb])),
+                                                  _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(msub)));
+                acc[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xs + sb * 8), acc[r]);
+            }
+        }
+    hsum256_x4(acc, out);
+}
+
+/* Rows n to n + 3 of a Q6_K weight against one row of int8 x: rows_dot_int8_q6k's arithmetic for each, the four
+ * rows' super-groups interleaved and their sums reduced together (as rows4_dot_int8_q4k). */
+static inline __attribute__((always_inline)) void rows4_dot_int8_q6k(const layout_t *w, int64_t K, int64_t n,
+                                                                     const qx_t *qx, int64_t m0, float *out,
+                                                                     const int16_t *xb) {
+    const int64_t groups = K / 32, supers = K / 256;
+    const int8_t *x = qx->pairs + m0 * K;
+    const float *dx4 = qx->scale4 + m0 * groups * 4;
+    const int16_t *bias = xb + m0 * (K / 64) * 16;
+    const __m256i low4 = _mm256_set1_epi8(0xF), mask = _mm256_set1_epi8(0x30);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12,
+                                            12, 13, 13, 14, 14, 15, 15);
+    const __m256i odd_q = _mm256_set1_epi16((short)0xFF00);
+    const __m256i pair_scales = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 0, 1, 0, 1, 0, 1, 0, 1,
+                                                 2, 3, 2, 3, 2, 3, 2, 3);
+    __m256 acc[4];
+    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < 4; r++) /* a row at a time: four rows side by side would be four streams to prefetch */
+        for (int64_t sb = 0; sb < supers; sb++) {
+            const int64_t nr = n + r;
+            const uint8_t *lo = w->low + nr * (K / 2), *high = w->high + nr * (K / 4);
+            const int8_t *subs = (const int8_t *)w->s_sub + nr * (K / 16);
+            const __m256 d = _mm256_set1_ps(half_to_float(w->s_half[nr * supers + sb]));
+            const __m256i subs16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(subs + sb * 16)));
+            __m256 part = _mm256_setzero_ps();
+            for (int64_t p = 0; p < 4; p++) {
+                const int64_t g = sb * 8 + 2 * p;
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(lo + g * 16));
+                const __m256i h = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(high + g * 8))), spread);
+                const __m256i he = _mm256_and_si256(_mm256_blendv_epi8(_mm256_slli_epi16(h, 4), h, odd_q), mask);
+                const __m256i ho = _mm256_and_si256(_mm256_blendv_epi8(_mm256_slli_epi16(h, 2), _mm256_srli_epi16(h, 2), odd_q), mask);
+                const __m256i ce = _mm256_or_si256(_mm256_and_si256(v, low4), he);
+                const __m256i co = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), ho);
+                const __m256i sub = _mm256_shuffle_epi8(
+                    _mm256_permutevar8x32_epi32(subs16, _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1)),
+                    pair_scales);
+                const int8_t *xm = x + g * 32;
+                const __m256i raw = _mm256_add_epi16(_mm256_maddubs_epi16(ce, _mm256_loadu_si256((const __m256i *)xm)),
+                                                     _mm256_maddubs_epi16(co, _mm256_loadu_si256((const __m256i *)(xm + 32))));
+                const __m256i sum16 = _mm256_sub_epi16(raw, _mm256_loadu_si256((const __m256i *)(bias + (g / 2) * 16)));
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, sub));
+                const __m256 dx = _mm256_loadu_ps(dx4 + g * 4);
+                part = p == 0 ? _mm256_mul_ps(dot, dx) : _mm256_fmadd_ps(dot, dx, part);
+            }
+            acc[r] = _mm256_fmadd_ps(part, d, acc[r]);
+        }
+    hsum256_x4(acc, out);
+}
+#endif
+
 /* KERNEL(w, K, n, rows, qx, first, out) with a constant row count of 1 to 4, from x's row `first`. */
 #define QUAD_ROW_COUNT(KERNEL, ROWS, FIRST, ...)                                                              \
     switch (ROWS) {                                                                                           \
@@ -1418,6 +1529,13 @@ static void rows_matmul_int8_k(const layout_t *w, int64_t M, int64_t K, const qx
         if (xb == NULL) abort();
         q6k_x_bias(M, K, qx, xb);
     }
+    if (M == 1 && (w->bits == 4 || w->bits == 6)) /* one row of x: four weight rows a pass */
+        for (; n0 + 4 <= n1; n0 += 4) {
+            if (w->bits == 6)
+                rows4_dot_int8_q6k(w, K, n0, qx, 0, y + n0, xb);
+            else
+                rows4_dot_int8_q4k(w, K, n0, qx, 0, y + n0);
+        }
 #endif
     for (int64_t n = n0; n < n1; n++)
         for (int64_t m0 = 0; m0 < M; m0 += FAST_ROWS) {
