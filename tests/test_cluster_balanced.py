@@ -77,11 +77,49 @@ def test_router_spreads_new_agents_of_a_widely_shared_head() -> None:
         assert least <= max(placed.values()) <= most, placed
 
 
+def test_a_new_session_passes_over_a_replica_crowded_in_prefill() -> None:
+    # Ten sessions each, but a's brought 40,000 prefill tokens and b's and c's 4,000 (mean 16,000): a is 24,000
+    # over the mean (> 8,192) and over 1.1x it, so a new session copies the head to b rather than join a.
+    cands = [
+        Candidate(r, 0, m, 0, 10, p) for r, m, p in (("a", 2000, 40_000), ("b", 0, 4000), ("c", 0, 4000))
+    ]
+    assert pick(cands, PROMPT, None, T, new_session=True) == ("b", "replicate")
+    assert pick(cands, PROMPT, None, T) == ("a", "prefix")  # not a new session: prefill cost alone
+    # 6,000 over the mean is within the absolute threshold: the head's replica still takes it.
+    near = [
+        Candidate(r, 0, m, 0, 10, p) for r, m, p in (("a", 2000, 22_000), ("b", 0, 13_000), ("c", 0, 13_000))
+    ]
+    assert pick(near, PROMPT, None, T, new_session=True) == ("a", "prefix")
+
+
+def test_router_balances_prefill_between_heads_whose_agents_cost_unequally() -> None:
+    # Two heads, one harness's agents each bring 3,000 tokens of their own, the other's 50. Balanced in sessions
+    # alone, each head's replica keeps its agents and computes nearly all the prefill; with the prefill rule, the
+    # busiest replica stays within about the threshold and one agent of the mean (about 21,000 tokens here).
+    heads = {"x": list(range(1000, 3000)), "y": list(range(5000, 7000))}
+    own = {"x": 3000, "y": 50}
+    skews = []
+    for prefill_rule in (10**9, 4096):
+        thresholds = LoadThresholds(crowded_sessions=10**6, crowded_prefill_tokens=prefill_rule)
+        router = Router("balanced", pages_per_replica=4096, page_size=16, thresholds=thresholds)
+        computed: Counter[str] = Counter()
+        for agent in range(24):
+            harness = "xy"[agent % 2]
+            tail = list(range(100_000 * (agent + 1), 100_000 * (agent + 1) + own[harness]))
+            key = RouteKey([*heads[harness], *tail], session=f"{harness}{agent}")
+            decision = router.choose(key, {"a": 0, "b": 0})
+            computed[decision.replica] += len(key.tokens) - decision.matched_tokens
+        skews.append(max(computed.values()) * 2 / sum(computed.values()))
+    assert skews[0] > 1.8 and skews[1] < 1.4, skews
+
+
 def test_thresholds_are_checked() -> None:
     with pytest.raises(ValueError, match="overload_ratio"):
         LoadThresholds(overload_ratio=0.5)
     with pytest.raises(ValueError, match="crowded_ratio"):
         LoadThresholds(crowded_ratio=0.9)
+    with pytest.raises(ValueError, match="crowded_prefill_tokens"):
+        LoadThresholds(crowded_prefill_tokens=-1)
     with pytest.raises(ValueError, match="no replica"):
         pick([], PROMPT, None, T)
 

@@ -8,7 +8,10 @@ sessions move (counted). So a swarm's head is copied to a second replica on purp
 rather than queue on one replica. A head shared very widely (a harness's, by every swarm running it) matches
 on every replica holding it, and prefill cost alone lets those few take every new agent (SGLang's RFC names this
 case): so a replica holding more sessions than the mean, past an absolute and a relative threshold, is crowded
-and takes no new session, since an agent's later turns follow it there.
+and takes no new session, since an agent's later turns follow it there. Sessions are not equal work: one
+harness's agents each bring a few thousand tokens of their own to prefill, another's a hundred, so replicas that
+specialise by head are balanced in sessions and not in prefill. A replica whose prefill routed so far exceeds
+the mean past an absolute and the same relative threshold is crowded too.
 """
 
 from __future__ import annotations
@@ -28,17 +31,22 @@ class LoadThresholds:
     overload_ratio: float = 1.5  # relative: work over the least loaded replica's
     running_tokens: int = 128  # a running sequence's weight: its decode steps share the replica with prefills
     crowded_sessions: int = 8  # absolute: sessions bound above the mean (a swarm's agents stay together)
-    crowded_ratio: float = 1.1  # relative: sessions bound over the mean
+    crowded_ratio: float = 1.1  # relative: sessions bound, or prefill tokens routed, over the mean
+    crowded_prefill_tokens: int = (
+        8192  # absolute: prefill tokens routed above the mean (about a harness's head)
+    )
 
     def __post_init__(self) -> None:
         if (
-            min(self.overload_tokens, self.running_tokens, self.crowded_sessions) < 0
+            min(self.overload_tokens, self.running_tokens, self.crowded_sessions, self.crowded_prefill_tokens)
+            < 0
             or min(self.overload_ratio, self.crowded_ratio) < 1.0
         ):
             raise ValueError(
-                f"overload_tokens, running_tokens and crowded_sessions must be >= 0 and overload_ratio and"
-                f" crowded_ratio >= 1, got {self.overload_tokens}, {self.running_tokens},"
-                f" {self.crowded_sessions}, {self.overload_ratio} and {self.crowded_ratio}"
+                f"overload_tokens, running_tokens, crowded_sessions and crowded_prefill_tokens must be >= 0 and"
+                f" overload_ratio and crowded_ratio >= 1, got {self.overload_tokens}, {self.running_tokens},"
+                f" {self.crowded_sessions}, {self.crowded_prefill_tokens}, {self.overload_ratio} and"
+                f" {self.crowded_ratio}"
             )
 
     def overloaded(self, work_tokens: float, least_work_tokens: float) -> bool:
@@ -48,10 +56,20 @@ class LoadThresholds:
             and work_tokens > self.overload_ratio * least_work_tokens
         )
 
-    def crowded(self, sessions: int, mean_sessions: float) -> bool:
-        """Whether a replica with `sessions` bound is past both thresholds over the mean: it takes no new one."""
+    def crowded(
+        self,
+        sessions: int,
+        mean_sessions: float,
+        prefill_tokens: float = 0.0,
+        mean_prefill_tokens: float = 0.0,
+    ) -> bool:
+        """Whether a replica with `sessions` bound, or `prefill_tokens` routed, is past both thresholds over the
+        mean: it takes no new session."""
         return (
             sessions - mean_sessions > self.crowded_sessions and sessions > self.crowded_ratio * mean_sessions
+        ) or (
+            prefill_tokens - mean_prefill_tokens > self.crowded_prefill_tokens
+            and prefill_tokens > self.crowded_ratio * mean_prefill_tokens
         )
 
 
@@ -64,6 +82,7 @@ class Candidate:
     matched_tokens: int  # of this prompt, in the router's index of the replica (0 below the least match)
     routed: int  # requests routed there so far: breaks ties between equally loaded replicas
     sessions: int = 0  # sessions bound there: each brings its later turns
+    prefill_tokens: float = 0.0  # prefill routed there so far: each prompt less what the router matched there
 
 
 def pick(
@@ -89,7 +108,10 @@ def pick(
         # A widely shared head matches everywhere it is cached, and prefill load alone lets the replicas
         # holding it take every new agent. An agent's later turns follow it, so its session is load to come.
         mean = sum(c.sessions for c in candidates) / len(candidates)
-        open_ = [c for c in open_ if not thresholds.crowded(c.sessions, mean)] or open_
+        mean_prefill = sum(c.prefill_tokens for c in candidates) / len(candidates)
+        open_ = [
+            c for c in open_ if not thresholds.crowded(c.sessions, mean, c.prefill_tokens, mean_prefill)
+        ] or open_
     best = min(
         open_, key=lambda c: (c.work_tokens + num_prompt_tokens - c.matched_tokens, c.routed, c.replica)
     )

@@ -97,6 +97,7 @@ class Router:
         self._bound: Counter[str] = Counter()  # replica -> sessions bound to it
         self._decisions: Counter[tuple[str, str]] = Counter()
         self._routed: Counter[str] = Counter()  # replica -> requests routed there
+        self._prefill: Counter[str] = Counter()  # replica -> prompt tokens routed there less those matched
         self._next_turn = 0  # round-robin's position
         self._request_ids = count()
 
@@ -144,6 +145,7 @@ class Router:
                     hits[r].num_tokens if r in hits else 0,
                     self._routed[r],
                     self._bound[r],
+                    self._prefill[r],
                 )
                 for r in candidates
             ]
@@ -165,6 +167,7 @@ class Router:
             self._bind(key.session, replica)
         self._decisions[(self.policy, reason)] += 1
         self._routed[replica] += 1
+        self._prefill[replica] += len(key.tokens) - matched
         return Decision(replica, reason, matched)
 
     def forget(self, replica: str) -> None:
@@ -172,6 +175,7 @@ class Router:
         self._indexes.pop(replica, None)
         self._sessions = {s: r for s, r in self._sessions.items() if r != replica}
         self._bound.pop(replica, None)
+        self._prefill.pop(replica, None)
 
     def _bind(self, session: str, replica: str) -> None:
         before = self._sessions.get(session)
