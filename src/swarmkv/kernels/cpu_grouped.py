@@ -127,10 +127,8 @@ def build(arch: tuple[str, ...]) -> ctypes.CDLL | None:
     library.swarmkv_grouped_matmul_int8.restype = library.swarmkv_has_int8_dot.restype = _INT
     library.swarmkv_int8_reads_residual.argtypes = common[:-1]
     library.swarmkv_int8_reads_residual.restype = _INT
-    library.swarmkv_has_kv_half.restype = library.swarmkv_decode_step.restype = _INT
-    # kernels/cpu_decode.py's step: the model (a ctypes structure), rows, ids, page-table rows, positions,
-    # groups, their sizes and shared positions, each row's state slot (hybrids), the logits, threads
-    library.swarmkv_decode_step.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _INT]
+    library.swarmkv_has_kv_half.restype = _INT
+    # swarmkv_decode_step is declared where it is called (kernels/cpu_decode.py, a fresh function object)
     library.swarmkv_grouped_dequantize.argtypes = [_I64, _I64, _PTR, _PTR, *common]
     library.swarmkv_grouped_matmul.restype = library.swarmkv_grouped_dequantize.restype = _INT
     library.swarmkv_grouped_gemm_int8.argtypes = [_I64, _I64, _I64, _PTR, _PTR, _I64, *common]
