@@ -12,8 +12,10 @@ transformers' float64 model an exact reference.
 
 from __future__ import annotations
 
+import atexit
 import json
 import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -105,20 +107,49 @@ def make_tiny_checkpoint(
 
     `overrides` go to the transformers config (e.g. tie_word_embeddings=True, rope_parameters={...},
     layer_types=[...] for qwen3_5, which also sets the layer count); `max_shard_size` (e.g. "2MB")
-    splits the weights into shards with an index file.
+    splits the weights into shards with an index file. A process builds each set of arguments once and copies
+    it into every folder that asks for it.
     """
+    key = repr((arch, seed, max_shard_size, sorted(overrides.items())))
+    if key not in _BUILT:
+        built = Path(tempfile.mkdtemp(prefix="swarmkv-tiny-", dir=_scratch()))
+        _build_tiny_checkpoint(built, arch, seed, max_shard_size, **overrides)
+        _BUILT[key] = (built, torch.get_rng_state())
+    built, rng_state = _BUILT[key]
+    # A copy, which the caller may edit, and torch's global generator left as a build leaves it.
+    shutil.copytree(built, folder, dirs_exist_ok=True)
+    torch.set_rng_state(rng_state)
+    return folder
+
+
+# Each process's (each xdist worker's) checkpoints by their arguments, built once: a checkpoint with the real
+# vocabulary is 78 MB, and the suite asks for the same few many times. Entries: the folder, and torch's
+# generator state after the build.
+_BUILT: dict[str, tuple[Path, torch.Tensor]] = {}
+
+
+@cache
+def _scratch() -> Path:
+    """A folder for the built checkpoints, removed when the process exits."""
+    folder = Path(tempfile.mkdtemp(prefix="swarmkv-tiny-checkpoints-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+def _build_tiny_checkpoint(
+    folder: Path, arch: TinyArch, seed: int, max_shard_size: str | int | None, **overrides: Any
+) -> None:
+    """Save the seeded random model into `folder` (see `make_tiny_checkpoint`)."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_hf_config(arch, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomise_constant_init(model)
-    folder.mkdir(parents=True, exist_ok=True)
     save_kwargs: dict[str, Any] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(folder, safe_serialization=True, **save_kwargs)
     for name in TOKENIZER_FILES:
         shutil.copyfile(qwen_dir() / name, folder / name)
-    return folder
 
 
 def _randomise_constant_init(model: torch.nn.Module) -> None:
