@@ -86,17 +86,9 @@ static void gemm_decode_codes(const layout_t *w, int64_t K, int64_t n, uint8_t *
         __m256i p[4];
         if (w->bits == 6) {
             const uint8_t *high = w->high + n * (K / 4);
-            const __m256i low4 = _mm256_set1_epi8(0xF), mask = _mm256_set1_epi8(0x30), odd_q = _mm256_set1_epi16((short)0xFF00);
-            const __m256i spread = _mm256_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9, 9, 10, 10, 11,
-                                                    11, 12, 12, 13, 13, 14, 14, 15, 15);
             for (int j = 0; j < 4; j += 2) {
-                const int64_t g = 4 * u + j;
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(lo + g * 16));
-                const __m256i h = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(high + g * 8))), spread);
-                const __m256i he = _mm256_and_si256(_mm256_blendv_epi8(_mm256_slli_epi16(h, 4), h, odd_q), mask);
-                const __m256i ho = _mm256_and_si256(_mm256_blendv_epi8(_mm256_slli_epi16(h, 2), _mm256_srli_epi16(h, 2), odd_q), mask);
-                const __m256i ce = _mm256_or_si256(_mm256_and_si256(v, low4), he);
-                const __m256i co = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), ho);
+                __m256i ce, co;
+                q6k_pair_codes(lo, high, 4 * u + j, &ce, &co);
                 p[j] = _mm256_permute2x128_si256(ce, co, 0x20), p[j + 1] = _mm256_permute2x128_si256(ce, co, 0x31);
             }
         } else {

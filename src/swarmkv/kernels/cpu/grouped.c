@@ -1267,6 +1267,37 @@ ROWS_MATMUL_512(rows_matmul_512_q8, 8, 0)
 ROWS_MATMUL_512(rows_matmul_512_q8_shifted, 8, 1)
 #endif
 
+#if defined(__AVX2__)
+/* Two groups of 32 of a Q6_K row, g and g + 1, as unsigned codes (0 to 63) in quantize_x's pair order: `ce` their
+ * even elements (g's 16, then g + 1's), `co` their odd ones, from one 32-byte load of nibbles and one 16-byte load
+ * of high pairs (each element's two high bits moved to bits 4 and 5). */
+static inline __attribute__((always_inline)) void q6k_pair_codes(const uint8_t *lo, const uint8_t *high, int64_t g,
+                                                                 __m256i *ce, __m256i *co) {
+    const __m256i low4 = _mm256_set1_epi8(0xF), mask = _mm256_set1_epi8(0x30);
+    /* high byte of element 2q (evens) or 2q + 1 (odds) of the pair's first group: byte q / 2; second: 8 + q / 2 */
+    const __m256i spread = _mm256_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12,
+                                            12, 13, 13, 14, 14, 15, 15);
+    const __m256i odd_q = _mm256_set1_epi16((short)0xFF00);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(lo + g * 16));
+    const __m256i h = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(high + g * 8))), spread);
+    /* evens: bits 0-1 (q even) or 4-5 (q odd); odds: bits 2-3 or 6-7; each moved to bits 4-5 */
+    const __m256i he = _mm256_and_si256(_mm256_blendv_epi8(_mm256_slli_epi16(h, 4), h, odd_q), mask);
+    const __m256i ho = _mm256_and_si256(_mm256_blendv_epi8(_mm256_slli_epi16(h, 2), _mm256_srli_epi16(h, 2), odd_q), mask);
+    *ce = _mm256_or_si256(_mm256_and_si256(v, low4), he);
+    *co = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), ho);
+}
+
+/* Sub-scales 2p and 2p + 1 of a Q6_K super-group (subs16: its 16 as int16) on the int16 lanes of a pair's madd:
+ * each group of 32's two pair sums take its two groups of 16's. */
+static inline __attribute__((always_inline)) __m256i q6k_pair_subs(__m256i subs16, int64_t p) {
+    const __m256i pair_scales = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 0, 1, 0, 1, 0, 1, 0, 1,
+                                                 2, 3, 2, 3, 2, 3, 2, 3);
+    return _mm256_shuffle_epi8(
+        _mm256_permutevar8x32_epi32(subs16, _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1)),
+        pair_scales);
+}
+#endif
+
 #if HAVE_INT8_PLAIN
 /* x's part of Q6_K's bias for rows [0, M) of x: per pair of groups, the int16 lanes of maddubs(32, evens) +
  * maddubs(32, odds) over quantize_x's pairs, i.e. 32 times each lane's four elements of x (|sum| <= 4 * 32 * 127).
@@ -1299,13 +1330,6 @@ static inline __attribute__((always_inline)) void rows_dot_int8_q6k(const layout
     const int16_t *bias = xb + m0 * (K / 64) * 16;
     const uint8_t *lo = w->low + n * (K / 2), *high = w->high + n * (K / 4);
     const int8_t *subs = (const int8_t *)w->s_sub + n * (K / 16);
-    const __m256i low4 = _mm256_set1_epi8(0xF), mask = _mm256_set1_epi8(0x30);
-    /* high byte of element 2q (evens) or 2q + 1 (odds) of the pair's first group: byte q / 2; second: 8 + q / 2 */
-    const __m256i spread = _mm256_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12,
-                                            12, 13, 13, 14, 14, 15, 15);
-    const __m256i odd_q = _mm256_set1_epi16((short)0xFF00);
-    const __m256i pair_scales = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 0, 1, 0, 1, 0, 1, 0, 1,
-                                                 2, 3, 2, 3, 2, 3, 2, 3);
     __m256 acc[FAST_ROWS]; /* per row: the super-groups' sums times their float16 */
     for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < supers; sb++) {
@@ -1314,16 +1338,9 @@ static inline __attribute__((always_inline)) void rows_dot_int8_q6k(const layout
         __m256 part[FAST_ROWS]; /* per row: the super-group's four pairs, times x's dx */
         for (int64_t p = 0; p < 4; p++) {
             const int64_t g = sb * 8 + 2 * p;
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(lo + g * 16));
-            const __m256i h = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(high + g * 8))), spread);
-            /* evens: bits 0-1 (q even) or 4-5 (q odd); odds: bits 2-3 or 6-7; each moved to bits 4-5 */
-            const __m256i he = _mm256_and_si256(_mm256_blendv_epi8(_mm256_slli_epi16(h, 4), h, odd_q), mask);
-            const __m256i ho = _mm256_and_si256(_mm256_blendv_epi8(_mm256_slli_epi16(h, 2), _mm256_srli_epi16(h, 2), odd_q), mask);
-            const __m256i ce = _mm256_or_si256(_mm256_and_si256(v, low4), he);
-            const __m256i co = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), ho);
-            const __m256i sub = _mm256_shuffle_epi8(
-                _mm256_permutevar8x32_epi32(subs16, _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1)),
-                pair_scales);
+            __m256i ce, co;
+            q6k_pair_codes(lo, high, g, &ce, &co);
+            const __m256i sub = q6k_pair_subs(subs16, p);
             for (int64_t m = 0; m < M; m++) {
                 const int8_t *xm = x + m * K + g * 32;
                 const __m256i raw = _mm256_add_epi16(_mm256_maddubs_epi16(ce, _mm256_loadu_si256((const __m256i *)xm)),
@@ -1467,12 +1484,6 @@ static inline __attribute__((always_inline)) void rows4_dot_int8_q6k(const layou
     const int8_t *x = qx->pairs + m0 * K;
     const float *dx4 = qx->scale4 + m0 * groups * 4;
     const int16_t *bias = xb + m0 * (K / 64) * 16;
-    const __m256i low4 = _mm256_set1_epi8(0xF), mask = _mm256_set1_epi8(0x30);
-    const __m256i spread = _mm256_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12,
-                                            12, 13, 13, 14, 14, 15, 15);
-    const __m256i odd_q = _mm256_set1_epi16((short)0xFF00);
-    const __m256i pair_scales = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 0, 1, 0, 1, 0, 1, 0, 1,
-                                                 2, 3, 2, 3, 2, 3, 2, 3);
     __m256 acc[4];
     for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
     for (int r = 0; r < 4; r++) /* a row at a time: four rows side by side would be four streams to prefetch */
@@ -1485,15 +1496,9 @@ static inline __attribute__((always_inline)) void rows4_dot_int8_q6k(const layou
             __m256 part = _mm256_setzero_ps();
             for (int64_t p = 0; p < 4; p++) {
                 const int64_t g = sb * 8 + 2 * p;
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(lo + g * 16));
-                const __m256i h = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(high + g * 8))), spread);
-                const __m256i he = _mm256_and_si256(_mm256_blendv_epi8(_mm256_slli_epi16(h, 4), h, odd_q), mask);
-                const __m256i ho = _mm256_and_si256(_mm256_blendv_epi8(_mm256_slli_epi16(h, 2), _mm256_srli_epi16(h, 2), odd_q), mask);
-                const __m256i ce = _mm256_or_si256(_mm256_and_si256(v, low4), he);
-                const __m256i co = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), ho);
-                const __m256i sub = _mm256_shuffle_epi8(
-                    _mm256_permutevar8x32_epi32(subs16, _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1)),
-                    pair_scales);
+                __m256i ce, co;
+                q6k_pair_codes(lo, high, g, &ce, &co);
+                const __m256i sub = q6k_pair_subs(subs16, p);
                 const int8_t *xm = x + g * 32;
                 const __m256i raw = _mm256_add_epi16(_mm256_maddubs_epi16(ce, _mm256_loadu_si256((const __m256i *)xm)),
                                                      _mm256_maddubs_epi16(co, _mm256_loadu_si256((const __m256i *)(xm + 32))));
