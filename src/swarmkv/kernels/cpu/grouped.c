@@ -1358,6 +1358,16 @@ static inline __attribute__((always_inline)) void rows_dot_int8_q6k(const layout
 #endif
 
 #if HAVE_INT8_PLAIN
+/* Sub-scales 2p and 2p + 1 of a Q4_K super-group (sub16: its eight as int16, in both halves) on a pair's madd
+ * lanes: int16 lanes 0-7 take 2p, lanes 8-15 take 2p + 1. */
+static inline __attribute__((always_inline)) __m256i q4k_pair_subs(__m256i sub16, int64_t p) {
+    const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3,
+                                          2, 3, 2, 3, 2, 3);
+    return _mm256_shuffle_epi8(sub16, _mm256_add_epi8(pick, _mm256_set1_epi8((char)(4 * p))));
+}
+#endif
+
+#if HAVE_INT8_PLAIN
 /* Row n of a Q4_K weight against up to FAST_ROWS rows of int8 x, two groups of 32 a step as quantize_x's pairs lay
  * x out, a super-group's constants read where it starts (no pass over the row's constants first): one 32-byte load
  * holds both groups' nibbles (low halves their even elements, high halves their odd ones); the two int16 pair sums
@@ -1373,14 +1383,6 @@ static inline __attribute__((always_inline)) void rows_dot_int8_q4k(const layout
     const float *dx4 = qx->scale4 + m0 * groups * 4, *xs = qx->sum + m0 * groups;
     const uint8_t *lo = w->low + n * (K / 2), *subs = (const uint8_t *)w->s_sub + n * groups;
     const __m256i low4 = _mm256_set1_epi8(0xF);
-    /* int16 lanes 0-7 take sub-scale 2p, lanes 8-15 sub-scale 2p + 1, from the eight as int16 in both halves */
-    const __m256i pick[4] = {
-        _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3),
-        _mm256_setr_epi8(4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7),
-        _mm256_setr_epi8(8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11,
-                         10, 11, 10, 11),
-        _mm256_setr_epi8(12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 14, 15, 14, 15, 14, 15, 14, 15,
-                         14, 15, 14, 15, 14, 15, 14, 15)};
     __m256 acc[FAST_ROWS]; /* per row: the super-groups' sums times their float16, and the minimums' terms */
     for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < supers; sb++) {
@@ -1392,7 +1394,7 @@ static inline __attribute__((always_inline)) void rows_dot_int8_q4k(const layout
             const int64_t g = sb * 8 + 2 * p;
             const __m256i v = _mm256_loadu_si256((const __m256i *)(lo + g * 16));
             const __m256i ce = _mm256_and_si256(v, low4), co = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            const __m256i sub = _mm256_shuffle_epi8(sub16, pick[p]);
+            const __m256i sub = q4k_pair_subs(sub16, p);
             for (int64_t m = 0; m < M; m++) {
                 const int8_t *xm = x + m * K + g * 32;
                 const __m256i sum16 = _mm256_add_epi16(_mm256_maddubs_epi16(ce, _mm256_loadu_si256((const __m256i *)xm)),
@@ -1435,13 +1437,6 @@ static inline __attribute__((always_inline)) void rows4_dot_int8_q4k(const layou
     const int8_t *x = qx->pairs + m0 * K;
     const float *dx4 = qx->scale4 + m0 * groups * 4, *xs = qx->sum + m0 * groups;
     const __m256i low4 = _mm256_set1_epi8(0xF);
-    const __m256i pick[4] = {
-        _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3),
-        _mm256_setr_epi8(4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7),
-        _mm256_setr_epi8(8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11,
-                         10, 11, 10, 11),
-        _mm256_setr_epi8(12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 14, 15, 14, 15, 14, 15, 14, 15,
-                         14, 15, 14, 15, 14, 15, 14, 15)};
     __m256 acc[4];
     for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
     for (int r = 0; r < 4; r++) /* a row at a time: four rows side by side would be four streams to prefetch */
@@ -1456,7 +1451,7 @@ static inline __attribute__((always_inline)) void rows4_dot_int8_q4k(const layou
                 const int64_t g = sb * 8 + 2 * p;
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(lo + g * 16));
                 const __m256i ce = _mm256_and_si256(v, low4), co = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                const __m256i sub = _mm256_shuffle_epi8(sub16, pick[p]);
+                const __m256i sub = q4k_pair_subs(sub16, p);
                 const int8_t *xm = x + g * 32;
                 const __m256i sum16 = _mm256_add_epi16(_mm256_maddubs_epi16(ce, _mm256_loadu_si256((const __m256i *)xm)),
                                                        _mm256_maddubs_epi16(co, _mm256_loadu_si256((const __m256i *)(xm + 32))));
