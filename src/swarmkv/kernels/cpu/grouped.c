@@ -1429,8 +1429,8 @@ static inline void hsum256_x4(const __m256 acc[4], float *out) {
 }
 
 /* Rows n to n + 3 of a Q4_K weight against one row of int8 x: rows_dot_int8_q4k's arithmetic for each (so each
- * result is the one it gives alone), the four rows' super-groups interleaved and their sums reduced together. A
- * row of the 0.8B class's weights is four super-groups, so a row's own costs (its sum, the call) weigh. */
+ * result is the one it gives alone), one row after the other, their sums reduced together. A row of the 0.8B
+ * class's weights is four super-groups, so a row's own costs (its sum, the call) weigh. */
 static inline __attribute__((always_inline)) void rows4_dot_int8_q4k(const layout_t *w, int64_t K, int64_t n,
                                                                      const qx_t *qx, int64_t m0, float *out) {
     const int64_t groups = K / 32, supers = K / 256;
@@ -1471,7 +1471,7 @@ static inline __attribute__((always_inline)) void rows4_dot_int8_q4k(const layou
 }
 
 /* Rows n to n + 3 of a Q6_K weight against one row of int8 x: rows_dot_int8_q6k's arithmetic for each, the four
- * rows' super-groups interleaved and their sums reduced together (as rows4_dot_int8_q4k). */
+ * rows one after the other, their sums reduced together (as rows4_dot_int8_q4k). */
 static inline __attribute__((always_inline)) void rows4_dot_int8_q6k(const layout_t *w, int64_t K, int64_t n,
                                                                      const qx_t *qx, int64_t m0, float *out,
                                                                      const int16_t *xb) {
