@@ -355,9 +355,16 @@ PROBE_SIZES: dict[str, Callable[[str], Body]] = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PROBE_SIZES))
 def test_the_issues_targets_one_hostile_body_at_a_time(serve_process: Served, name: str) -> None:
-    run = run_class(serve_process, name, PROBE_SIZES[name])
-    assert run.health_p99_s < HEALTH_P99_MAX_S, run.line()
-    assert run.rss_peak_growth_bytes < TARGET_RSS_GROWTH_BYTES, run.line()
+    # /health's p99 over a few probes is its one slowest answer. Under `make test` the server shares 2 cores with
+    # the other pytest worker and mypy, so its loop thread may wait for a core (549 ms once in a clean clone). A
+    # stall of the server's own (a body handled on the loop) repeats in every run and a wait for a core does not,
+    # so up to two more runs stand in before the bound fails; every run keeps the memory bound.
+    runs = [run_class(serve_process, name, PROBE_SIZES[name])]
+    while runs[-1].health_p99_s >= HEALTH_P99_MAX_S and len(runs) < 3:
+        runs.append(run_class(serve_process, name, PROBE_SIZES[name]))
+    lines = "; ".join(run.line() for run in runs)
+    assert min(run.health_p99_s for run in runs) < HEALTH_P99_MAX_S, lines
+    assert all(run.rss_peak_growth_bytes < TARGET_RSS_GROWTH_BYTES for run in runs), lines
 
 
 @pytest.mark.slow
