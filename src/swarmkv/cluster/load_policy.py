@@ -32,9 +32,8 @@ class LoadThresholds:
     running_tokens: int = 128  # a running sequence's weight: its decode steps share the replica with prefills
     crowded_sessions: int = 8  # absolute: sessions bound above the mean (a swarm's agents stay together)
     crowded_ratio: float = 1.1  # relative: sessions bound, or prefill tokens routed, over the mean
-    crowded_prefill_tokens: int = (
-        8192  # absolute: prefill tokens routed above the mean (about a harness's head)
-    )
+    # absolute: prefill tokens routed above the mean (about a harness's head)
+    crowded_prefill_tokens: int = 8192
 
     def __post_init__(self) -> None:
         if (
